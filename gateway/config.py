@@ -1,0 +1,368 @@
+"""All of kvgate's settings: one validated tree, from a YAML file plus `KVGATE_*` overrides.
+
+Environment variables override the file, nested keys joined by `__`
+(`KVGATE_SERVER__PORT=9000`). Validation happens once at start; `load_config` raises
+`ConfigError` whose message is one line naming the bad key and why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class ConfigError(Exception):
+    """A config that cannot be served; the message is meant for one log line."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TenantConfig(_Strict):
+    name: str
+    api_key: str = Field(description="Bearer key that identifies this tenant")
+    max_priority: str | None = Field(None, description="Highest priority class this tenant may ask for")
+    requests_per_s: float | None = Field(None, gt=0)
+    tokens_per_min: int | None = Field(None, gt=0)
+    max_prompt_tokens: int | None = Field(None, gt=0)
+    prompt_overflow: Literal["reject", "window"] = "reject"
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_keys: list[str] = Field(default_factory=list, description="Client keys; empty = no auth")
+    admin_key: str | None = Field(None, description="Key for /admin routes; unset = admin disabled")
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    grace_period_s: float = Field(30.0, ge=0)
+    access_log: bool = True
+    log_json: bool = False
+    log_level: str = "info"
+
+
+class UpstreamConfig(_Strict):
+    connect_timeout_s: float = Field(5.0, gt=0)
+    first_byte_timeout_s: float = Field(300.0, gt=0, description="Until the engine's response headers")
+    idle_timeout_s: float = Field(120.0, gt=0, description="Between two body chunks")
+    max_connections: int = Field(4096, gt=0)
+
+
+class RetryConfig(_Strict):
+    max_attempts: int = Field(3, ge=1, description="Total tries, first included")
+    backoff_initial_s: float = Field(0.02, ge=0)
+    backoff_max_s: float = Field(0.5, ge=0)
+    budget_ratio: float = Field(
+        0.2, ge=0, description="Retries allowed as a fraction of recent requests (plus a floor of 10)"
+    )
+    retry_statuses: list[int] = Field(default_factory=lambda: [429, 502, 503, 504])
+
+
+class HealthConfig(_Strict):
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(1.0, gt=0)
+    failure_threshold: int = Field(2, ge=1)
+    success_threshold: int = Field(1, ge=1)
+    path: str = "/health"
+
+
+class BreakerConfig(_Strict):
+    failure_threshold: int = Field(5, ge=1, description="Consecutive failures that open the circuit")
+    open_s: float = Field(10.0, gt=0, description="How long an open circuit rejects before a probe")
+
+
+class ScrapeConfig(_Strict):
+    interval_s: float = Field(0.5, gt=0)
+    stale_after_s: float = Field(3.0, gt=0)
+
+
+class ChunkedPrefill(_Strict):
+    enabled: bool = True
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+
+
+class PDRoles(_Strict):
+    prefill: int = Field(1, ge=1)
+    decode: int = Field(1, ge=1)
+
+
+class SimOptions(_Strict):
+    profile: str = "h200-llama3.1-8b"
+    speedup: float = Field(1.0, gt=0)
+    max_waiting: int | None = Field(None, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class EngineSpec(_Strict):
+    """A managed fleet: the gateway launches and supervises these replicas."""
+
+    kind: Literal["vllm", "sglang", "sim"] = "sim"
+    model: str | None = Field(None, description="Defaults to the pool's model")
+    replicas: int = Field(1, ge=1)
+    host: str = "127.0.0.1"
+    base_port: int | None = Field(None, ge=1, le=65535, description="Unset: free ports are allocated")
+    gpu_ids: list[list[int]] | None = Field(None, description="GPU ids per replica (CUDA_VISIBLE_DEVICES)")
+    tensor_parallel_size: int = Field(1, ge=1)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bf16"] = "auto"
+    chunked_prefill: ChunkedPrefill = Field(default_factory=ChunkedPrefill)
+    prefix_caching: bool = True
+    block_size: int | None = Field(None, gt=0)
+    max_num_seqs: int | None = Field(None, gt=0)
+    max_model_len: int | None = Field(None, gt=0)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    roles: PDRoles | None = Field(None, description="Split replicas into prefill and decode roles")
+    pd_transfer_backend: Literal["nixl", "mooncake"] = "nixl"
+    kv_events: bool = False
+    priority_scheduling: bool = False
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    startup_timeout_s: float = Field(900.0, gt=0)
+    restart_backoff_s: float = Field(1.0, gt=0)
+    restart_backoff_max_s: float = Field(60.0, gt=0)
+    stop_grace_s: float = Field(10.0, ge=0)
+    log_dir: str = ".kvgate/logs"
+    sim: SimOptions = Field(default_factory=SimOptions)
+
+    @model_validator(mode="after")
+    def _roles_fit(self) -> EngineSpec:
+        if self.roles and self.roles.prefill + self.roles.decode != self.replicas:
+            raise ValueError(
+                f"roles.prefill + roles.decode ({self.roles.prefill + self.roles.decode}) "
+                f"must equal replicas ({self.replicas})"
+            )
+        if self.gpu_ids is not None and len(self.gpu_ids) != self.replicas:
+            raise ValueError(f"gpu_ids needs one entry per replica ({self.replicas})")
+        return self
+
+
+class EndpointConfig(_Strict):
+    """An unmanaged engine that someone else runs."""
+
+    url: str
+    name: str | None = None
+    role: Literal["mixed", "prefill", "decode"] = "mixed"
+    kind: Literal["vllm", "sglang", "sim", "openai"] = "vllm"
+    bootstrap_port: int | None = Field(None, description="SGLang prefill bootstrap port")
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+
+class PolicyConfig(_Strict):
+    type: str = "prefix_affinity"
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class CanonicalizeRule(_Strict):
+    name: str
+    pattern: str = Field(description="Python regex matching a volatile fragment")
+
+
+class CanonicalizeConfig(_Strict):
+    enabled: bool = False
+    move_volatile_to_end: bool = True
+    rules: list[CanonicalizeRule] = Field(default_factory=list)
+    builtin_rules: list[str] = Field(
+        default_factory=lambda: ["iso_datetime", "date", "time", "uuid"],
+        description="Named built-in patterns to apply in addition to rules",
+    )
+    sort_tools: bool = True
+    normalize_whitespace: bool = True
+    opt_out_header: str = "x-kvgate-no-canonicalize"
+
+
+class PrefixConfig(_Strict):
+    block_chars: int = Field(64, ge=8, description="Characters per hashed block (about 16 tokens)")
+    max_blocks_per_replica: int | None = Field(
+        None, gt=0, description="Index bound; unset: sized from the engine's KV capacity"
+    )
+    default_blocks_per_replica: int = Field(65536, gt=0)
+    speculative_ttl_s: float = Field(2.0, gt=0)
+
+
+class PDConfig(_Strict):
+    min_uncached_tokens: int = Field(512, ge=0, description="Disaggregate only above this many new tokens")
+    prefill_policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(type="least_load"))
+
+
+class PoolConfig(_Strict):
+    name: str
+    model: str = Field(description="Model name the engines serve")
+    served_model: str | None = Field(None, description="Rewrite `model` to this upstream (default: model)")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    canonicalize: CanonicalizeConfig = Field(default_factory=CanonicalizeConfig)
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig)
+    pd: PDConfig = Field(default_factory=PDConfig)
+    engines: EngineSpec | None = None
+    endpoints: list[EndpointConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _has_replicas(self) -> PoolConfig:
+        if self.engines is None and not self.endpoints:
+            raise ValueError("needs `engines` (managed) or `endpoints` (unmanaged)")
+        return self
+
+
+class HeaderMatch(_Strict):
+    headers: dict[str, str] = Field(default_factory=dict)
+
+
+class WeightedPool(_Strict):
+    name: str
+    weight: float = Field(100.0, ge=0)
+
+
+class StickyConfig(_Strict):
+    key: str = Field("header:x-user-id|body:user", description="Sources tried in order, `|`-separated")
+    salt: str = ""
+
+
+class RouteRule(_Strict):
+    match: HeaderMatch | None = None
+    pools: list[WeightedPool] = Field(min_length=1)
+    sticky: StickyConfig | None = None
+
+
+class RouteConfig(_Strict):
+    model: str = Field(description="The model name clients ask for")
+    rules: list[RouteRule] = Field(min_length=1)
+
+
+class PriorityClass(_Strict):
+    name: str
+    level: int = Field(description="Higher runs first")
+    max_queue: int = Field(1000, ge=0)
+
+
+class SchedulerConfig(_Strict):
+    enabled: bool = True
+    max_queue: int = Field(1000, ge=0)
+    queue_timeout_s: float = Field(30.0, gt=0)
+    classes: list[PriorityClass] = Field(
+        default_factory=lambda: [
+            PriorityClass(name="interactive", level=2),
+            PriorityClass(name="default", level=1),
+            PriorityClass(name="batch", level=0),
+        ]
+    )
+    default_class: str = "default"
+    sjf: bool = True
+    aging_s: float = Field(10.0, gt=0, description="Wait after which a request outranks any shorter job")
+    max_waiting_per_replica: int = Field(4, ge=0, description="Engine waiting queue above this: no headroom")
+    max_kv_usage: float = Field(0.95, gt=0, le=1)
+    max_inflight_tokens_per_replica: int | None = Field(None, gt=0)
+    max_inflight_requests_per_replica: int = Field(256, gt=0)
+    expected_output_tokens: int = Field(256, gt=0, description="Assumed when max_tokens is absent")
+    retry_after_s: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _default_known(self) -> SchedulerConfig:
+        names = [c.name for c in self.classes]
+        if self.default_class not in names:
+            raise ValueError(f"default_class {self.default_class!r} is not one of {names}")
+        return self
+
+
+class StateConfig(_Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "kvgate"
+    sync_interval_s: float = Field(0.2, gt=0)
+    instance_ttl_s: float = Field(10.0, gt=0)
+
+
+class TelemetryConfig(_Strict):
+    metrics: bool = True
+    tracing: bool = False
+    service_name: str = "kvgate"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid")
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
+    state: StateConfig = Field(default_factory=StateConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    pools: list[PoolConfig] = Field(default_factory=list)
+    routes: list[RouteConfig] = Field(default_factory=list)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The environment wins over the file (the file arrives as init kwargs).
+        return (env_settings, init_settings)
+
+    @model_validator(mode="after")
+    def _cross_refs(self) -> Settings:
+        pool_names = [p.name for p in self.pools]
+        if len(set(pool_names)) != len(pool_names):
+            raise ValueError(f"pool names must be unique: {pool_names}")
+        for i, route in enumerate(self.routes):
+            for j, rule in enumerate(route.rules):
+                for wp in rule.pools:
+                    if wp.name not in pool_names:
+                        raise ValueError(f"routes.{i}.rules.{j}: unknown pool {wp.name!r}")
+        classes = {c.name for c in self.scheduler.classes}
+        for t in self.tenants:
+            if t.max_priority is not None and t.max_priority not in classes:
+                raise ValueError(f"tenant {t.name!r}: max_priority {t.max_priority!r} is not a class")
+        return self
+
+    def pool(self, name: str) -> PoolConfig:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "<root>"
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{key}: {first['msg']}{more}"
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
+    """Read, merge and validate; every failure becomes a one-line ConfigError."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        try:
+            loaded = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}: invalid YAML{where}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        data = loaded or {}
+    data.update(overrides or {})
+    try:
+        return Settings(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc)) from None
