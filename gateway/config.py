@@ -120,6 +120,9 @@ class EngineSpec(_Strict):
     kv_events: bool = False
     priority_scheduling: bool = False
     extra_args: list[str] = Field(default_factory=list)
+    command: list[str] | None = Field(
+        None, description="Replaces the engine's executable, e.g. [/opt/vllm/bin/vllm, serve]"
+    )
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: float = Field(900.0, gt=0)
     restart_backoff_s: float = Field(1.0, gt=0)
