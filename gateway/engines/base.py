@@ -1,0 +1,170 @@
+"""The engine adapter interface: everything that differs between engine kinds, behind one small API.
+
+An adapter turns a fleet's `EngineSpec` into one replica's command line and environment, names
+the endpoint that reports the engine's load and parses it into `EngineLoad`, maps a gateway
+priority level onto the engine's `priority` body field, names the PD hand-off protocol, and puts
+the engine's error bodies into the OpenAI form. Adapters are stateless; one instance per kind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from gateway.config import EngineSpec
+from gateway.engine_load import EngineLoad
+from gateway.errors import normalize_error_body
+from gateway.replica import Role
+
+# Names of the auxiliary ports a replica may need besides its HTTP port.
+KV_EVENTS_PORT = "kv_events"
+NIXL_SIDE_CHANNEL_PORT = "nixl_side_channel"
+BOOTSTRAP_PORT = "bootstrap"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSlot:
+    """One replica's place in its fleet: what an adapter needs to write its command line."""
+
+    index: int
+    name: str
+    role: Role
+    host: str
+    port: int
+    gpu_ids: tuple[int, ...] | None = None
+    gpu_sharers: int = 1  # replicas on this replica's most shared GPU, itself included
+    aux_ports: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """Where a subscriber connects to this replica's KV events (None when they are off)."""
+        port = self.aux_ports.get(KV_EVENTS_PORT)
+        if port is None:
+            return None
+        return f"tcp://{connect_host(self.host)}:{port}"
+
+
+def connect_host(host: str) -> str:
+    """An address to reach a server bound to `host` (a wildcard bind is reached on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "") else host
+
+
+def compact_json(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def kv_events_config(slot: ReplicaSlot) -> str:
+    """vLLM's (and SGLang's) `--kv-events-config`: ZMQ PUB bound on the replica's own host, so
+    events stay on loopback unless the engines were deliberately bound wider."""
+    bind = "*" if slot.host in ("0.0.0.0", "") else slot.host
+    return compact_json(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://{bind}:{slot.aux_ports[KV_EVENTS_PORT]}",
+            "topic": "kv-events",
+        }
+    )
+
+
+def split_fraction(total: float, sharers: int) -> str:
+    """A per-replica memory fraction, rounded down so the replicas never sum above `total`."""
+    return f"{math.floor(total / sharers * 1000) / 1000:g}"
+
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    labels: str  # the raw text between the braces; parse with `labels()` only when needed
+    value: float
+
+    def label_map(self) -> dict[str, str]:
+        return dict(_LABEL.findall(self.labels))
+
+
+def scan_exposition(text: str, names: Iterable[str]) -> dict[str, list[Sample]]:
+    """Samples of the wanted metric names from Prometheus text, by a plain line scan.
+
+    An engine's exposition has hundreds of histogram lines; a full parser costs milliseconds per
+    scrape, while the load figures need only a handful of series.
+    """
+    wanted = set(names)
+    found: dict[str, list[Sample]] = {name: [] for name in wanted}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace != -1 and (space == -1 or brace < space):
+            name = line[:brace]
+            if name not in wanted:
+                continue
+            close = line.rfind("}")
+            labels, rest = line[brace + 1 : close], line[close + 1 :]
+        else:
+            name = line[:space]
+            if name not in wanted:
+                continue
+            labels, rest = "", line[space:]
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            found[name].append(Sample(labels, float(parts[0])))
+        except ValueError:
+            continue
+    return found
+
+
+def total(samples: list[Sample]) -> float:
+    return sum(s.value for s in samples)
+
+
+def mean(samples: list[Sample]) -> float:
+    return total(samples) / len(samples) if samples else 0.0
+
+
+class EngineAdapter(ABC):
+    """What kvgate needs to know about one engine kind."""
+
+    kind: ClassVar[str]
+    pd_protocol: str
+    """The PD hand-off the dispatcher must speak with this engine's prefill/decode pairs."""
+    load_path: str
+    """The endpoint `parse_load` understands."""
+    health_path: ClassVar[str] = "/health"
+    uses_gpus: ClassVar[bool] = True
+
+    @abstractmethod
+    def aux_port_names(self, spec: EngineSpec, role: Role) -> tuple[str, ...]:
+        """The auxiliary ports (beyond HTTP) a replica with this role needs, each distinct."""
+
+    @abstractmethod
+    def command(
+        self, spec: EngineSpec, model: str, slot: ReplicaSlot, served_model_name: str | None = None
+    ) -> tuple[list[str], dict[str, str]]:
+        """The replica's argv and the environment variables to set on top of the gateway's."""
+
+    @abstractmethod
+    def parse_load(self, body: bytes) -> EngineLoad:
+        """The load figures in a `load_path` response (`updated_at` left for the caller to stamp)."""
+
+    @abstractmethod
+    def engine_priority(self, level: int) -> int:
+        """The body `priority` value for a gateway priority level (higher level = more important)."""
+
+    def normalize_error(self, body: bytes, status: int) -> bytes:
+        """The engine's error body in the OpenAI `{"error": {...}}` form."""
+        return normalize_error_body(body, status)
+
+    def gpu_env(self, slot: ReplicaSlot) -> dict[str, str]:
+        if slot.gpu_ids is None:
+            return {}
+        return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in slot.gpu_ids)}
