@@ -1,0 +1,260 @@
+"""Which prefix blocks each replica is believed to hold warm, and how deep a prompt matches on each.
+
+Block hashes are chained (see gateway.prefix_hash), so a replica's useful match is its number of
+LEADING blocks: the walk stops at the first block it lacks. Each replica is given a bit, and each
+hash maps to a bitmask of the replicas holding it, so one walk step is a dict lookup and an integer
+AND whatever the number of replicas; the walk ends as soon as no candidate is left.
+
+Memory is bounded per replica by an LRU (capacity in blocks, set from the engine's KV capacity
+with `set_capacity`). `record` touches a prompt's blocks from last to first, so that, as in vLLM's
+free-block queue, a prompt's tail is evicted before its shared head.
+
+Entries are confirmed (learned from a routing decision in approximate mode, or from an engine KV
+event in precise mode) or speculative: in precise mode a routing decision records speculative
+entries that cover the engine's event lag and expire after `speculative_ttl_s` unless an event
+confirms them. `snapshot`/`merge` export and import one replica's entries (LRU order, oldest
+first), for a shared backend.
+
+Not thread-safe: meant for the gateway's event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class _Replica:
+    bit: int
+    capacity: int
+    lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # oldest first
+    speculative: dict[int, float] = field(default_factory=dict)  # hash -> expiry
+    expiries: deque[tuple[float, int]] = field(default_factory=deque)  # in time order (fixed TTL)
+
+
+class PrefixIndex:
+    def __init__(
+        self,
+        default_capacity: int = 65536,
+        speculative_ttl_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if default_capacity < 1:
+            raise ValueError("default_capacity must be positive")
+        self.default_capacity = default_capacity
+        self.speculative_ttl_s = speculative_ttl_s
+        self._clock = clock
+        self._replicas: dict[str, _Replica] = {}
+        self._names: dict[int, str] = {}  # bit -> replica id
+        self._free_bits: list[int] = []
+        self._confirmed: dict[int, int] = {}  # hash -> bitmask of replicas
+        self._speculative: dict[int, int] = {}  # hash -> bitmask, expiry checked per replica
+
+    # --- replicas -------------------------------------------------------------------------
+
+    def _replica(self, replica: str) -> _Replica:
+        state = self._replicas.get(replica)
+        if state is None:
+            bit = self._free_bits.pop() if self._free_bits else len(self._names)
+            state = self._replicas[replica] = _Replica(bit=bit, capacity=self.default_capacity)
+            self._names[bit] = replica
+        return state
+
+    def set_capacity(self, replica: str, blocks: int) -> None:
+        """Bound a replica's entries (e.g. num_gpu_blocks * block_size / tokens per hashed block)."""
+        if blocks < 1:
+            raise ValueError("capacity must be positive")
+        state = self._replica(replica)
+        state.capacity = blocks
+        self._evict(state)
+
+    def remove_replica(self, replica: str) -> None:
+        state = self._replicas.get(replica)
+        if state is None:
+            return
+        self._drop_all(state)
+        del self._replicas[replica]
+        del self._names[state.bit]
+        self._free_bits.append(state.bit)
+
+    def clear_replica(self, replica: str) -> None:
+        """Forget everything a replica holds (engine restart, AllBlocksCleared); keeps its capacity."""
+        state = self._replicas.get(replica)
+        if state is not None:
+            self._drop_all(state)
+
+    def _drop_all(self, state: _Replica) -> None:
+        for h in state.lru:
+            self._unset(h, ~(1 << state.bit))
+        state.lru.clear()
+        state.speculative.clear()
+        state.expiries.clear()
+
+    # --- learning -------------------------------------------------------------------------
+
+    def record(self, replica: str, block_hashes: Sequence[int], speculative: bool = False) -> None:
+        """`replica` now holds these blocks; they become its most recently used, head last."""
+        state = self._replica(replica)
+        now = self._clock()
+        self._expire(state, now)
+        bit = 1 << state.bit
+        lru = state.lru
+        confirmed = self._confirmed
+        if speculative:
+            expiry = now + self.speculative_ttl_s
+            spec = self._speculative
+            for h in reversed(block_hashes):
+                if h in lru:
+                    lru.move_to_end(h)
+                else:
+                    lru[h] = None
+                if not confirmed.get(h, 0) & bit:
+                    spec[h] = spec.get(h, 0) | bit
+                    state.speculative[h] = expiry
+                    state.expiries.append((expiry, h))
+        else:
+            for h in reversed(block_hashes):
+                if h in lru:
+                    lru.move_to_end(h)
+                    if state.speculative.pop(h, None) is not None:
+                        self._unset_speculative(h, ~bit)
+                else:
+                    lru[h] = None
+                confirmed[h] = confirmed.get(h, 0) | bit
+        self._evict(state)
+
+    def merge(self, replica: str, block_hashes: Iterable[int]) -> None:
+        """Import confirmed entries given oldest first (the order `snapshot` returns)."""
+        self.record(replica, list(block_hashes)[::-1])
+
+    def discard(self, replica: str, block_hashes: Iterable[int]) -> None:
+        """The replica no longer holds these blocks (e.g. an engine BlockRemoved event)."""
+        state = self._replicas.get(replica)
+        if state is None:
+            return
+        keep = ~(1 << state.bit)
+        for h in block_hashes:
+            if h in state.lru:
+                del state.lru[h]
+                state.speculative.pop(h, None)
+                self._unset(h, keep)
+
+    def _unset(self, h: int, keep: int) -> None:
+        mask = self._confirmed.get(h)
+        if mask is not None:
+            mask &= keep
+            if mask:
+                self._confirmed[h] = mask
+            else:
+                del self._confirmed[h]
+        self._unset_speculative(h, keep)
+
+    def _unset_speculative(self, h: int, keep: int) -> None:
+        mask = self._speculative.get(h)
+        if mask is not None:
+            mask &= keep
+            if mask:
+                self._speculative[h] = mask
+            else:
+                del self._speculative[h]
+
+    def _evict(self, state: _Replica) -> None:
+        lru = state.lru
+        keep = ~(1 << state.bit)
+        while len(lru) > state.capacity:
+            h, _ = lru.popitem(last=False)
+            state.speculative.pop(h, None)
+            self._unset(h, keep)
+
+    def _expire(self, state: _Replica, now: float) -> None:
+        expiries = state.expiries
+        keep = ~(1 << state.bit)
+        while expiries and expiries[0][0] <= now:
+            expiry, h = expiries.popleft()
+            # Skip stale queue entries: the block was since refreshed, confirmed or dropped.
+            if state.speculative.get(h) == expiry:
+                del state.speculative[h]
+                del state.lru[h]
+                self._unset_speculative(h, keep)
+
+    # --- queries --------------------------------------------------------------------------
+
+    def match(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, int]:
+        """Number of leading blocks of `block_hashes` each of `replicas` holds (0 if unknown)."""
+        result: dict[str, int] = {}
+        want = 0
+        states = self._replicas
+        for r in replicas:
+            result[r] = 0
+            state = states.get(r)
+            if state is not None:
+                want |= 1 << state.bit
+        if not want or not block_hashes:
+            return result
+        confirmed = self._confirmed
+        speculative = self._speculative
+        now: float | None = None
+        alive = want
+        depth = 0
+        for h in block_hashes:
+            held = confirmed.get(h, 0)
+            spec = speculative.get(h, 0) & alive & ~held
+            if spec:
+                if now is None:
+                    now = self._clock()
+                held |= self._live(h, spec, now)
+            nxt = alive & held
+            if nxt != alive:
+                self._assign(result, alive & ~nxt, depth)
+                if not nxt:
+                    return result
+                alive = nxt
+            depth += 1
+        self._assign(result, alive, depth)
+        return result
+
+    def _live(self, h: int, mask: int, now: float) -> int:
+        live = 0
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            if self._replicas[self._names[low.bit_length() - 1]].speculative.get(h, 0.0) > now:
+                live |= low
+        return live
+
+    def _assign(self, result: dict[str, int], mask: int, depth: int) -> None:
+        if not depth:
+            return
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            result[self._names[low.bit_length() - 1]] = depth
+
+    def holds(self, replica: str, block_hash: int) -> bool:
+        return bool(self.match([block_hash], [replica])[replica])
+
+    def snapshot(self, replica: str) -> list[int]:
+        """The replica's live entries, least recently used first."""
+        state = self._replicas.get(replica)
+        if state is None:
+            return []
+        self._expire(state, self._clock())
+        return list(state.lru)
+
+    def stats(self) -> dict[str, object]:
+        now = self._clock()
+        per_replica: dict[str, dict[str, int]] = {}
+        for name, state in self._replicas.items():
+            self._expire(state, now)
+            per_replica[name] = {
+                "blocks": len(state.lru),
+                "speculative": len(state.speculative),
+                "capacity": state.capacity,
+            }
+        return {
+            "replicas": per_replica,
+            "distinct_blocks": len(self._confirmed.keys() | self._speculative.keys()),
+        }
