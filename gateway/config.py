@@ -63,6 +63,7 @@ class RetryConfig(_Strict):
 
 
 class HealthConfig(_Strict):
+    enabled: bool = True
     interval_s: float = Field(2.0, gt=0)
     timeout_s: float = Field(1.0, gt=0)
     failure_threshold: int = Field(2, ge=1)

@@ -1,0 +1,80 @@
+"""The `kvgate` command: serve, check-config, launch --dry-run, sim, bench, rollout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import resources
+from pathlib import Path
+
+from gateway.config import ConfigError, Settings, load_config
+
+DEFAULT_CONFIG = "embedded default (a fleet of simulated engines)"
+
+
+def default_config_path() -> Path:
+    return Path(str(resources.files("gateway").joinpath("default_config.yaml")))
+
+
+def _load(path: str | None) -> Settings:
+    return load_config(path if path else default_config_path())
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate", description="Prefix-aware gateway for self-hosted LLM engines")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="run the gateway (and launch the managed engines)")
+    s.add_argument("--config", "-c", help=f"YAML config (default: {DEFAULT_CONFIG})")
+    s.add_argument("--host", help="override server.host")
+    s.add_argument("--port", type=int, help="override server.port")
+    c = sub.add_parser("check-config", help="validate a config file and exit")
+    c.add_argument("config")
+    launch = sub.add_parser("launch", help="show the engine command lines a config launches")
+    launch.add_argument("config", nargs="?")
+    launch.add_argument("--dry-run", action="store_true", required=True, help="print, do not start")
+    sub.add_parser("sim", help="run the bundled engine simulator (vllm serve flags; see `kvgate sim --help`)")
+    sub.add_parser("bench", help="benchmarks and side-by-side scenarios (see `kvgate bench --help`)")
+    sub.add_parser("rollout", help="rollout status of a running gateway (see `kvgate rollout --help`)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # These own their flags (the simulator mirrors `vllm serve`), so pass them through untouched.
+    if argv and argv[0] == "sim":
+        from gateway.sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv and argv[0] == "rollout":
+        from gateway.rollout_cli import main as rollout_main
+
+        return rollout_main(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "check-config":
+            settings = load_config(args.config)
+            print(f"{args.config}: ok ({len(settings.pools)} pools, {len(settings.routes)} routes)")
+            return 0
+        if args.command == "launch":
+            from gateway.launcher import dry_run
+
+            print(dry_run(_load(args.config)))
+            return 0
+        settings = _load(args.config)
+        if args.host is not None or args.port is not None:
+            server = settings.server.model_copy(
+                update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+            )
+            settings = settings.model_copy(update={"server": server})
+    except ConfigError as exc:
+        print(f"kvgate: config error: {exc}", file=sys.stderr)
+        return 2
+    from gateway.logs import configure_logging
+    from gateway.server import run
+
+    configure_logging(settings.server.log_level, settings.server.log_json)
+    return run(settings)

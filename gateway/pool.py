@@ -1,0 +1,158 @@
+"""A pool: the replicas serving one model configuration, its routing policy and prefix index."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from gateway.breaker import CircuitBreaker
+from gateway.config import BreakerConfig, PoolConfig, ScrapeConfig
+from gateway.policy import Candidate, Policy, RequestFeatures, load_policy
+from gateway.prefix_hash import PrefixHasher, prompt_text
+from gateway.prefix_index import PrefixIndex
+from gateway.replica import Replica, Role
+
+log = logging.getLogger(__name__)
+
+CHARS_PER_TOKEN = 4  # typical for English text; only sizes the prefix index
+
+
+class Pool:
+    def __init__(
+        self,
+        cfg: PoolConfig,
+        breaker_cfg: BreakerConfig,
+        scrape_cfg: ScrapeConfig,
+        policy: Policy | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.model = cfg.model
+        self.upstream_model = cfg.served_model or cfg.model
+        self._breaker_cfg = breaker_cfg
+        self._scrape_cfg = scrape_cfg
+        self.replicas: dict[str, Replica] = {}
+        self.policy = policy or load_policy(cfg.policy.type, cfg.policy.args)
+        self.prefill_policy = load_policy(cfg.pd.prefill_policy.type, cfg.pd.prefill_policy.args)
+        self.hasher = PrefixHasher(block_chars=cfg.prefix.block_chars)
+        self.prefix_index = PrefixIndex(
+            default_capacity=cfg.prefix.max_blocks_per_replica or cfg.prefix.default_blocks_per_replica,
+            speculative_ttl_s=cfg.prefix.speculative_ttl_s,
+        )
+        self._names = itertools.count()
+
+    # -- membership -------------------------------------------------------------------
+    def add_replica(
+        self,
+        url: str,
+        *,
+        name: str | None = None,
+        role: Role = "mixed",
+        kind: str = "vllm",
+        bootstrap_port: int | None = None,
+        managed: bool = False,
+        healthy: bool = True,
+    ) -> Replica:
+        if name is None:
+            name = f"{self.name}-{next(self._names)}"
+            while name in self.replicas:
+                name = f"{self.name}-{next(self._names)}"
+        if name in self.replicas:
+            raise ValueError(f"pool {self.name}: replica {name!r} exists")
+        replica = Replica(
+            name,
+            url,
+            self.name,
+            role=role,
+            kind=kind,
+            breaker=CircuitBreaker(self._breaker_cfg.failure_threshold, self._breaker_cfg.open_s),
+            bootstrap_port=bootstrap_port,
+            managed=managed,
+            healthy=healthy,
+            stale_after_s=self._scrape_cfg.stale_after_s,
+        )
+        self.replicas[name] = replica
+        log.info("pool %s: replica %s added at %s (role %s)", self.name, name, replica.url, role)
+        return replica
+
+    def remove_replica(self, name: str) -> Replica | None:
+        replica = self.replicas.pop(name, None)
+        if replica is not None:
+            self.prefix_index.remove_replica(name)
+            log.info("pool %s: replica %s removed", self.name, name)
+        return replica
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(r.role == "prefill" for r in self.replicas.values())
+
+    def serving(self, role: str) -> list[Replica]:
+        """Available replicas that can take the given leg: `decode` legs also go to mixed ones."""
+        if role == "prefill":
+            return [r for r in self.replicas.values() if r.role == "prefill" and r.available]
+        return [r for r in self.replicas.values() if r.role != "prefill" and r.available]
+
+    def has_healthy(self) -> bool:
+        return any(r.healthy and r.role != "prefill" for r in self.replicas.values())
+
+    # -- per request ------------------------------------------------------------------
+    def features(
+        self,
+        body: Mapping[str, Any],
+        endpoint: str,
+        request_id: str,
+        headers: Mapping[str, str],
+    ) -> RequestFeatures:
+        text = prompt_text(body, endpoint)
+        salt = body.get("cache_salt")
+        pf = self.hasher.features(self.upstream_model, salt if isinstance(salt, str) else None, text)
+        max_tokens = (
+            body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
+        )
+        return RequestFeatures(
+            request_id=request_id,
+            model=self.upstream_model,
+            pool=self.name,
+            endpoint=endpoint,
+            prompt_tokens=pf.prompt_tokens,
+            max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+            block_hashes=pf.block_hashes,
+            block_tokens=pf.block_tokens,
+            stream=bool(body.get("stream")),
+            headers=headers,
+            text=text,
+        )
+
+    def candidates(
+        self, features: RequestFeatures, replicas: Iterable[Replica], policy: Policy
+    ) -> list[Candidate]:
+        replicas = list(replicas)
+        if not policy.uses_prefix_match or not features.block_hashes:
+            return [Candidate(r) for r in replicas]
+        matched = self.prefix_index.match(features.block_hashes, [r.name for r in replicas])
+        block_tokens = features.block_tokens
+        out = []
+        for r in replicas:
+            k = matched.get(r.name, 0)
+            out.append(Candidate(r, k, sum(block_tokens[:k]) if k else 0))
+        return out
+
+    async def rank(self, features: RequestFeatures, role: str = "decode") -> list[Replica]:
+        policy = self.prefill_policy if role == "prefill" else self.policy
+        ranked = await policy.rank(features, self.candidates(features, self.serving(role), policy))
+        return [c.replica for c in ranked]  # type: ignore[misc]
+
+    def learn(self, features: RequestFeatures, replica: Replica, role: str = "decode") -> None:
+        """The request went to `replica`: it will hold the prompt's blocks once prefilled."""
+        if features.block_hashes:
+            self.prefix_index.record(replica.name, features.block_hashes)
+        (self.prefill_policy if role == "prefill" else self.policy).on_routed(features, replica)
+
+    def set_kv_capacity(self, replica: Replica) -> None:
+        """Size the replica's index budget from the engine's KV capacity, when it is known."""
+        cap = replica.kv_capacity_tokens
+        if cap and self.cfg.prefix.max_blocks_per_replica is None:
+            tokens_per_block = max(1, self.cfg.prefix.block_chars // CHARS_PER_TOKEN)
+            self.prefix_index.set_capacity(replica.name, max(1, cap // tokens_per_block))

@@ -1,0 +1,336 @@
+"""The inference request path: parse, resolve the pool, canonicalize, schedule, route, relay.
+
+Every request ends in exactly one of: the engine's answer relayed byte-for-byte, or an
+OpenAI-style error. Load taken on a replica is released exactly once, whether the request
+succeeds, fails, times out or the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.canonicalize import canonicalize
+from gateway.errors import GatewayError, error_body, normalize_error_body
+from gateway.policy import RequestFeatures
+from gateway.replica import Replica
+from gateway.upstream import UpstreamError
+
+if TYPE_CHECKING:
+    from gateway.pool import Pool
+    from gateway.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+}
+# Not forwarded either way: hop-by-hop, framing the proxy redoes, and the gateway's own auth.
+_DROP_REQUEST = frozenset(
+    {
+        "host",
+        "content-length",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-connection",
+        "authorization",
+        "cookie",
+        "accept-encoding",
+        "expect",
+    }
+)
+_DROP_RESPONSE = frozenset(
+    {
+        "content-length",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "server",
+        "date",
+        "content-encoding",
+        "x-request-id",
+        "x-kvgate-replica",
+        "x-kvgate-pool",
+    }
+)
+
+
+def _client_error(message: str, code: str, param: str | None = None, status: int = 400) -> GatewayError:
+    return GatewayError(status, message, "invalid_request_error", code, param)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise _client_error(f"request body exceeds {limit} bytes", "request_too_large", status=413)
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise _client_error(f"request body exceeds {limit} bytes", "request_too_large", status=413)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise _client_error("request body is empty; expected a JSON object", "invalid_json")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _client_error(f"request body is not valid JSON: {exc}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise _client_error("request body must be a JSON object", "invalid_json")
+    return body
+
+
+def sse_error_event(message: str, code: str) -> bytes:
+    return b"data: " + error_body(message, "upstream_error", code) + b"\n\n"
+
+
+class Proxy:
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self.settings = runtime.settings
+
+    # -- entry point ------------------------------------------------------------------------
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        endpoint = ENDPOINTS[request.path]
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        started = time.perf_counter()
+        try:
+            tenant = self.rt.auth.client(request)
+            raw = await read_body(request, self.settings.server.max_body_bytes)
+            body = parse_json_body(raw)
+            model = body.get("model")
+            if model is None or model == "":
+                raise _client_error("you must provide a model parameter", "missing_model", "model")
+            if not isinstance(model, str):
+                raise _client_error("`model` must be a string", "invalid_model", "model")
+            pool_name = self.rt.router.resolve(model, request.headers, body)
+            if pool_name is None:
+                raise GatewayError(
+                    404,
+                    f"the model `{model}` does not exist",
+                    "invalid_request_error",
+                    "model_not_found",
+                    "model",
+                )
+            pool = self.rt.pools[pool_name]
+            changed = False
+            if pool.cfg.canonicalize.enabled and not request.headers.get(
+                pool.cfg.canonicalize.opt_out_header
+            ):
+                result = canonicalize(body, pool.cfg.canonicalize, endpoint)
+                if result.body is not body:
+                    body, changed = result.body, True
+                    log.debug("request %s canonicalized: %s", request_id, "; ".join(result.notes))
+            if model != pool.upstream_model:
+                body["model"] = pool.upstream_model
+                changed = True
+            out = orjson.dumps(body) if changed else raw
+            features = pool.features(body, endpoint, request_id, request.headers)
+            features.tenant = tenant
+            self.rt.scheduler.classify(features, request.headers, body)
+            ticket = await self.rt.scheduler.admit(pool, features)
+            try:
+                return await self._dispatch(request, pool, features, out, request_id, started)
+            finally:
+                ticket.release()
+        except GatewayError as exc:
+            return self.error_response(exc, request_id)
+
+    def error_response(self, exc: GatewayError, request_id: str) -> web.Response:
+        headers = {"x-request-id": request_id, **exc.headers}
+        return web.Response(
+            status=exc.status, body=exc.body(), content_type="application/json", headers=headers
+        )
+
+    # -- dispatch with retries ----------------------------------------------------------------
+    def _upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
+        headers["X-Request-Id"] = request_id  # replaces the client's under any spelling (dropped above)
+        headers["Content-Type"] = "application/json"
+        return headers
+
+    async def _dispatch(
+        self,
+        request: web.Request,
+        pool: Pool,
+        features: RequestFeatures,
+        body: bytes,
+        request_id: str,
+        started: float,
+    ) -> web.StreamResponse:
+        ranked = await pool.rank(features)
+        if not ranked:
+            raise GatewayError(
+                503,
+                f"no healthy replica in pool `{pool.name}`",
+                "service_unavailable",
+                "no_healthy_replica",
+                headers={"Retry-After": str(self.settings.scheduler.retry_after_s)},
+            )
+        retry_cfg = self.settings.retry
+        budget = self.rt.retry_budget
+        budget.on_request()
+        headers = self._upstream_headers(request, request_id)
+        refused: _Refused | None = None  # the last retryable answer, relayed if every try fails
+        unreachable: GatewayError | None = None
+        for attempt, replica in enumerate(_walk(ranked, retry_cfg.max_attempts)):
+            if attempt > 0:
+                if not budget.try_spend():
+                    break
+                delay = min(retry_cfg.backoff_max_s, retry_cfg.backoff_initial_s * 2 ** (attempt - 1))
+                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+            if not replica.breaker.try_acquire():
+                continue
+            lease = replica.lease(features.prompt_tokens)
+            try:
+                try:
+                    resp = await self.rt.upstream.open("POST", replica.url + request.path, body, headers)
+                except UpstreamError as exc:
+                    replica.breaker.record_failure()
+                    log.warning("request %s: replica %s failed: %s", request_id, replica.name, exc)
+                    if not exc.connect:
+                        raise GatewayError(504, str(exc), "upstream_error", "upstream_timeout") from None
+                    unreachable = GatewayError(502, str(exc), "upstream_error", "upstream_unreachable")
+                    continue
+                if resp.status in retry_cfg.retry_statuses:
+                    if resp.status == 429:  # busy, not broken: no mark against its health
+                        replica.breaker.release_probe()
+                    else:
+                        replica.breaker.record_failure()
+                    refused = _Refused(resp.status, await self._read_error(resp), _retry_after(resp))
+                    log.info("request %s: replica %s answered %d", request_id, replica.name, resp.status)
+                    continue
+                if resp.status >= 500:
+                    replica.breaker.record_failure()
+                else:
+                    replica.breaker.record_success()
+                pool.learn(features, replica)
+                return await self._relay(request, resp, replica, request_id)
+            finally:
+                lease.release()
+        if refused is not None:
+            return web.Response(
+                status=refused.status,
+                body=normalize_error_body(refused.raw, refused.status),
+                content_type="application/json",
+                headers={"x-request-id": request_id, **refused.headers},
+            )
+        if unreachable is not None:
+            raise unreachable
+        raise GatewayError(
+            503,
+            f"no replica of pool `{pool.name}` accepted the request",
+            "service_unavailable",
+            "no_healthy_replica",
+            headers={"Retry-After": str(self.settings.scheduler.retry_after_s)},
+        )
+
+    async def _read_error(self, resp: aiohttp.ClientResponse) -> bytes:
+        try:
+            return await self.rt.upstream.read(resp)
+        except UpstreamError:
+            return b""
+        finally:
+            resp.release()
+
+    # -- relay -----------------------------------------------------------------------------
+    def _response_headers(
+        self, resp: aiohttp.ClientResponse, replica: Replica, request_id: str
+    ) -> dict[str, str]:
+        headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE}
+        headers["x-request-id"] = request_id
+        headers["x-kvgate-replica"] = replica.name
+        headers["x-kvgate-pool"] = replica.pool
+        return headers
+
+    async def _relay(
+        self,
+        request: web.Request,
+        resp: aiohttp.ClientResponse,
+        replica: Replica,
+        request_id: str,
+    ) -> web.StreamResponse:
+        headers = self._response_headers(resp, replica, request_id)
+        if resp.status >= 400:
+            raw = await self._read_error(resp)
+            headers["Content-Type"] = "application/json"
+            return web.Response(
+                status=resp.status, body=normalize_error_body(raw, resp.status), headers=headers
+            )
+        if not resp.content_type.startswith("text/event-stream"):
+            try:
+                raw = await self.rt.upstream.read(resp)
+            except UpstreamError as exc:
+                raise GatewayError(502, str(exc), "upstream_error", "upstream_disconnected") from None
+            finally:
+                resp.release()
+            return web.Response(status=resp.status, body=raw, headers=headers)
+        return await self._relay_stream(request, resp, headers, request_id)
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        resp: aiohttp.ClientResponse,
+        headers: dict[str, str],
+        request_id: str,
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(status=resp.status, headers=headers)
+        finished = False
+        try:
+            await out.prepare(request)
+            try:
+                async for chunk in self.rt.upstream.chunks(resp):
+                    await out.write(chunk)
+            except UpstreamError as exc:
+                # Never truncate silently: the client learns the stream broke.
+                log.warning("request %s: stream from upstream failed: %s", request_id, exc)
+                await out.write(sse_error_event(str(exc), "upstream_stream_error"))
+            await out.write_eof()
+            finished = True
+        except ConnectionResetError:
+            log.info("request %s: client went away mid-stream", request_id)
+        finally:
+            if finished:
+                resp.release()
+            else:
+                # The client left (or we were cancelled): drop the upstream connection so the
+                # engine aborts the request instead of generating for nobody.
+                resp.close()
+        return out
+
+
+def _walk(ranked: list[Replica], attempts: int) -> list[Replica]:
+    """The replicas to try, best first, wrapping around when there are fewer than attempts."""
+    return [ranked[i % len(ranked)] for i in range(attempts)]
+
+
+@dataclass(slots=True)
+class _Refused:
+    status: int
+    raw: bytes
+    headers: dict[str, str]
+
+
+def _retry_after(resp: aiohttp.ClientResponse) -> dict[str, str]:
+    value = resp.headers.get("Retry-After")
+    return {"Retry-After": value} if value else {}

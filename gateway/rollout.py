@@ -1,0 +1,107 @@
+"""Model aliases -> pools: header-matched rules, weighted splits and sticky assignment.
+
+A client asks for a model name; the first rule of that name's route whose header match
+holds picks the pool. A weighted rule assigns a request by `xxh64(salt + key) mod 10000`
+against the cumulative weights, so a key always lands in the same place for given weights
+and raising a canary's weight only moves keys from the other pools to it. A request without
+a sticky key is assigned at random by weight. A pool's own model name always routes to it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from gateway.config import RouteConfig, RouteRule
+
+BUCKETS = 10_000
+
+
+@dataclass(slots=True)
+class Rule:
+    headers: dict[str, str]
+    pools: list[str]
+    weights: list[float]
+    sticky_sources: list[tuple[str, str]] | None
+    salt: str
+
+    @classmethod
+    def from_config(cls, rule: RouteRule) -> Rule:
+        sources = None
+        if rule.sticky is not None:
+            sources = []
+            for part in rule.sticky.key.split("|"):
+                kind, _, name = part.strip().partition(":")
+                sources.append((kind, name.lower() if kind == "header" else name))
+        return cls(
+            headers={k.lower(): v for k, v in (rule.match.headers if rule.match else {}).items()},
+            pools=[p.name for p in rule.pools],
+            weights=[p.weight for p in rule.pools],
+            sticky_sources=sources,
+            salt=rule.sticky.salt if rule.sticky else "",
+        )
+
+    def matches(self, headers: Mapping[str, str]) -> bool:
+        return all(headers.get(k) == v for k, v in self.headers.items())
+
+    def sticky_key(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+        for kind, name in self.sticky_sources or ():
+            value = headers.get(name) if kind == "header" else body.get(name) if kind == "body" else None
+            if value:
+                return str(value)
+        return None
+
+    def pick(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+        total = sum(self.weights)
+        if total <= 0:
+            return None
+        key = self.sticky_key(headers, body) if self.sticky_sources else None
+        if key is None:
+            point = random.random() * total
+        else:
+            point = sticky_bucket(self.salt, key) / BUCKETS * total
+        acc = 0.0
+        for name, weight in zip(self.pools, self.weights, strict=True):
+            acc += weight
+            if point < acc:
+                return name
+        return next(n for n, w in zip(self.pools, self.weights, strict=True) if w > 0)
+
+
+def sticky_bucket(salt: str, key: str) -> int:
+    return xxhash.xxh64_intdigest((salt + key).encode()) % BUCKETS
+
+
+class Router:
+    def __init__(self, routes: list[RouteConfig], pool_models: Mapping[str, str]) -> None:
+        """`pool_models` maps each pool name to the model name it serves."""
+        self.routes: dict[str, list[Rule]] = {r.model: [Rule.from_config(x) for x in r.rules] for r in routes}
+        self._direct: dict[str, str] = {}
+        for pool, model in pool_models.items():
+            self._direct.setdefault(model, pool)
+
+    def models(self) -> list[str]:
+        return sorted(set(self.routes) | set(self._direct))
+
+    def resolve(self, model: str, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+        """Name of the pool that serves this request, or None if the model is unknown."""
+        rules = self.routes.get(model)
+        if rules is None:
+            return self._direct.get(model)
+        for rule in rules:
+            if rule.matches(headers):
+                return rule.pick(headers, body)
+        return None
+
+    def set_weights(self, model: str, weights: Mapping[str, float], rule_index: int | None = None) -> None:
+        """Change the weights of a route's weighted rule (the last one unless named); effective at once."""
+        rules = self.routes[model]
+        rule = rules[-1 if rule_index is None else rule_index]
+        unknown = set(weights) - set(rule.pools)
+        if unknown:
+            raise KeyError(f"route {model!r} rule has no pools {sorted(unknown)}")
+        rule.weights = [float(weights.get(p, w)) for p, w in zip(rule.pools, rule.weights, strict=True)]

@@ -1,0 +1,88 @@
+"""Process lifecycle: start the runtime and listener, stop gracefully on SIGTERM/SIGINT.
+
+On a stop signal the listener closes at once (new connections are refused), requests in
+flight get up to `server.grace_period_s` to finish, then managed engines are stopped and
+the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from gateway.app import build_app
+from gateway.config import Settings
+from gateway.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+class RunningGateway:
+    """A started gateway: its runtime and listener. `port` is the bound port (useful with port 0)."""
+
+    def __init__(self, runtime: Runtime, runner: web.AppRunner, port: int) -> None:
+        self.runtime = runtime
+        self.runner = runner
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.runtime.settings.server.host}:{self.port}"
+
+    async def stop(self) -> None:
+        """Stop listening, let in-flight requests finish within the grace period, release all."""
+        self.runtime.draining = True
+        try:
+            await self.runner.cleanup()
+        finally:
+            await self.runtime.stop()
+
+
+async def start_gateway(settings: Settings) -> RunningGateway:
+    runtime = Runtime(settings)
+    await runtime.start()
+    runner = web.AppRunner(
+        build_app(runtime),
+        handler_cancellation=True,  # a client that leaves cancels its handler and so the upstream call
+        access_log=None,
+        shutdown_timeout=settings.server.grace_period_s,
+    )
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, settings.server.host, settings.server.port, backlog=4096)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        await runtime.stop()
+        raise
+    port = settings.server.port
+    for sock in site._server.sockets if site._server else ():  # type: ignore[union-attr]
+        port = sock.getsockname()[1]
+    log.info("kvgate listening on http://%s:%d", settings.server.host, port)
+    return RunningGateway(runtime, runner, port)
+
+
+async def serve(settings: Settings) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    gateway = await start_gateway(settings)
+    try:
+        await stop.wait()
+        log.info("stop signal: draining (grace %.0f s)", settings.server.grace_period_s)
+    finally:
+        await gateway.stop()
+    log.info("kvgate stopped")
+    return 0
+
+
+def run(settings: Settings) -> int:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(serve(settings))
+    return uvloop.run(serve(settings))

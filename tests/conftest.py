@@ -1,0 +1,94 @@
+"""Shared fixtures: real upstream servers and a real gateway, all on loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.config import Settings, load_config
+from gateway.server import RunningGateway, start_gateway
+from tests.upstream_app import Upstream
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gateway_settings(endpoints: list[str], **overrides: Any) -> Settings:
+    """A one-pool gateway config on an ephemeral port with fast health checks."""
+    pool: dict[str, Any] = {
+        "name": "p",
+        "model": "m",
+        "policy": {"type": "round_robin"},
+        "endpoints": [{"url": u, "name": f"r{i}"} for i, u in enumerate(endpoints)],
+    }
+    pool.update(overrides.pop("pool", {}))
+    data: dict[str, Any] = {
+        "server": {"port": 0, "grace_period_s": 5},
+        "health": {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1},
+        "retry": {"backoff_initial_s": 0.001, "backoff_max_s": 0.01},
+        "pools": [pool],
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return load_config(None, data)
+
+
+@pytest.fixture
+async def upstreams() -> AsyncIterator[Callable[[int], Awaitable[list[Upstream]]]]:
+    started: list[Upstream] = []
+
+    async def make(n: int) -> list[Upstream]:
+        ups = [await Upstream(f"u{i}").start() for i in range(n)]
+        started.extend(ups)
+        return ups
+
+    yield make
+    for u in started:
+        await u.stop()
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[Callable[[Settings], Awaitable[RunningGateway]]]:
+    started: list[RunningGateway] = []
+
+    async def make(settings: Settings) -> RunningGateway:
+        gw = await start_gateway(settings)
+        started.append(gw)
+        return gw
+
+    yield make
+    for gw in started:
+        await gw.stop()
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+PYTHON = sys.executable
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll a condition with a deadline: the one place tests wait on state they cannot await."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(0.01)

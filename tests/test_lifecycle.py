@@ -1,0 +1,99 @@
+"""The gateway as a real process: config errors, graceful shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+
+import httpx
+import yaml
+
+from tests.conftest import PYTHON, free_port, subprocess_env
+
+
+def test_bad_config_exits_nonzero_naming_the_key(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(yaml.safe_dump({"pools": [{"name": "p", "model": "m", "engines": {"replicas": 0}}]}))
+    out = subprocess.run(
+        [PYTHON, "-m", "gateway", "serve", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=30,
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pools.0.engines.replicas" in lines[0]
+    check = subprocess.run(
+        [PYTHON, "-m", "gateway", "check-config", str(cfg)],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=30,
+    )
+    assert check.returncode == 2 and "pools.0.engines.replicas" in check.stderr
+
+
+async def test_sigterm_lets_inflight_stream_finish_then_exits_zero(upstreams, tmp_path):
+    (up,) = await upstreams(1)
+    port = free_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "server": {"port": port, "grace_period_s": 10},
+                "pools": [
+                    {
+                        "name": "p",
+                        "model": "m",
+                        "policy": {"type": "round_robin"},
+                        "endpoints": [{"url": up.url}],
+                    }
+                ],
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "gateway", "serve", "--config", str(cfg)],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient() as c:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    if (await c.get(url + "/ready")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, "gateway did not become ready"
+                await asyncio.sleep(0.05)
+            body = {"model": "m", "prompt": "p", "stream": True}
+            # The upstream holds its answer 1 s; SIGTERM arrives while the request is in flight.
+            async with c.stream(
+                "POST", url + "/v1/completions", json=body, headers={"x-test-mode": "stall:1"}
+            ) as r:
+                deadline = time.monotonic() + 5
+                while not up.state.seen:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+                proc.send_signal(signal.SIGTERM)
+                text = (await r.aread()).decode()
+            assert r.status_code == 200 and text.endswith("data: [DONE]\n\n")
+            # new connections are refused once draining
+            refused = False
+            try:
+                await c.get(url + "/health")
+            except httpx.TransportError:
+                refused = True
+        assert refused
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,165 @@
+"""A small OpenAI-compatible upstream for gateway tests, served on a real loopback socket.
+
+It records what arrives (path, headers, parsed body) and behaves as the request's
+`x-test-mode` header asks: `status:503`, `stall:SECONDS` (before headers), `midstream:N`
+(N SSE chunks, then the connection is cut), `hang-stream` (one chunk, then waits until the
+client leaves), `sglang-error` (SGLang's flat error form with 400), default: answer normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+
+@dataclass
+class Seen:
+    path: str
+    headers: CIMultiDict[str]  # case-insensitive, as HTTP headers are
+    body: dict[str, Any]
+    raw: bytes
+
+
+@dataclass
+class UpstreamState:
+    name: str
+    seen: list[Seen] = field(default_factory=list)
+    disconnects: list[float] = field(default_factory=list)  # monotonic times a client went away
+    healthy: bool = True
+    force_status: int | None = None  # answer every request with this error status
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _completion(state: UpstreamState, body: dict[str, Any], path: str) -> dict[str, Any]:
+    text = f"hello from {state.name}"
+    if path.endswith("chat/completions"):
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "stop",
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": "stop"}
+        obj = "text_completion"
+    return {
+        "id": "cmpl-test",
+        "object": obj,
+        "created": int(time.time()),
+        "model": body.get("model"),
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 4,
+            "total_tokens": 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+    }
+
+
+def _chunk(body: dict[str, Any], path: str, i: int) -> bytes:
+    if path.endswith("chat/completions"):
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": f"tok{i} ", "finish_reason": None}
+        obj = "text_completion"
+    doc = {"id": "cmpl-test", "object": obj, "created": 0, "model": body.get("model"), "choices": [choice]}
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+def build_upstream(state: UpstreamState, chunks: int = 5) -> web.Application:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = orjson.loads(raw)
+        state.seen.append(Seen(request.path, request.headers.copy(), body, raw))
+        mode = request.headers.get("x-test-mode", "")
+        if state.force_status is not None:
+            mode = f"status:{state.force_status}"
+        kind, _, arg = mode.partition(":")
+        rid = {"x-request-id": request.headers.get("x-request-id", "")}
+        if kind == "status":
+            status = int(arg)
+            err = {
+                "error": {
+                    "message": f"{state.name} says {status}",
+                    "type": "server_error",
+                    "param": None,
+                    "code": status,
+                }
+            }
+            return web.json_response(err, status=status, headers=rid)
+        if kind == "sglang-error":
+            flat = {
+                "object": "error",
+                "message": "bad sampling params",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            }
+            return web.json_response(flat, status=400)
+        if kind == "stall":
+            await asyncio.sleep(float(arg))
+        if not body.get("stream"):
+            return web.json_response(_completion(state, body, request.path), headers=rid)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **rid})
+        await resp.prepare(request)
+        try:
+            if kind == "midstream":
+                for i in range(int(arg)):
+                    await resp.write(_chunk(body, request.path, i))
+                assert request.transport is not None
+                request.transport.abort()  # cut the connection: no [DONE], no final chunk
+                return resp
+            if kind == "hang-stream":
+                await resp.write(_chunk(body, request.path, 0))
+                await asyncio.Event().wait()
+            for i in range(chunks):
+                await resp.write(_chunk(body, request.path, i))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            state.disconnects.append(time.monotonic())
+            state.disconnected.set()
+            raise
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({}, status=200 if state.healthy else 503)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", completions)
+    app.router.add_get("/health", health)
+    return app
+
+
+class Upstream:
+    """A running upstream on 127.0.0.1 with an ephemeral port."""
+
+    def __init__(self, name: str, chunks: int = 5) -> None:
+        self.state = UpstreamState(name)
+        self._app = build_upstream(self.state, chunks)
+        self._runner = web.AppRunner(self._app, handler_cancellation=True, access_log=None)
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> Upstream:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
