@@ -23,6 +23,7 @@ from gateway.canonicalize import canonicalize
 from gateway.errors import GatewayError, error_body, normalize_error_body
 from gateway.policy import RequestFeatures
 from gateway.replica import Replica
+from gateway.request_record import RequestRecord
 from gateway.upstream import UpstreamError
 
 if TYPE_CHECKING:
@@ -111,53 +112,72 @@ class Proxy:
 
     # -- entry point ------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        endpoint = ENDPOINTS[request.path]
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        started = time.perf_counter()
+        rec = RequestRecord(request.headers.get("x-request-id") or uuid.uuid4().hex, ENDPOINTS[request.path])
         try:
-            tenant = self.rt.auth.client(request)
-            raw = await read_body(request, self.settings.server.max_body_bytes)
-            body = parse_json_body(raw)
-            model = body.get("model")
-            if model is None or model == "":
-                raise _client_error("you must provide a model parameter", "missing_model", "model")
-            if not isinstance(model, str):
-                raise _client_error("`model` must be a string", "invalid_model", "model")
-            pool_name = self.rt.router.resolve(model, request.headers, body)
-            if pool_name is None:
-                raise GatewayError(
-                    404,
-                    f"the model `{model}` does not exist",
-                    "invalid_request_error",
-                    "model_not_found",
-                    "model",
-                )
-            pool = self.rt.pools[pool_name]
-            changed = False
-            if pool.cfg.canonicalize.enabled and not request.headers.get(
-                pool.cfg.canonicalize.opt_out_header
-            ):
-                result = canonicalize(body, pool.cfg.canonicalize, endpoint)
-                if result.body is not body:
-                    body, changed = result.body, True
-                    log.debug("request %s canonicalized: %s", request_id, "; ".join(result.notes))
-            if model != pool.upstream_model:
-                body["model"] = pool.upstream_model
-                changed = True
-            out = orjson.dumps(body) if changed else raw
-            features = pool.features(body, endpoint, request_id, request.headers)
-            features.tenant = tenant
-            self.rt.scheduler.classify(features, request.headers, body)
-            ticket = await self.rt.scheduler.admit(pool, features)
-            try:
-                return await self._dispatch(request, pool, features, out, request_id, started)
-            finally:
-                ticket.release()
+            response = await self._handle(request, rec)
         except GatewayError as exc:
-            return self.error_response(exc, request_id)
+            response = self.error_response(exc, rec)
+        except asyncio.CancelledError:
+            rec.client_disconnected = True
+            rec.status = 499  # nginx's "client closed request": nobody received an answer
+            raise
+        finally:
+            rec.ended = time.perf_counter()
+            self.rt.observe(rec)
+        return response
 
-    def error_response(self, exc: GatewayError, request_id: str) -> web.Response:
-        headers = {"x-request-id": request_id, **exc.headers}
+    async def _handle(self, request: web.Request, rec: RequestRecord) -> web.StreamResponse:
+        endpoint = rec.endpoint
+        tenant = self.rt.auth.client(request)
+        rec.tenant = tenant
+        raw = await read_body(request, self.settings.server.max_body_bytes)
+        body = parse_json_body(raw)
+        model = body.get("model")
+        if model is None or model == "":
+            raise _client_error("you must provide a model parameter", "missing_model", "model")
+        if not isinstance(model, str):
+            raise _client_error("`model` must be a string", "invalid_model", "model")
+        rec.model = model
+        pool_name = self.rt.router.resolve(model, request.headers, body)
+        if pool_name is None:
+            raise GatewayError(
+                404,
+                f"the model `{model}` does not exist",
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+            )
+        pool = self.rt.pools[pool_name]
+        rec.pool = pool.name
+        changed = False
+        canon = pool.cfg.canonicalize
+        if canon.enabled and not request.headers.get(canon.opt_out_header):
+            result = canonicalize(body, canon, endpoint)
+            if result.body is not body:
+                body, changed = result.body, True
+                log.debug("request %s canonicalized: %s", rec.request_id, "; ".join(result.notes))
+        if model != pool.upstream_model:
+            body["model"] = pool.upstream_model
+            changed = True
+        out = orjson.dumps(body) if changed else raw
+        features = pool.features(body, endpoint, rec.request_id, request.headers)
+        features.tenant = tenant
+        self.rt.scheduler.classify(features, request.headers, body)
+        rec.stream = features.stream
+        rec.prompt_tokens = features.prompt_tokens
+        rec.priority_class = features.priority_class
+        queued_at = time.perf_counter()
+        ticket = await self.rt.scheduler.admit(pool, features)
+        rec.queued_s = time.perf_counter() - queued_at
+        try:
+            return await self._dispatch(request, pool, features, out, rec)
+        finally:
+            ticket.release()
+
+    def error_response(self, exc: GatewayError, rec: RequestRecord) -> web.Response:
+        rec.status = exc.status
+        rec.error_code = exc.code
+        headers = {"x-request-id": rec.request_id, **exc.headers}
         return web.Response(
             status=exc.status, body=exc.body(), content_type="application/json", headers=headers
         )
@@ -175,9 +195,9 @@ class Proxy:
         pool: Pool,
         features: RequestFeatures,
         body: bytes,
-        request_id: str,
-        started: float,
+        rec: RequestRecord,
     ) -> web.StreamResponse:
+        request_id = rec.request_id
         ranked = await pool.rank(features)
         if not ranked:
             raise GatewayError(
@@ -197,6 +217,7 @@ class Proxy:
             if attempt > 0:
                 if not budget.try_spend():
                     break
+                rec.retries += 1
                 delay = min(retry_cfg.backoff_max_s, retry_cfg.backoff_initial_s * 2 ** (attempt - 1))
                 await asyncio.sleep(delay * (0.5 + random.random() / 2))
             if not replica.breaker.try_acquire():
@@ -225,10 +246,12 @@ class Proxy:
                 else:
                     replica.breaker.record_success()
                 pool.learn(features, replica)
-                return await self._relay(request, resp, replica, request_id)
+                rec.replica = replica.name
+                return await self._relay(request, resp, replica, rec)
             finally:
                 lease.release()
         if refused is not None:
+            rec.status = refused.status
             return web.Response(
                 status=refused.status,
                 body=normalize_error_body(refused.raw, refused.status),
@@ -268,9 +291,10 @@ class Proxy:
         request: web.Request,
         resp: aiohttp.ClientResponse,
         replica: Replica,
-        request_id: str,
+        rec: RequestRecord,
     ) -> web.StreamResponse:
-        headers = self._response_headers(resp, replica, request_id)
+        headers = self._response_headers(resp, replica, rec.request_id)
+        rec.status = resp.status
         if resp.status >= 400:
             raw = await self._read_error(resp)
             headers["Content-Type"] = "application/json"
@@ -284,15 +308,16 @@ class Proxy:
                 raise GatewayError(502, str(exc), "upstream_error", "upstream_disconnected") from None
             finally:
                 resp.release()
+            rec.first_byte_at = time.perf_counter()
             return web.Response(status=resp.status, body=raw, headers=headers)
-        return await self._relay_stream(request, resp, headers, request_id)
+        return await self._relay_stream(request, resp, headers, rec)
 
     async def _relay_stream(
         self,
         request: web.Request,
         resp: aiohttp.ClientResponse,
         headers: dict[str, str],
-        request_id: str,
+        rec: RequestRecord,
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status, headers=headers)
         finished = False
@@ -300,15 +325,19 @@ class Proxy:
             await out.prepare(request)
             try:
                 async for chunk in self.rt.upstream.chunks(resp):
+                    if rec.first_byte_at is None:
+                        rec.first_byte_at = time.perf_counter()
                     await out.write(chunk)
             except UpstreamError as exc:
                 # Never truncate silently: the client learns the stream broke.
-                log.warning("request %s: stream from upstream failed: %s", request_id, exc)
+                log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
+                rec.error_code = "upstream_stream_error"
                 await out.write(sse_error_event(str(exc), "upstream_stream_error"))
             await out.write_eof()
             finished = True
         except ConnectionResetError:
-            log.info("request %s: client went away mid-stream", request_id)
+            rec.client_disconnected = True
+            log.info("request %s: client went away mid-stream", rec.request_id)
         finally:
             if finished:
                 resp.release()

@@ -9,6 +9,7 @@ from gateway.config import Settings
 from gateway.health import HealthChecker
 from gateway.pool import Pool
 from gateway.replica import Replica
+from gateway.request_record import Observer, RequestRecord
 from gateway.retry_budget import RetryBudget
 from gateway.rollout import Router
 from gateway.scheduler import Scheduler
@@ -40,6 +41,14 @@ class Runtime:
         self.retry_budget = RetryBudget(settings.retry.budget_ratio)
         self.health = HealthChecker(settings.health, self.all_replicas, lambda: self.upstream.session)
         self.draining = False
+        self.observers: list[Observer] = []
+
+    def observe(self, record: RequestRecord) -> None:
+        for observer in self.observers:
+            try:
+                observer(record)
+            except Exception:  # an observer's bug must not fail the request it observes
+                log.exception("observer %r failed", observer)
 
     def all_replicas(self) -> list[Replica]:
         return [r for p in self.pools.values() for r in p.replicas.values()]

@@ -273,3 +273,17 @@ async def test_load_released_after_every_outcome(upstreams, gateway, stream):
             await c.post(gw.url + "/v1/completions", json=body, headers={"x-test-mode": mode})
     replica = gw.runtime.pools["p"].replicas["r0"]
     assert replica.inflight_requests == 0 and replica.inflight_tokens == 0
+
+
+async def test_observers_receive_one_record_per_request(upstreams, gateway):
+    (up,) = await upstreams(1)
+    gw = await gateway(gateway_settings([up.url]))
+    records = []
+    gw.runtime.observers.append(records.append)
+    async with httpx.AsyncClient() as c:
+        await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "p", "stream": True})
+        await c.post(gw.url + "/v1/completions", json={"model": "zzz", "prompt": "p"})
+    ok, missing = records
+    assert (ok.status, ok.pool, ok.replica, ok.stream, ok.endpoint) == (200, "p", "r0", True, "completions")
+    assert ok.ttft_s is not None and 0 < ok.ttft_s <= ok.duration_s
+    assert (missing.status, missing.error_code, missing.replica) == (404, "model_not_found", None)

@@ -1,0 +1,46 @@
+"""What happened to one request, filled in along its path and handed to observers at its end.
+
+Observers (metrics, access log, traces, rollout statistics) read the record; none of them
+sits in the proxy's code path, so adding one never touches the hot path's logic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    endpoint: str
+    started: float = field(default_factory=time.perf_counter)
+    model: str | None = None  # the name the client asked for
+    pool: str | None = None
+    replica: str | None = None
+    tenant: str | None = None
+    priority_class: str | None = None
+    stream: bool = False
+    prompt_tokens: int = 0
+    matched_tokens: int = 0  # prompt tokens the chosen replica was believed to hold
+    route_reason: str | None = None  # why the policy chose the replica (e.g. "cache_hit", "spill")
+    status: int = 0
+    error_code: str | None = None
+    shed_reason: str | None = None
+    retries: int = 0
+    queued_s: float = 0.0
+    first_byte_at: float | None = None  # perf_counter when the first body byte went to the client
+    ended: float | None = None
+    client_disconnected: bool = False
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_byte_at is None else self.first_byte_at - self.started
+
+    @property
+    def duration_s(self) -> float:
+        return (self.ended or time.perf_counter()) - self.started
+
+
+Observer = Callable[[RequestRecord], None]
