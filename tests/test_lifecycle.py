@@ -85,10 +85,11 @@ async def test_sigterm_lets_inflight_stream_finish_then_exits_zero(upstreams, tm
                 proc.send_signal(signal.SIGTERM)
                 text = (await r.aread()).decode()
             assert r.status_code == 200 and text.endswith("data: [DONE]\n\n")
-            # new connections are refused once draining
-            refused = False
+        # new connections are refused once draining (a fresh client: no pooled keep-alive)
+        refused = False
+        async with httpx.AsyncClient() as fresh:
             try:
-                await c.get(url + "/health")
+                await fresh.get(url + "/health")
             except httpx.TransportError:
                 refused = True
         assert refused
