@@ -64,7 +64,7 @@ class LaunchPlan:
     log_path: Path
     bootstrap_port: int | None = None
     kv_events_endpoint: str | None = None
-    ports: tuple[int, ...] = ()  # every port the replica binds, HTTP first
+    ports: tuple[int, ...] = ()  # every port reserved for the replica, HTTP first
 
     def shell(self) -> str:
         """The command as one shell line, environment first, quoted for copy and paste."""
@@ -121,11 +121,13 @@ def plan_fleet(
         plans: list[LaunchPlan] = []
         for i, role in enumerate(roles):
             aux: dict[str, int] = {}
+            first_reserved = len(reserved)
             for aux_name in adapter.aux_port_names(spec, role):
-                aux[aux_name] = reserve_free_port(spec.host, next_aux)
-                reserved.append(aux[aux_name])
+                span = adapter.aux_port_span(spec, aux_name)
+                aux[aux_name] = reserve_free_port(spec.host, next_aux, span)
+                reserved += range(aux[aux_name], aux[aux_name] + span)
                 if next_aux is not None:
-                    next_aux = aux[aux_name] + 1
+                    next_aux = aux[aux_name] + span
             ids = gpus[i]
             slot = ReplicaSlot(
                 index=i,
@@ -150,7 +152,7 @@ def plan_fleet(
                     log_path=Path(spec.log_dir) / f"{slot.name}.log",
                     bootstrap_port=aux.get(BOOTSTRAP_PORT),
                     kv_events_endpoint=slot.kv_events_endpoint,
-                    ports=(slot.port, *aux.values()),
+                    ports=(slot.port, *reserved[first_reserved:]),
                 )
             )
     except BaseException:

@@ -30,23 +30,30 @@ def reserve_port(host: str, port: int) -> int:
         return port
 
 
-def reserve_free_port(host: str, start: int | None = None) -> int:
-    """A free port: the first free one from `start` upwards, or one the kernel picks (bind to 0)."""
+def reserve_free_port(host: str, start: int | None = None, count: int = 1) -> int:
+    """The first of `count` consecutive free ports: the first such run from `start` upwards, or
+    from a port the kernel picks (bind to 0). All `count` ports are reserved."""
     with _lock:
         if start is not None:
-            for port in range(start, 65536):
-                if port not in _reserved and port_is_free(host, port):
-                    _reserved.add(port)
+            for port in range(start, 65536 - count + 1):
+                if _claim(host, port, count):
                     return port
-            raise OSError(f"no free port from {start} upwards on {host}")
+            raise OSError(f"no {count} free port(s) from {start} upwards on {host}")
         for _ in range(64):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.bind((host, 0))
                 port = sock.getsockname()[1]
-            if port not in _reserved:
-                _reserved.add(port)
+            if port + count <= 65536 and _claim(host, port, count):
                 return port
-        raise OSError(f"no free port on {host}")
+        raise OSError(f"no {count} free port(s) on {host}")
+
+
+def _claim(host: str, first: int, count: int) -> bool:
+    ports = range(first, first + count)
+    if any(p in _reserved or not port_is_free(host, p) for p in ports):
+        return False
+    _reserved.update(ports)
+    return True
 
 
 def release_ports(ports: list[int]) -> None:

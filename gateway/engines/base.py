@@ -146,6 +146,10 @@ class EngineAdapter(ABC):
     def aux_port_names(self, spec: EngineSpec, role: Role) -> tuple[str, ...]:
         """The auxiliary ports (beyond HTTP) a replica with this role needs, each distinct."""
 
+    def aux_port_span(self, spec: EngineSpec, name: str) -> int:
+        """How many consecutive ports the auxiliary port `name` occupies (its first is passed)."""
+        return 1
+
     @abstractmethod
     def command(
         self, spec: EngineSpec, model: str, slot: ReplicaSlot, served_model_name: str | None = None

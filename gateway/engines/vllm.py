@@ -60,6 +60,10 @@ class VLLMAdapter(EngineAdapter):
             names.append(NIXL_SIDE_CHANNEL_PORT)
         return tuple(names)
 
+    def aux_port_span(self, spec: EngineSpec, name: str) -> int:
+        # NIXL listens on VLLM_NIXL_SIDE_CHANNEL_PORT plus the worker's rank.
+        return spec.tensor_parallel_size if name == NIXL_SIDE_CHANNEL_PORT else 1
+
     def command(
         self, spec: EngineSpec, model: str, slot: ReplicaSlot, served_model_name: str | None = None
     ) -> tuple[list[str], dict[str, str]]:

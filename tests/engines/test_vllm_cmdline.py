@@ -193,3 +193,11 @@ def test_priority_direction_and_protocol() -> None:
     assert vllm.engine_priority(2) < vllm.engine_priority(1) < vllm.engine_priority(0)
     assert vllm.pd_protocol == "vllm-nixl-sequential"
     assert vllm.load_path == "/metrics"
+
+
+def test_nixl_side_channel_reserves_a_port_per_tensor_parallel_rank(fleet) -> None:
+    plans = fleet(spec(replicas=2, tensor_parallel_size=2, roles={"prefill": 1, "decode": 1}))
+    firsts = [int(p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) for p in plans]
+    for plan, first in zip(plans, firsts, strict=True):
+        assert plan.ports[1:] == (first, first + 1)
+    assert abs(firsts[0] - firsts[1]) >= 2
