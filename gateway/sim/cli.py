@@ -1,0 +1,191 @@
+"""`python -m gateway.sim` / `kvgate sim`: start simulated engine replicas from a `vllm serve` command line.
+
+Every `vllm serve` flag the simulator models is accepted under vLLM's name (and a few SGLang spellings with
+`--api sglang`); any other flag is accepted with a warning, so real launcher command lines run unchanged.
+Simulator-only flags: --profile, --speedup, --max-waiting, --replicas, --startup-delay, --api, --fault-*,
+--crash-after, --default-max-tokens, --kv-lease-timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+
+from gateway.sim.engine import EngineConfig
+from gateway.sim.faults import FaultConfig
+from gateway.sim.kv_events import parse_kv_events_config
+from gateway.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
+from gateway.sim.server import Replica, ReplicaOptions, serve
+
+log = logging.getLogger("gateway.sim")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvgate sim", description=__doc__.splitlines()[0])
+    p.add_argument("--model", "--model-path", dest="model")
+    p.add_argument("--served-model-name", nargs="+")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="first replica's port (0: pick free ports)")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-num-batched-tokens", "--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--max-num-seqs", "--max-running-requests", type=int, default=1024)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--disable-radix-cache", action="store_true", help="SGLang spelling of no prefix caching")
+    p.add_argument("--block-size", "--page-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", "--mem-fraction-static", type=float, default=0.92)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache bytes per GPU")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=131072)
+    p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    p.add_argument("--enable-priority-scheduling", action="store_true", help="SGLang spelling")
+    p.add_argument("--kv-transfer-config", default=None, help="JSON; kv_role kv_producer|kv_consumer|kv_both")
+    p.add_argument("--kv-events-config", default=None, help="JSON; enable_kv_cache_events, endpoint, topic")
+    p.add_argument("--tensor-parallel-size", "-tp", "--tp-size", type=int, default=None)
+    p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default=None)
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=None)
+    sim = p.add_argument_group("simulator")
+    sim.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
+    sim.add_argument("--speedup", type=float, default=1.0, help="simulated seconds per wall second")
+    sim.add_argument("--max-waiting", "--max-queued-requests", type=int, default=None, help="429 beyond this")
+    sim.add_argument("--replicas", type=int, default=1, help="independent replicas on consecutive ports")
+    sim.add_argument("--startup-delay", type=float, default=0.0, help="seconds of 503 from /health")
+    sim.add_argument("--api", choices=["vllm", "sglang"], default="vllm")
+    sim.add_argument("--fault-error-rate", type=float, default=0.0)
+    sim.add_argument("--fault-error-status", type=int, default=500)
+    sim.add_argument("--fault-stall-rate", type=float, default=0.0)
+    sim.add_argument("--fault-stall-s", type=float, default=0.0)
+    sim.add_argument("--crash-after", type=int, default=None, help="die at the Nth generation request")
+    sim.add_argument("--fault-seed", type=int, default=0)
+    sim.add_argument("--default-max-tokens", type=int, default=64, help="output length without max_tokens")
+    sim.add_argument("--kv-lease-timeout", type=float, default=30.0, help="PD prefill: hold blocks this long")
+    sim.add_argument("--log-level", default="info")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse like `vllm serve [MODEL] FLAGS...`; MODEL only as the first word, so that the values of
+    unknown flags are never mistaken for it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        argv = argv[1:]
+    model_pos = argv.pop(0) if argv and not argv[0].startswith("-") else None
+    args, unknown = build_parser().parse_known_args(argv)
+    args.model_pos = model_pos
+    for flag in unknown:
+        if flag.startswith("-"):
+            log.warning("ignoring engine flag the simulator does not model: %s", flag)
+    return args
+
+
+def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
+    profile = get_profile(args.profile)
+    model = args.model or args.model_pos or "sim-model"
+    chunked = args.enable_chunked_prefill
+    budget = args.max_num_batched_tokens or (8192 if chunked else max(args.max_model_len, 2048))
+    kv_role = None
+    if args.kv_transfer_config:
+        kv_role = json.loads(args.kv_transfer_config).get("kv_role", "kv_both")
+    sglang = args.api == "sglang"
+    mode = None if args.disaggregation_mode in (None, "null") else args.disaggregation_mode
+    out = []
+    for i in range(args.replicas):
+        engine = EngineConfig(
+            profile=profile,
+            kv_cache_dtype=args.kv_cache_dtype,
+            tp=args.tensor_parallel_size,
+            block_size=args.block_size,
+            max_num_batched_tokens=budget,
+            max_num_seqs=args.max_num_seqs,
+            enable_chunked_prefill=chunked,
+            enable_prefix_caching=args.enable_prefix_caching and not args.disable_radix_cache,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            num_gpu_blocks=args.num_gpu_blocks_override,
+            max_model_len=args.max_model_len,
+            scheduling_policy="priority"
+            if args.scheduling_policy == "priority" or args.enable_priority_scheduling or sglang
+            else "fcfs",
+            higher_priority_first=sglang,
+            kv_lease_timeout_s=args.kv_lease_timeout,
+        )
+        boot = args.disaggregation_bootstrap_port if mode == "prefill" else None
+        if boot is None and mode == "prefill":
+            boot = 8998
+        out.append(
+            ReplicaOptions(
+                engine=engine,
+                model=model,
+                served_model_names=args.served_model_name or [model],
+                host=args.host,
+                port=args.port + i if args.port else 0,
+                speedup=args.speedup,
+                max_waiting=args.max_waiting,
+                api=args.api,
+                kv_role=kv_role,
+                disaggregation_mode=mode,
+                bootstrap_port=(boot + i if boot else None),
+                kv_events=parse_kv_events_config(args.kv_events_config),
+                faults=FaultConfig(
+                    args.fault_error_rate,
+                    args.fault_error_status,
+                    args.fault_stall_rate,
+                    args.fault_stall_s,
+                    args.crash_after,
+                    args.fault_seed + i,
+                ),
+                startup_delay_s=args.startup_delay,
+                default_max_tokens=args.default_max_tokens,
+                index=i,
+                single_process_replica=args.replicas == 1,
+            )
+        )
+    return out
+
+
+async def _run(opts: list[ReplicaOptions]) -> None:
+    replicas = [Replica(o) for o in opts]
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
+    with contextlib.suppress(asyncio.CancelledError):
+        await serve(replicas)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    logging.getLogger().setLevel(args.log_level.upper())
+    try:
+        opts = replica_options(args)
+        for o in opts[:1]:
+            log.info(
+                "profile %s (%s); replicas=%d speedup=%g api=%s",
+                o.engine.profile.name,
+                o.engine.profile.source,
+                len(opts),
+                o.speedup,
+                o.api,
+            )
+    except (ValueError, json.JSONDecodeError) as exc:
+        print(f"kvgate sim: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    try:
+        runner(_run(opts))
+    except OSError as exc:
+        print(f"kvgate sim: {exc}", file=sys.stderr)
+        return 1
+    return 0

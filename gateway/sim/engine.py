@@ -1,0 +1,535 @@
+"""The engine core of one simulated replica: vLLM V1-style iteration-level scheduling over a KV block pool.
+
+Each step admits work under a token budget (one token per decoding sequence, prefill chunks for the rest),
+allocates KV blocks (preempting the newest, or lowest-priority, request when memory runs out), asks the cost
+model how long the step takes, and at the step's end advances every scheduled request. Time is `Engine.now`
+in simulated seconds: `run_until_idle`/`advance_to` step it virtually (deterministic tests, benchmarks), and
+`RealtimeRunner` paces the same steps on the wall clock divided by a speedup factor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gateway.sim.cost_model import CostModel, StepShape
+from gateway.sim.kv_cache import BlockPool, block_hashes
+from gateway.sim.metrics import EngineMetrics
+from gateway.sim.profiles import Profile
+
+PENDING, TRANSFER, WAITING, RUNNING, FINISHED = "pending", "transfer", "waiting", "running", "finished"
+
+
+class Sink(Protocol):
+    def on_output(self, req: Request) -> None: ...
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    profile: Profile
+    kv_cache_dtype: str = "auto"
+    tp: int | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.92
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks: int | None = None  # direct override (tests)
+    max_model_len: int = 131072
+    scheduling_policy: str = "fcfs"  # or "priority"
+    higher_priority_first: bool = False  # SGLang semantics
+    kv_lease_timeout_s: float = 30.0  # prefill-side blocks held for a remote decode
+
+
+class Request:
+    __slots__ = (
+        "aborted",
+        "arrival",
+        "blocks",
+        "finish_reason",
+        "finished_at",
+        "first_token_at",
+        "hashes",
+        "id",
+        "kv_lease",
+        "max_tokens",
+        "num_cached",
+        "num_computed",
+        "num_output",
+        "num_preemptions",
+        "num_registered",
+        "prefill_target",
+        "priority",
+        "prompt_ids",
+        "prompt_len",
+        "ready_at",
+        "remote_kv",
+        "remote_kv_loaded",
+        "scheduled_at",
+        "sink",
+        "sort_key",
+        "state",
+        "transfer_s",
+    )
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        block_size: int = 16,
+        remote_kv: bool = False,
+        kv_lease: bool = False,
+        sink: Sink | None = None,
+    ) -> None:
+        self.id = req_id
+        self.prompt_ids = prompt_ids
+        self.prompt_len = len(prompt_ids)
+        self.max_tokens = max_tokens
+        self.priority = priority
+        self.hashes = block_hashes(prompt_ids, block_size, cache_salt)
+        self.remote_kv = remote_kv  # decode leg: the prompt's KV comes from a prefill replica
+        self.remote_kv_loaded = False
+        self.kv_lease = kv_lease  # prefill leg: keep the blocks for the decode replica to pull
+        self.sink = sink
+        self.state = PENDING
+        self.aborted = False
+        self.blocks: list[int] = []
+        self.num_computed = 0
+        self.num_registered = 0
+        self.num_output = 0
+        self.num_cached = 0
+        self.num_preemptions = 0
+        self.prefill_target = self.prompt_len
+        self.arrival = self.ready_at = 0.0
+        self.scheduled_at: float | None = None
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.finish_reason: str | None = None
+        self.transfer_s = 0.0
+        self.sort_key: tuple[Any, ...] = ()
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+
+class _WaitQueue:
+    """FCFS deque or priority heap; aborted entries are skipped lazily."""
+
+    def __init__(self, priority: bool) -> None:
+        self._priority = priority
+        self._dq: deque[Request] = deque()
+        self._heap: list[tuple[tuple[Any, ...], Request]] = []
+        self.live = 0
+
+    def push(self, req: Request, front: bool = False) -> None:
+        self.live += 1
+        if self._priority:
+            heapq.heappush(self._heap, (req.sort_key, req))
+        elif front:
+            self._dq.appendleft(req)
+        else:
+            self._dq.append(req)
+
+    def peek(self) -> Request | None:
+        if self._priority:
+            while self._heap and self._heap[0][1].aborted:
+                heapq.heappop(self._heap)
+            return self._heap[0][1] if self._heap else None
+        while self._dq and self._dq[0].aborted:
+            self._dq.popleft()
+        return self._dq[0] if self._dq else None
+
+    def pop(self) -> Request:
+        self.live -= 1
+        return heapq.heappop(self._heap)[1] if self._priority else self._dq.popleft()
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = c = config
+        self.cost = CostModel(c.profile, c.kv_cache_dtype, c.tp)
+        self.block_size = c.block_size
+        num_blocks = c.num_gpu_blocks or self.cost.num_gpu_blocks(
+            c.block_size, c.gpu_memory_utilization, c.kv_cache_memory_bytes
+        )
+        self.pool = BlockPool(num_blocks, c.block_size, c.enable_prefix_caching)
+        self.now = 0.0
+        self.metrics = EngineMetrics()
+        self.running: list[Request] = []
+        self.waiting = _WaitQueue(c.scheduling_policy == "priority")
+        self._pending: list[tuple[float, int, Request]] = []  # not yet schedulable: front end, KV transfer
+        self._leases: dict[str, Request] = {}
+        self._lease_heap: list[tuple[float, str]] = []
+        self._seq = itertools.count()
+        self._link_free_at = 0.0
+        self.on_output: Callable[[list[Request]], None] | None = None
+        self.on_step: Callable[[], None] | None = None  # after each step (KV events flush)
+        self.steps = 0
+        self.last_step_s = 0.0
+
+    # ---- requests ------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return self.waiting.live + len(self._pending)
+
+    def add_request(self, req: Request, at: float | None = None, frontend: bool = True) -> None:
+        req.arrival = self.now if at is None else at
+        req.ready_at = req.arrival + (self.cost.frontend_time(req.prompt_len) if frontend else 0.0)
+        p = req.priority if not self.config.higher_priority_first else -req.priority
+        req.sort_key = (p, req.arrival, next(self._seq))
+        heapq.heappush(self._pending, (req.ready_at, next(self._seq), req))
+
+    def abort(self, req: Request) -> None:
+        if req.aborted or req.state == FINISHED:
+            return
+        req.aborted = True  # in _pending or the wait queue it is skipped when it surfaces
+        if req.state == RUNNING:
+            self.running.remove(req)
+        elif req.state == WAITING:
+            self.waiting.live -= 1
+        if req.blocks:
+            self.pool.free(req.blocks)
+            req.blocks = []
+        req.state = FINISHED
+        req.finish_reason = "abort"
+
+    def release_lease(self, req_id: str) -> bool:
+        req = self._leases.pop(req_id, None)
+        if req is None:
+            return False
+        self.pool.free(req.blocks)
+        req.blocks = []
+        return True
+
+    @property
+    def leased(self) -> dict[str, Request]:
+        return self._leases
+
+    # ---- clock ---------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """Surface what became ready by `now`: requests past the front end, finished KV transfers, leases."""
+        now = self.now
+        pend = self._pending
+        while pend and pend[0][0] <= now:
+            _, _, req = heapq.heappop(pend)
+            if req.aborted:
+                continue
+            if req.remote_kv and req.state == PENDING:
+                hit = len(self.pool.match_prefix(req.hashes)) * self.block_size
+                req.transfer_s = self.cost.transfer_time(max(req.prompt_len - hit, 0))
+                self._link_free_at = max(self._link_free_at, req.ready_at) + req.transfer_s
+                req.state = TRANSFER
+                heapq.heappush(pend, (self._link_free_at, next(self._seq), req))
+                continue
+            req.remote_kv_loaded = req.state == TRANSFER
+            req.state = WAITING
+            self.waiting.push(req)
+        while self._lease_heap and self._lease_heap[0][0] <= now:
+            _, rid = heapq.heappop(self._lease_heap)
+            self.release_lease(rid)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self.waiting.peek() is not None
+
+    def next_event_time(self) -> float | None:
+        times = []
+        if self._pending:
+            times.append(self._pending[0][0])
+        if self._lease_heap:
+            times.append(self._lease_heap[0][0])
+        return min(times) if times else None
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _victim(self) -> Request:
+        if self.waiting._priority:
+            return max(self.running, key=lambda r: r.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.pool.free(victim.blocks)
+        victim.blocks = []
+        victim.num_computed = 0
+        victim.num_registered = 0
+        victim.prefill_target = victim.prompt_len + victim.num_output
+        victim.num_preemptions += 1
+        victim.state = WAITING
+        self.metrics.num_preemptions += 1
+        self.waiting.push(victim, front=True)
+
+    def schedule(self) -> tuple[dict[Request, int], StepShape]:
+        c = self.config
+        bs = self.block_size
+        pool = self.pool
+        budget = c.max_num_batched_tokens
+        sched: dict[Request, int] = {}
+        preempted = False
+        i = 0
+        running = self.running
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = (
+                min(req.prefill_target - req.num_computed, budget)
+                if req.num_computed < req.prefill_target
+                else 1
+            )
+            need = (req.num_computed + n + bs - 1) // bs - len(req.blocks)
+            ok = True
+            while need > 0:
+                new = pool.allocate(need)
+                if new is not None:
+                    req.blocks += new
+                    break
+                victim = self._victim()
+                if victim in sched:
+                    budget += sched.pop(victim)
+                vi = running.index(victim)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    ok = False
+                    break
+                if vi < i:
+                    i -= 1
+            if not ok:
+                continue  # req left `running`: the same index is now the next request
+            sched[req] = n
+            budget -= n
+            i += 1
+
+        admitted_tokens = 0
+        if not preempted:
+            waiting = self.waiting
+            while budget > 0 and len(running) < c.max_num_seqs:
+                req = waiting.peek()
+                if req is None:
+                    break
+                target = req.prefill_target
+                hit = pool.match_prefix(req.hashes[: (target - 1) // bs])
+                start = len(hit) * bs
+                if req.remote_kv_loaded:
+                    start = target - 1  # the rest arrived from the prefill replica
+                n = target - start
+                if not c.enable_chunked_prefill and n > budget:
+                    break
+                n = min(n, budget)
+                need = (start + n + bs - 1) // bs - len(hit)
+                if need > pool.num_free - pool.evictable_among(hit):
+                    break
+                waiting.pop()
+                pool.touch(hit)
+                req.blocks = hit + (pool.allocate(need) or [])
+                req.num_computed = start
+                req.num_registered = len(hit)
+                req.state = RUNNING
+                m = self.metrics
+                m.prefix_cache_queries += req.prompt_len
+                m.prefix_cache_hits += len(hit) * bs
+                if req.scheduled_at is None:
+                    req.scheduled_at = self.now
+                    req.num_cached = len(hit) * bs
+                    m.queue_time.observe(self.now - req.ready_at)
+                    admitted_tokens += req.prompt_len
+                running.append(req)
+                sched[req] = n
+                budget -= n
+
+        p_tok = d_seqs = d_ctx = p_ctx = 0
+        pairs = 0.0
+        for req, n in sched.items():
+            if req.num_computed < req.prefill_target:
+                p_tok += n
+                pairs += n * (req.num_computed + n / 2)
+                p_ctx += req.num_computed + n
+            else:
+                d_seqs += 1
+                d_ctx += req.num_computed + 1
+        shape = StepShape(p_tok, pairs, p_ctx, d_seqs, d_ctx, admitted_tokens, len(sched))
+        return sched, shape
+
+    def complete(self, sched: dict[Request, int], step_s: float) -> list[Request]:
+        """Apply a step that ended at `self.now`; returns the requests that produced a token."""
+        bs = self.block_size
+        pool = self.pool
+        m = self.metrics
+        now = self.now
+        outputs: list[Request] = []
+        decoded = 0
+        for req, n in sched.items():
+            if req.aborted:
+                continue
+            prefilling = req.num_computed < req.prefill_target
+            req.num_computed += n
+            if prefilling:
+                full = min(req.num_computed, req.prompt_len) // bs
+                for b in range(req.num_registered, full):
+                    parent = req.hashes[b - 1] if b else None
+                    pool.register(req.blocks[b], req.hashes[b], parent, req.prompt_ids[b * bs : (b + 1) * bs])
+                req.num_registered = max(req.num_registered, full)
+                if req.num_computed < req.prefill_target:
+                    continue  # more chunks to go
+            else:
+                decoded += 1
+            req.num_output += 1
+            outputs.append(req)
+            if req.first_token_at is None:
+                req.first_token_at = now
+                m.ttft.observe(now - req.arrival)
+                m.prompt_tokens += req.prompt_len
+            if req.num_output >= req.max_tokens:
+                self._finish(req)
+        if decoded:
+            m.itl.observe(step_s, decoded)
+        m.generation_tokens += len(outputs)
+        return outputs
+
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        req.state = FINISHED
+        req.finished_at = self.now
+        req.finish_reason = req.finish_reason or "length"
+        m = self.metrics
+        m.requests_finished += 1
+        m.e2e.observe(self.now - req.arrival)
+        if req.kv_lease:
+            self._leases[req.id] = req
+            heapq.heappush(self._lease_heap, (self.now + self.config.kv_lease_timeout_s, req.id))
+        else:
+            self.pool.free(req.blocks)
+            req.blocks = []
+
+    def _after_step(self, outputs: list[Request]) -> None:
+        self.steps += 1
+        if outputs and self.on_output is not None:
+            self.on_output(outputs)
+        if self.on_step is not None:
+            self.on_step()
+
+    def step(self) -> float:
+        """One virtual step: schedule at `now`, advance by its duration, apply it. Returns the duration."""
+        self.tick()
+        sched, shape = self.schedule()
+        if not sched:
+            return 0.0
+        t = self.cost.step_time(shape)
+        self.now += t
+        self.last_step_s = t
+        self._after_step(self.complete(sched, t))
+        return t
+
+    # ---- virtual clock drivers -----------------------------------------------------------------
+    def advance_to(self, t: float) -> None:
+        """Run steps (and idle gaps) until simulated time `t`; a step in progress may overshoot it."""
+        while self.now < t:
+            if self.step():
+                continue
+            nxt = self.next_event_time()
+            self.now = t if nxt is None or nxt > t else max(self.now, nxt)
+
+    def run_until_idle(self, limit_s: float = 1e6) -> None:
+        while self.now < limit_s:
+            if self.step():
+                continue
+            if not self._pending:
+                return  # nothing will change any more (only leases left, or work that cannot fit)
+            self.now = max(self.now, self._pending[0][0])
+
+    def state(self) -> dict[str, Any]:
+        p = self.pool
+        return {
+            "now_s": self.now,
+            "running": len(self.running),
+            "waiting": self.num_waiting,
+            "num_gpu_blocks": p.num_blocks,
+            "block_size": p.block_size,
+            "used_blocks": p.num_used,
+            "free_blocks": p.num_free,
+            "cached_blocks": p.num_cached,
+            "kv_cache_usage": p.usage,
+            "leased_requests": len(self._leases),
+            "steps": self.steps,
+            "counters": self.metrics.as_dict(),
+        }
+
+
+class RealtimeRunner:
+    """Paces an engine's steps on the event loop's clock: simulated seconds = wall seconds * speedup.
+
+    Each step sleeps until an absolute deadline, so wake-up jitter does not accumulate; if the loop falls
+    more than `max_lag_s` behind (an overloaded CPU), the simulated clock jumps forward instead of bursting.
+    """
+
+    def __init__(self, engine: Engine, speedup: float = 1.0, max_lag_s: float = 0.05) -> None:
+        self.engine = engine
+        self.speedup = speedup
+        self.max_lag_s = max_lag_s
+        self._wake = asyncio.Event()
+        self._t0 = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self.lag_events = 0
+
+    def sim_now(self) -> float:
+        """Simulated time of this instant (for request arrivals between steps)."""
+        wall = (asyncio.get_running_loop().time() - self._t0) * self.speedup
+        return max(self.engine.now, wall)
+
+    def submit(self, req: Request) -> None:
+        self.engine.add_request(req, at=self.sim_now())
+        self._wake.set()
+
+    def start(self) -> None:
+        self._t0 = asyncio.get_running_loop().time()
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        eng = self.engine
+        loop = asyncio.get_running_loop()
+        speed = self.speedup
+        idle = True
+        while True:
+            wall_sim = (loop.time() - self._t0) * speed
+            if idle:
+                eng.now = max(eng.now, wall_sim)
+            elif wall_sim - eng.now > self.max_lag_s * speed:
+                eng.now = wall_sim  # too far behind to catch up: the engine just ran slower
+                self.lag_events += 1
+            idle = False
+            eng.tick()
+            sched, shape = eng.schedule() if eng.has_work() else ({}, None)
+            if sched and shape is not None:
+                t = eng.cost.step_time(shape)
+                delay = self._t0 + (eng.now + t) / speed - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                eng.now += t
+                eng.last_step_s = t
+                eng._after_step(eng.complete(sched, t))
+                continue
+            idle = True
+            nxt = eng.next_event_time()
+            self._wake.clear()
+            timeout = None if nxt is None else max(0.0, self._t0 + nxt / speed - loop.time())
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass

@@ -1,0 +1,111 @@
+"""The OpenAI wire format of the simulator: chat template, deterministic output text, response bodies, errors.
+
+Generated text is a fixed cycle of common English words, each a single cl100k token with its leading space, so
+`completion_tokens` equals the number of words and a re-tokenizing client counts the same. Chunks are built
+from pre-encoded byte pieces because a streaming step writes one chunk per running request.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+_WORDS = (
+    "the of and to in is that for it as with was on be by at this are from or have an not but which one all "
+    "were they we can has more will their if so about when would there what out up other some into its time "
+    "only no new like then than also these two may first way any could after most over such made where "
+    "my many through each how very"
+).split()
+VOCAB = [" " + w for w in _WORDS]
+_VOCAB_JSON = [orjson.dumps(w)[1:-1] for w in VOCAB]
+_STRIDE = 7  # coprime with len(VOCAB): the cycle visits every word
+
+
+def render_chat(messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+    """A simple deterministic template: tools as JSON first, then per message a role marker and content."""
+    parts: list[str] = []
+    if tools:
+        parts.append("<|tools|>\n" + orjson.dumps(tools).decode() + "\n")
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        elif content is None:
+            content = ""
+        if m.get("tool_calls"):
+            content += orjson.dumps(m["tool_calls"]).decode()
+        parts.append(f"<|{m.get('role', 'user')}|>\n{content}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def output_seed(prompt_len: int, index: int, seed: int | None) -> int:
+    return ((seed or 0) * 31 + prompt_len * 13 + index) % len(VOCAB)
+
+
+def output_text(seed: int, start: int, end: int) -> str:
+    n = len(VOCAB)
+    return "".join(VOCAB[(seed + k * _STRIDE) % n] for k in range(start, end))
+
+
+def output_json(seed: int, start: int, end: int) -> bytes:
+    n = len(VOCAB)
+    return b'"' + b"".join(_VOCAB_JSON[(seed + k * _STRIDE) % n] for k in range(start, end)) + b'"'
+
+
+class ChunkFormat:
+    """Byte templates for one response's SSE chunks (chat or text completion)."""
+
+    __slots__ = ("_head", "_mid", "_tail_fmt", "chat")
+
+    def __init__(self, chat: bool, resp_id: str, model: str, created: int) -> None:
+        self.chat = chat
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        self._head = orjson.dumps({"id": resp_id, "object": obj, "created": created, "model": model})[:-1]
+        self._mid = b',"choices":[{"index":'
+
+    def chunk(self, index: int, content: bytes, first: bool, finish: str | None) -> bytes:
+        fin = b"null" if finish is None else b'"' + finish.encode() + b'"'
+        if self.chat:
+            role = b'"role":"assistant",' if first else b""
+            body = (
+                b',"delta":{' + role + b'"content":' + content + b'},"logprobs":null,"finish_reason":' + fin
+            )
+        else:
+            body = b',"text":' + content + b',"logprobs":null,"finish_reason":' + fin + b',"stop_reason":null'
+        return b"data: " + self._head + self._mid + str(index).encode() + body + b"}]}\n\n"
+
+    def usage_chunk(self, usage: dict[str, Any]) -> bytes:
+        return b"data: " + self._head + b',"choices":[],"usage":' + orjson.dumps(usage) + b"}\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+
+
+def error_body(status: int, message: str, flat: bool = False, param: str | None = None) -> dict[str, Any]:
+    """vLLM's `{"error": {...}}`, or SGLang's flat non-streaming form."""
+    err = {
+        "message": message,
+        "type": _TYPES.get(status, "InternalServerError"),
+        "param": param,
+        "code": status,
+    }
+    return {"object": "error", **err} if flat else {"error": err}
