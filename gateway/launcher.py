@@ -91,7 +91,8 @@ class ReplicaStatus:
     state: ReplicaState = "idle"
     pid: int | None = None
     restarts: int = 0
-    failures: int = 0  # consecutive failed starts or crashes since it was last ready
+    failures: int = 0  # failed starts and early crashes in a row: the backoff exponent
+    ready_since: float | None = None  # time.monotonic() when last announced
     last_error: str | None = None
 
 
@@ -312,7 +313,7 @@ class FleetLauncher:
         def settled() -> bool:
             states = self._replicas.values()
             return all(r.status.state == "ready" for r in states) or (
-                fail_fast and any(r.status.failures for r in states)
+                fail_fast and any(r.status.state != "ready" and r.status.last_error for r in states)
             )
 
         try:
@@ -373,6 +374,11 @@ class FleetLauncher:
                 error = f"could not be started: {exc}"
             if self._stopping:
                 return
+            if status.ready_since is not None and time.monotonic() - status.ready_since >= (
+                self.spec.restart_backoff_max_s
+            ):
+                status.failures = 0  # it ran for a good while: this crash starts a new series
+            status.ready_since = None
             status.failures += 1
             status.last_error = (
                 f"replica {name} {error}; last {LOG_TAIL_LINES} lines of {replica.plan.log_path}:\n"
@@ -383,7 +389,7 @@ class FleetLauncher:
                 self.spec.restart_backoff_max_s, self.spec.restart_backoff_s * 2 ** (status.failures - 1)
             )
             await self._set_state(replica, "backoff")
-            log.info("restarting replica %s in %.1f s", name, delay)
+            log.info("restarting replica %s in %.2f s", name, delay)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop_event.wait(), delay)
             status.restarts += 1
@@ -398,8 +404,8 @@ class FleetLauncher:
             if error is not None:
                 await self._terminate(replica)
                 return error
-            replica.status.failures = 0
             replica.status.last_error = None
+            replica.status.ready_since = time.monotonic()
             await self._set_state(replica, "ready")
             log.info("replica %s ready at %s (pid %d)", plan.name, plan.url, proc.pid)
             await _call(self._on_ready, self._launched(replica))

@@ -232,3 +232,20 @@ def test_dry_run_renders_a_vllm_pd_fleet() -> None:
     events = [json.loads(c.split("--kv-events-config ")[1].split("'")[1])["endpoint"] for c in commands]
     assert len(set(events)) == 3
     assert "remote" not in text
+
+
+async def test_restart_backoff_doubles_up_to_the_cap(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = fast_spec(tmp_path, command=[sys.executable, "-c", "raise SystemExit(1)"], restart_backoff_s=0.05)
+    caplog.set_level(logging.INFO, logger="kvgate.launcher")
+    launcher = FleetLauncher("loop", spec, "tiny", lambda r: None, lambda n: None)
+    await launcher.start()
+    try:
+        await until(lambda: launcher.status()["loop-0"].restarts >= 5)
+    finally:
+        await launcher.stop()
+    delays = [
+        r.getMessage().rsplit(" in ", 1)[1] for r in caplog.records if "restarting replica" in r.getMessage()
+    ]
+    assert delays[:5] == ["0.05 s", "0.10 s", "0.20 s", "0.40 s", "0.40 s"]
