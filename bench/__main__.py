@@ -1,0 +1,5 @@
+"""`python -m bench ...`: the same as `kvgate bench ...`."""
+
+from bench.cli import main
+
+raise SystemExit(main())

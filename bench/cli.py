@@ -1,0 +1,222 @@
+"""`kvgate bench` (also `python -m bench`): run workloads, replay traces, compare configurations.
+
+kvgate bench list
+kvgate bench run --workload shared-prefix --set groups=8 --rate 4 --target http://127.0.0.1:8000
+kvgate bench replay --trace conversation --length-scale 0.1 --time-scale 0.05 --target URL
+kvgate bench scenario routing --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import loadgen, procs
+from bench.client import ClientOptions
+from bench.loadgen import LoadSpec
+from bench.report import write_reports
+from bench.scenario import (
+    DEFAULT_OUT,
+    RunPoint,
+    available_scenarios,
+    load_scenario,
+    point_from_result,
+    run_scenario,
+)
+from bench.stats import summarize
+from bench.workloads import WORKLOADS, make_workload
+
+DEFAULT_TARGET = f"http://{procs.HOST}:8000"
+
+
+def _parse_sets(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set expects key=value, got {pair!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load")
+    g.add_argument("--rate", type=float, action="append", default=[], help="Poisson req/s; repeat for sweeps")
+    g.add_argument("--concurrency", type=int, action="append", default=[], help="closed loop with C clients")
+    g.add_argument("--trace-arrivals", action="store_true", help="send at the workload's own timestamps")
+    g.add_argument("--duration", type=float, help="stop sending after this many seconds")
+    g.add_argument("--max-requests", type=int)
+    g.add_argument("--warmup-requests", type=int, default=0, help="sent first, left out of the statistics")
+    g.add_argument("--warmup-s", type=float, default=0.0)
+    g.add_argument("--drain-timeout", type=float, default=120.0, help="wait for in-flight requests (s)")
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target")
+    g.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        help=f"gateway or engine base URL; repeat to round-robin over engines (default {DEFAULT_TARGET})",
+    )
+    g.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
+    g.add_argument("--api", choices=["chat", "completions"], default="chat")
+    g.add_argument("--api-key")
+    g.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (plain OpenAI)")
+    g.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
+    g.add_argument("--label", default="target", help="name of this configuration in the report")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", type=Path, help="report directory (default bench/out/<workload>)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="list workloads and scenarios")
+
+    run = sub.add_parser("run", help="run one workload against running targets")
+    run.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="workload parameter")
+    _add_target_args(run)
+    _add_load_args(run)
+
+    replay = sub.add_parser("replay", help="replay a Mooncake trace at its own timestamps")
+    replay.add_argument("--trace", default="conversation", help="conversation | synthetic | a .jsonl name")
+    replay.add_argument("--data-dir", help="trace folder (default ../shared/data/mooncake from the repo)")
+    replay.add_argument("--length-scale", type=float, default=1.0, help="scale block size and lengths")
+    replay.add_argument("--output-scale", type=float, help="scale output lengths (default: length scale)")
+    replay.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival offsets")
+    replay.add_argument("--start-s", type=float, default=0.0, help="skip the trace before this offset")
+    replay.add_argument("--max-input-tokens", type=int, help="drop longer (scaled) prompts")
+    _add_target_args(replay)
+    _add_load_args(replay)
+
+    scen = sub.add_parser("scenario", help="side-by-side comparison with its own fleet and gateways")
+    scen.add_argument("scenario", help=f"built-in name ({', '.join(available_scenarios())}) or a YAML path")
+    size = scen.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_const", dest="size", const="quick", help="CI size (<1 min)")
+    size.add_argument("--size", default="full", help="a size the scenario defines (default full)")
+    scen.add_argument("--only", help="comma-separated config names to run")
+    scen.add_argument("--baseline", help="config the ratios are relative to")
+    scen.add_argument("--out", type=Path, help="report directory (default bench/out/<scenario>)")
+    return parser
+
+
+def _loads(args: argparse.Namespace, trace_default: bool) -> list[LoadSpec]:
+    common: dict[str, Any] = {
+        "duration_s": args.duration,
+        "max_requests": args.max_requests,
+        "warmup_requests": args.warmup_requests,
+        "warmup_s": args.warmup_s,
+        "drain_timeout_s": args.drain_timeout,
+        "seed": args.seed,
+    }
+    loads = [LoadSpec(mode="poisson", rate=r, **common) for r in args.rate]
+    loads += [LoadSpec(mode="closed", concurrency=c, **common) for c in args.concurrency]
+    if args.trace_arrivals or (trace_default and not loads):
+        loads.append(LoadSpec(mode="trace", **common))
+    if not loads:
+        raise SystemExit("give a load: --rate R, --concurrency C or --trace-arrivals")
+    return loads
+
+
+def _run_workload(args: argparse.Namespace, workload_name: str, params: dict[str, Any], trace: bool) -> int:
+    workload = make_workload(workload_name, params)
+    requests = workload.build(args.seed)
+    targets = args.target or [DEFAULT_TARGET]
+    opts = ClientOptions(
+        model=args.model,
+        api=args.api,
+        ignore_eos=not args.no_ignore_eos,
+        timeout_s=args.timeout,
+        api_key=args.api_key,
+    )
+    points: list[RunPoint] = []
+    for load in _loads(args, trace):
+        print(f"[{workload_name}] {args.label} @ {load.label} -> {', '.join(targets)} ...", flush=True)
+        result = asyncio.run(loadgen.run(requests, load, targets, opts))
+        summary = summarize(result)
+        for warning in summary["warnings"]:
+            print(f"    WARNING: {warning}", file=sys.stderr)
+        points.append(point_from_result(args.label, result, summary))
+    out = args.out or DEFAULT_OUT / workload_name
+    meta = {
+        "workload": f"{workload_name} {params}",
+        "seed": args.seed,
+        "requests built": len(requests),
+        "targets": ", ".join(targets),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    paths = write_reports(out, f"kvgate bench: {workload_name}", points, args.label, meta)
+    print((out / "report.md").read_text())
+    print("reports: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _scenario(args: argparse.Namespace) -> int:
+    scenario = load_scenario(args.scenario)
+    if args.baseline:
+        scenario.baseline = args.baseline
+    only = args.only.split(",") if args.only else None
+    size = args.size or "full"
+    out = args.out or DEFAULT_OUT / scenario.name
+    points = run_scenario(scenario, size, out, only=only, progress=lambda m: print(m, flush=True))
+    baseline = scenario.baseline_name if not only or scenario.baseline_name in only else points[0].config
+    size_spec = scenario.size(size)
+    meta = {
+        "scenario": f"{scenario.name} ({size}): {scenario.description}".strip(),
+        "workload": f"{scenario.workload} {size_spec.workload}",
+        "seed": scenario.seed,
+        "fleet": f"{scenario.fleet.module} profile {scenario.fleet.profile}, overrides {size_spec.fleet}",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+    paths = write_reports(out, f"kvgate bench scenario: {scenario.name}", points, baseline, meta)
+    print((out / "report.md").read_text())
+    print("reports: " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _list() -> int:
+    print("workloads:")
+    for name, cls in sorted(WORKLOADS.items()):
+        print(f"  {name:24s} {cls.summary}")
+    print("scenarios:")
+    for name in available_scenarios():
+        scenario = load_scenario(name)
+        print(f"  {name:24s} {scenario.description} [{', '.join(c.name for c in scenario.configs)}]")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    procs.raise_keyboard_interrupt_on_sigterm()
+    try:
+        if args.command == "list":
+            return _list()
+        if args.command == "run":
+            return _run_workload(args, args.workload, _parse_sets(args.set), trace=False)
+        if args.command == "replay":
+            params = {
+                "trace": args.trace,
+                "data_dir": args.data_dir,
+                "length_scale": args.length_scale,
+                "output_scale": args.output_scale,
+                "time_scale": args.time_scale,
+                "start_s": args.start_s,
+                "max_requests": args.max_requests,
+                "max_input_tokens": args.max_input_tokens,
+            }
+            return _run_workload(args, "mooncake", params, trace=True)
+        return _scenario(args)
+    except KeyboardInterrupt:
+        print("interrupted; child processes stopped", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, procs.ProcessError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

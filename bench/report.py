@@ -1,0 +1,189 @@
+"""Report files of a benchmark: report.json, report.md (tables with ratios), PNG plots.
+
+The Markdown table has one row per (configuration, load point); ratio columns compare each row
+with the baseline configuration at the same load point (x0.50 = half the baseline's value).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from bench.scenario import RunPoint
+
+MAIN_COLUMNS = (
+    "config", "load", "ok/sent", "TTFT p50", "p95", "p99", "ITL p50", "p95", "e2e p50", "p95", "req/s",
+    "out tok/s", "offered / sent rps", "cache hit", "spread", "errors",
+    "TTFT p50 ratio", "TTFT p95 ratio", "req/s ratio",
+)  # fmt: skip
+BREAKDOWN_COLUMNS = (
+    "config", "load", "split", "class", "ok/sent", "TTFT p50", "p95", "p99", "e2e p95", "cache hit", "errors",
+)  # fmt: skip
+
+
+def _header(columns: Sequence[str]) -> list[str]:
+    return ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+
+
+def _f(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _ratio(v: float | None, base: float | None) -> str:
+    if v is None or not base:
+        return "-"
+    return f"x{v / base:.2f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v * 100:.1f}%"
+
+
+def _errors(summary: dict[str, Any]) -> str:
+    errs = summary["errors"]
+    return ", ".join(f"{k}:{v}" for k, v in sorted(errs.items())) or "0"
+
+
+def markdown(title: str, points: Sequence[RunPoint], baseline: str, meta: dict[str, Any]) -> str:
+    base = {p.load: p.summary for p in points if p.config == baseline}
+    lines = [f"# {title}", ""]
+    lines += [f"- {k}: {v}" for k, v in meta.items()]
+    lines += ["", f"Ratios are relative to `{baseline}` at the same load. Latencies in ms (wall clock)."]
+    warned = [(p, w) for p in points for w in p.summary["warnings"]]
+    if warned:
+        lines += [""] + [f"> **WARNING ({p.config} @ {p.load}): {w}**" for p, w in warned]
+    lines += [
+        "",
+        *_header(MAIN_COLUMNS),
+    ]
+    for p in points:
+        s = p.summary
+        b = base.get(p.load, {})
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    p.config,
+                    p.load,
+                    f"{s['ok']}/{s['requests']}",
+                    _f(s["ttft_ms"]["p50"]),
+                    _f(s["ttft_ms"]["p95"]),
+                    _f(s["ttft_ms"]["p99"]),
+                    _f(s["itl_ms"]["p50"], 2),
+                    _f(s["itl_ms"]["p95"], 2),
+                    _f(s["e2e_ms"]["p50"]),
+                    _f(s["e2e_ms"]["p95"]),
+                    _f(s["throughput_rps"], 2),
+                    _f(s["output_tokens_per_s"], 0),
+                    f"{_f(s['offered_rps'], 2)} / {_f(s['sent_rps'], 2)}",
+                    _pct(s["cache_hit_rate"]),
+                    _f(s["replica_spread"], 2),
+                    _errors(s),
+                    _ratio(s["ttft_ms"]["p50"], (b.get("ttft_ms") or {}).get("p50")),
+                    _ratio(s["ttft_ms"]["p95"], (b.get("ttft_ms") or {}).get("p95")),
+                    _ratio(s["throughput_rps"], b.get("throughput_rps")),
+                ]
+            )
+            + " |"
+        )
+    breakdown = [
+        (p, key, s) for p in points for key in ("by_priority", "by_kind") if (s := p.summary.get(key))
+    ]
+    if breakdown:
+        lines += [
+            "",
+            "## Breakdown by class",
+            "",
+            *_header(BREAKDOWN_COLUMNS),
+        ]
+        for p, key, groups in breakdown:
+            for label, g in groups.items():
+                lines.append(
+                    f"| {p.config} | {p.load} | {key[3:]} | {label} | {g['ok']}/{g['requests']} | "
+                    f"{_f(g['ttft_ms']['p50'])} | {_f(g['ttft_ms']['p95'])} | {_f(g['ttft_ms']['p99'])} | "
+                    f"{_f(g['e2e_ms']['p95'])} | {_pct(g['cache_hit_rate'])} | {_errors(g)} |"
+                )
+    lines += ["", "Requests per replica:", ""]
+    lines += [f"- {p.config} @ {p.load}: {p.summary['requests_per_replica']}" for p in points]
+    return "\n".join(lines) + "\n"
+
+
+def ttft_cdf_plot(points: Sequence[RunPoint], path: Path) -> None:
+    loads = list(dict.fromkeys(p.load for p in points))
+    fig, axes = plt.subplots(1, len(loads), figsize=(6 * len(loads), 4.5), squeeze=False)
+    for ax, load in zip(axes[0], loads, strict=True):
+        for p in points:
+            if p.load != load:
+                continue
+            ttfts = sorted(p.ttft_ms)
+            if ttfts:
+                ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+                ax.step(ttfts, ys, where="post", label=p.config)
+        ax.set_title(f"TTFT CDF @ {load}")
+        ax.set_xlabel("TTFT (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def p95_vs_load_plot(points: Sequence[RunPoint], path: Path) -> bool:
+    """TTFT p95 against offered load, one line per config; only when several loads ran."""
+    if len({p.load for p in points}) < 2:
+        return False
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for config in dict.fromkeys(p.config for p in points):
+        pts = sorted(
+            (p.offered_rps or p.summary["sent_rps"] or 0.0, p.summary["ttft_ms"]["p95"])
+            for p in points
+            if p.config == config and p.summary["ttft_ms"]["p95"] is not None
+        )
+        if pts:
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=config)
+    ax.set_xlabel("offered load (requests/s)")
+    ax.set_ylabel("TTFT p95 (ms)")
+    ax.set_title("TTFT p95 vs offered load")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write_reports(
+    out_dir: Path,
+    title: str,
+    points: Sequence[RunPoint],
+    baseline: str,
+    meta: dict[str, Any],
+) -> dict[str, Path]:
+    """Write report.json, report.md and the plots; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": out_dir / "report.json",
+        "markdown": out_dir / "report.md",
+        "cdf": out_dir / "ttft_cdf.png",
+    }
+    doc = {
+        "title": title,
+        "baseline": baseline,
+        "meta": meta,
+        "runs": [{"config": p.config, "load": p.load, **p.summary} for p in points],
+    }
+    paths["json"].write_text(json.dumps(doc, indent=2))
+    paths["markdown"].write_text(markdown(title, points, baseline, meta))
+    ttft_cdf_plot(points, paths["cdf"])
+    p95_path = out_dir / "ttft_p95_vs_load.png"
+    if p95_vs_load_plot(points, p95_path):
+        paths["p95_vs_load"] = p95_path
+    return paths

@@ -1,0 +1,343 @@
+"""Side-by-side scenarios: the same workload against several gateway configurations in turn.
+
+A scenario (YAML in bench/scenarios/) names a workload, a simulated fleet, the configurations
+to compare and, per size (`quick` for CI, `full`), the workload parameters and load points.
+Each configuration is either `direct` (the client round-robins over the engines itself) or a
+gateway whose config is the base YAML deep-merged with the scenario's and the configuration's
+overrides. Every (configuration, load point) gets a fresh fleet, so no run inherits another
+run's warm caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from bench import loadgen, procs
+from bench.client import ClientOptions
+from bench.loadgen import LoadSpec
+from bench.stats import summarize
+from bench.workloads import BenchRequest, make_workload
+
+log = logging.getLogger(__name__)
+
+SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
+BASE_GATEWAY_CONFIG = SCENARIO_DIR / "base_gateway.yaml"
+DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+POOL_NAME = "bench"
+
+
+@dataclass
+class FleetGroup:
+    """One simulator process serving `replicas` replicas of one role."""
+
+    replicas: int = 1
+    role: Literal["mixed", "prefill", "decode"] = "mixed"
+    args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FleetSpec:
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+    profile: str = "h200-llama3.1-8b"
+    speedup: float = 1.0
+    replicas: int = 4
+    args: list[str] = field(default_factory=list)  # extra simulator flags (vLLM's names)
+    groups: list[FleetGroup] | None = None  # instead of replicas/args: e.g. a PD split
+    module: str = "gateway.sim"  # `python -m <module> --model --port --replicas --profile --speedup`
+    startup_timeout_s: float = 60.0
+
+    def fleet_groups(self) -> list[FleetGroup]:
+        return self.groups or [FleetGroup(replicas=self.replicas, args=list(self.args))]
+
+
+@dataclass
+class ConfigSpec:
+    name: str
+    mode: Literal["gateway", "direct"] = "gateway"
+    description: str = ""
+    pool: dict[str, Any] = field(default_factory=dict)  # merged into the benchmark pool
+    gateway: dict[str, Any] = field(default_factory=dict)  # merged into the whole gateway config
+    fleet: dict[str, Any] = field(default_factory=dict)  # FleetSpec fields to override
+
+
+@dataclass
+class SizeSpec:
+    workload: dict[str, Any] = field(default_factory=dict)
+    loads: list[dict[str, Any]] = field(default_factory=lambda: [{"rate": 4.0}])
+    duration_s: float | None = None
+    max_requests: int | None = None
+    warmup_requests: int = 0
+    warmup_s: float = 0.0
+    drain_timeout_s: float = 120.0
+    fleet: dict[str, Any] = field(default_factory=dict)
+    configs: list[str] | None = None  # the configs this size runs (default: all)
+
+
+@dataclass
+class Scenario:
+    name: str
+    workload: str
+    configs: list[ConfigSpec]
+    description: str = ""
+    baseline: str | None = None  # ratios are relative to this config (default: the first)
+    seed: int = 0
+    api: Literal["chat", "completions"] = "chat"
+    ignore_eos: bool = True
+    request_timeout_s: float = 300.0
+    fleet: FleetSpec = field(default_factory=FleetSpec)
+    gateway: dict[str, Any] = field(default_factory=dict)
+    sizes: dict[str, SizeSpec] = field(default_factory=lambda: {"quick": SizeSpec(), "full": SizeSpec()})
+
+    @property
+    def baseline_name(self) -> str:
+        return self.baseline or self.configs[0].name
+
+    def size(self, name: str) -> SizeSpec:
+        try:
+            return self.sizes[name]
+        except KeyError:
+            raise ValueError(f"scenario {self.name!r} has no size {name!r}: {sorted(self.sizes)}") from None
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `base` with `override` merged in: dicts recursively, anything else replaced."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _fleet(data: dict[str, Any]) -> FleetSpec:
+    data = dict(data)
+    if data.get("groups") is not None:
+        data["groups"] = [FleetGroup(**g) for g in data["groups"]]
+    return FleetSpec(**data)
+
+
+def scenario_from_dict(data: dict[str, Any]) -> Scenario:
+    data = dict(data)
+    data["configs"] = [ConfigSpec(**c) for c in data.get("configs") or []]
+    if not data["configs"]:
+        raise ValueError(f"scenario {data.get('name')!r} has no configs")
+    data["fleet"] = _fleet(data.get("fleet") or {})
+    data["sizes"] = {k: SizeSpec(**v) for k, v in (data.get("sizes") or {"quick": {}}).items()}
+    scenario = Scenario(**data)
+    names = [c.name for c in scenario.configs]
+    if scenario.baseline_name not in names:
+        raise ValueError(f"baseline {scenario.baseline_name!r} is not one of the configs {names}")
+    return scenario
+
+
+def available_scenarios() -> list[str]:
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml") if p.stem != BASE_GATEWAY_CONFIG.stem)
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    path = Path(name_or_path)
+    if not path.exists():
+        path = SCENARIO_DIR / f"{name_or_path}.yaml"
+    if not path.exists():
+        raise ValueError(f"no scenario {name_or_path!r}; built-in: {', '.join(available_scenarios())}")
+    return scenario_from_dict(yaml.safe_load(path.read_text()))
+
+
+def load_spec(point: dict[str, Any], size: SizeSpec, seed: int) -> LoadSpec:
+    point = dict(point)
+    if "rate" in point:
+        mode = "poisson"
+    elif "concurrency" in point:
+        mode = "closed"
+    else:
+        mode = "trace"
+    return LoadSpec(
+        mode=point.pop("mode", mode),
+        rate=point.pop("rate", None),
+        concurrency=point.pop("concurrency", None),
+        duration_s=point.pop("duration_s", size.duration_s),
+        max_requests=point.pop("max_requests", size.max_requests),
+        warmup_requests=point.pop("warmup_requests", size.warmup_requests),
+        warmup_s=point.pop("warmup_s", size.warmup_s),
+        drain_timeout_s=point.pop("drain_timeout_s", size.drain_timeout_s),
+        seed=seed,
+    )
+
+
+def gateway_config(
+    scenario: Scenario, config: ConfigSpec, fleet: FleetSpec, endpoints: list[dict[str, Any]], port: int
+) -> dict[str, Any]:
+    base = yaml.safe_load(BASE_GATEWAY_CONFIG.read_text()) or {}
+    merged = deep_merge(deep_merge(base, scenario.gateway), config.gateway)
+    merged = deep_merge(merged, {"server": {"host": procs.HOST, "port": port}})
+    pool = deep_merge(
+        {"name": POOL_NAME, "model": fleet.model, "endpoints": endpoints},
+        deep_merge(merged.pop("pool", {}) or {}, config.pool),
+    )
+    merged["pools"] = [pool]
+    return merged
+
+
+@dataclass
+class RunPoint:
+    config: str
+    load: str
+    offered_rps: float | None
+    summary: dict[str, Any]
+    ttft_ms: list[float] = field(default_factory=list)  # successful measured requests, for the CDF
+
+
+class Fleet:
+    """The simulator processes of one run."""
+
+    def __init__(self, spec: FleetSpec, log_dir: Path, tag: str):
+        self.spec = spec
+        self.children: list[procs.Child] = []
+        self.endpoints: list[dict[str, Any]] = []
+        self.log_dir = log_dir
+        self.tag = tag
+
+    def start(self) -> Fleet:
+        try:
+            for i, group in enumerate(self.spec.fleet_groups()):
+                base = procs.free_port_range(group.replicas)
+                argv = procs.python_module(
+                    self.spec.module,
+                    "--model", self.spec.model,
+                    "--port", str(base),
+                    "--replicas", str(group.replicas),
+                    "--profile", self.spec.profile,
+                    "--speedup", str(self.spec.speedup),
+                    *group.args,
+                )  # fmt: skip
+                child = procs.Child(
+                    f"fleet {i} ({group.role})", argv, self.log_dir / f"{self.tag}-fleet{i}.log"
+                )
+                self.children.append(child.start())
+                urls = [f"http://{procs.HOST}:{base + k}" for k in range(group.replicas)]
+                self.endpoints += [{"url": u, "role": group.role, "kind": "sim"} for u in urls]
+                child.wait_ready([f"{u}/health" for u in urls], self.spec.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    @property
+    def urls(self) -> list[str]:
+        return [e["url"] for e in self.endpoints]
+
+    def stop(self) -> None:
+        for child in self.children:
+            child.stop()
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_point(
+    scenario: Scenario,
+    config: ConfigSpec,
+    size: SizeSpec,
+    point: dict[str, Any],
+    requests: list[BenchRequest],
+    out_dir: Path,
+) -> RunPoint:
+    fleet_spec = _fleet(deep_merge(deep_merge(_asdict(scenario.fleet), size.fleet), config.fleet))
+    load = load_spec(point, size, scenario.seed)
+    tag = f"{config.name}-{_slug(load.label)}"
+    opts = ClientOptions(
+        model=fleet_spec.model,
+        api=scenario.api,
+        ignore_eos=scenario.ignore_eos,
+        timeout_s=scenario.request_timeout_s,
+    )
+    log_dir = out_dir / "logs"
+    with Fleet(fleet_spec, log_dir, tag).start() as fleet:
+        if config.mode == "direct":
+            targets = fleet.urls
+            result = asyncio.run(loadgen.run(requests, load, targets, opts))
+        else:
+            port = procs.free_port_range(1)
+            cfg = gateway_config(scenario, config, fleet_spec, fleet.endpoints, port)
+            cfg_path = out_dir / "configs" / f"{config.name}.yaml"
+            cfg_path.parent.mkdir(parents=True, exist_ok=True)
+            cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+            argv = procs.python_module("gateway", "serve", "--config", str(cfg_path))
+            url = f"http://{procs.HOST}:{port}"
+            with procs.Child("gateway", argv, log_dir / f"{tag}-gateway.log").start() as gw:
+                gw.wait_ready([f"{url}/ready"], fleet_spec.startup_timeout_s)
+                result = asyncio.run(loadgen.run(requests, load, [url], opts))
+    records_path = out_dir / "records" / f"{tag}.jsonl"
+    records_path.parent.mkdir(parents=True, exist_ok=True)
+    with records_path.open("w") as fh:
+        for r in result.records:
+            fh.write(json.dumps(r.to_dict()) + "\n")
+    summary = summarize(result)
+    summary["fleet"] = {
+        "profile": fleet_spec.profile,
+        "speedup": fleet_spec.speedup,
+        "replicas": len(fleet.urls),
+    }
+    return point_from_result(config.name, result, summary)
+
+
+def point_from_result(config: str, result: loadgen.RunResult, summary: dict[str, Any]) -> RunPoint:
+    ttfts = [r.ttft * 1000.0 for r in result.records if r.ok and not r.warmup and r.ttft is not None]
+    return RunPoint(config, result.load.label, result.offered_rate, summary, ttfts)
+
+
+def _asdict(fleet: FleetSpec) -> dict[str, Any]:
+    return dataclasses.asdict(fleet)
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in ".=" else "_" for c in label).strip("_")
+
+
+def run_scenario(
+    scenario: Scenario,
+    size_name: str,
+    out_dir: Path,
+    only: list[str] | None = None,
+    progress: Any = print,
+) -> list[RunPoint]:
+    """Run every (configuration, load point) in turn; returns their summaries."""
+    size = scenario.size(size_name)
+    workload = make_workload(scenario.workload, size.workload)
+    requests = workload.build(scenario.seed)
+    wanted = only or size.configs
+    configs = [c for c in scenario.configs if not wanted or c.name in wanted]
+    if not configs:
+        raise ValueError(f"none of {wanted} is a config of {scenario.name!r}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    points: list[RunPoint] = []
+    for config in configs:
+        for point in size.loads:
+            progress(f"[{scenario.name}] {config.name} @ {load_spec(point, size, scenario.seed).label} ...")
+            rp = run_point(scenario, config, size, point, requests, out_dir)
+            s = rp.summary
+            progress(
+                f"    ok {s['ok']}/{s['requests']}  TTFT p50 {_fmt(s['ttft_ms']['p50'])} ms  "
+                f"p95 {_fmt(s['ttft_ms']['p95'])} ms  hit {_fmt(s['cache_hit_rate'], 2)}"
+            )
+            for warning in s["warnings"]:
+                progress(f"    WARNING: {warning}")
+            points.append(rp)
+    return points
+
+
+def _fmt(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
