@@ -1,0 +1,228 @@
+"""Gateway overhead, measured side by side with direct access to the same upstream.
+
+Three measurements in one run, against an instant upstream (bench/echo_upstream.py) so
+that every extra microsecond is the gateway's:
+  (a) sequential non-streaming tiny requests: latency, gateway vs direct, interleaved;
+  (b) streaming first-chunk latency over keep-alive, gateway vs direct, interleaved;
+  (c) C concurrent clients for D seconds: throughput, and the gateway process's CPU time
+      per request (from /proc), which is what the gateway costs whatever the machine.
+The client is aiohttp on uvloop (an httpx client saturates a core near 900 requests/s,
+so it would measure itself). Run: `python -m bench.overhead [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from bench.procs import HOST, Child, free_port_range, python_module
+
+BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
+STREAM_BODY = json.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+).encode()
+HEADERS = {"Content-Type": "application/json"}
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+@dataclass
+class Pair:
+    name: str
+    direct_ms: dict[str, float]
+    gateway_ms: dict[str, float]
+
+    @property
+    def added_ms(self) -> dict[str, float]:
+        return {k: self.gateway_ms[k] - self.direct_ms[k] for k in self.direct_ms}
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"p50": pct(values, 0.5), "p95": pct(values, 0.95), "p99": pct(values, 0.99)}
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: bytes, first_chunk: bool) -> float:
+    t0 = time.perf_counter()
+    async with session.post(url, data=body, headers=HEADERS) as resp:
+        if first_chunk:
+            await resp.content.readany()
+            elapsed = time.perf_counter() - t0
+            await resp.read()
+            return elapsed
+        await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{url} answered {resp.status}")
+        return time.perf_counter() - t0
+
+
+async def sequential(direct: str, gateway: str, n: int, body: bytes, first_chunk: bool, name: str) -> Pair:
+    lat: dict[str, list[float]] = {"direct": [], "gateway": []}
+    connector = aiohttp.TCPConnector(limit=4)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(50):  # warm the keep-alive connections and both processes
+            await _one(session, direct, body, first_chunk)
+            await _one(session, gateway, body, first_chunk)
+        # Interleaved so both sides see the same machine state (other load, CPU frequency).
+        for _ in range(n):
+            lat["direct"].append(await _one(session, direct, body, first_chunk))
+            lat["gateway"].append(await _one(session, gateway, body, first_chunk))
+    ms = {k: [v * 1e3 for v in vals] for k, vals in lat.items()}
+    return Pair(name, summary(ms["direct"]), summary(ms["gateway"]))
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+
+
+async def concurrent(url: str, clients: int, duration_s: float, pid: int | None) -> dict[str, float]:
+    done = 0
+    errors = 0
+    lat: list[float] = []
+    stop_at = time.perf_counter() + duration_s
+    connector = aiohttp.TCPConnector(limit=clients)
+
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def client() -> None:
+            nonlocal done, errors
+            while time.perf_counter() < stop_at:
+                try:
+                    lat.append(await _one(session, url, BODY, False))
+                    done += 1
+                except (aiohttp.ClientError, RuntimeError):
+                    errors += 1
+
+        cpu0 = cpu_seconds(pid) if pid else 0.0
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        elapsed = time.perf_counter() - t0
+        cpu = (cpu_seconds(pid) - cpu0) if pid else float("nan")
+    out = {"requests": done, "errors": errors, "rps": done / elapsed, **summary([v * 1e3 for v in lat])}
+    if pid:
+        out["gateway_cpu_us_per_request"] = cpu / max(done, 1) * 1e6
+    return out
+
+
+def gateway_config(upstream: str, port: int) -> dict[str, object]:
+    return {
+        "server": {"host": HOST, "port": port, "access_log": False, "log_level": "warning"},
+        "scheduler": {"enabled": True},
+        "pools": [
+            {"name": "p", "model": "m", "policy": {"type": "round_robin"}, "endpoints": [{"url": upstream}]}
+        ],
+    }
+
+
+def table(pairs: list[Pair], conc: dict[str, dict[str, float]]) -> str:
+    lines = [
+        "| measurement | direct p50 / p95 / p99 (ms) | gateway p50 / p95 / p99 (ms) | added p50 / p99 (ms) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for p in pairs:
+        d, g, a = p.direct_ms, p.gateway_ms, p.added_ms
+        lines.append(
+            f"| {p.name} | {d['p50']:.3f} / {d['p95']:.3f} / {d['p99']:.3f} | "
+            f"{g['p50']:.3f} / {g['p95']:.3f} / {g['p99']:.3f} | {a['p50']:.3f} / {a['p99']:.3f} |"
+        )
+    lines += [
+        "",
+        "| concurrent clients | requests/s | p50 / p99 (ms) | errors | gateway CPU per request |",
+        "| --- | ---: | --- | ---: | ---: |",
+    ]
+    for name, c in conc.items():
+        cpu = c.get("gateway_cpu_us_per_request")
+        cpu_text = f"{cpu:.0f} us" if cpu is not None else "-"
+        lines.append(
+            f"| {name} | {c['rps']:.0f} | {c['p50']:.2f} / {c['p99']:.2f} | {c['errors']:.0f} | {cpu_text} |"
+        )
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    base = free_port_range(2)
+    upstream_url, gateway_url = f"http://{HOST}:{base}", f"http://{HOST}:{base + 1}"
+    workdir = Path(tempfile.mkdtemp(prefix="kvgate-overhead-"))
+    cfg = workdir / "gateway.yaml"
+    cfg.write_text(yaml.safe_dump(gateway_config(upstream_url, base + 1)))
+    upstream = Child(
+        "upstream", python_module("bench.echo_upstream", "--port", str(base)), workdir / "up.log"
+    )
+    gateway = Child("gateway", python_module("gateway", "serve", "--config", str(cfg)), workdir / "gw.log")
+    with upstream.start(), gateway.start():
+        upstream.wait_ready([upstream_url + "/health"], 30)
+        gateway.wait_ready([gateway_url + "/ready"], 30)
+        path = "/v1/chat/completions"
+        pairs = [
+            await sequential(upstream_url + path, gateway_url + path, args.n, BODY, False, "(a) sequential"),
+            await sequential(
+                upstream_url + path, gateway_url + path, args.n, STREAM_BODY, True, "(b) stream first chunk"
+            ),
+        ]
+        assert gateway.proc is not None
+        conc = {
+            f"direct x{args.clients}": await concurrent(
+                upstream_url + path, args.clients, args.duration, None
+            ),
+            f"gateway x{args.clients}": await concurrent(
+                gateway_url + path, args.clients, args.duration, gateway.proc.pid
+            ),
+        }
+    return {
+        "pairs": [{**asdict(p), "added_ms": p.added_ms} for p in pairs],
+        "concurrent": conc,
+        "table": table(pairs, conc),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.overhead",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    parser.add_argument("-n", type=int, default=3000, help="sequential requests per side")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--out", default="bench/out/overhead")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.n, args.duration = 200, 2.0
+    try:
+        import uvloop
+
+        result = uvloop.run(run(args))
+    except ImportError:
+        result = asyncio.run(run(args))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead.json").write_text(
+        json.dumps({k: v for k, v in result.items() if k != "table"}, indent=2)
+    )
+    (out / "overhead.md").write_text(str(result["table"]) + "\n")
+    print(result["table"])
+    print(f"\npercentiles over {args.n} interleaved requests per side; written to {out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
