@@ -93,6 +93,11 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
         kv_role = json.loads(args.kv_transfer_config).get("kv_role", "kv_both")
     sglang = args.api == "sglang"
     mode = None if args.disaggregation_mode in (None, "null") else args.disaggregation_mode
+    if sglang and mode is None and kv_role in ("kv_producer", "kv_consumer"):
+        # The launcher gives a simulator vLLM's role flag even when it speaks SGLang.
+        mode = "prefill" if kv_role == "kv_producer" else "decode"
+    if sglang and mode is None and args.disaggregation_bootstrap_port is not None:
+        mode = "prefill"
     out = []
     for i in range(args.replicas):
         engine = EngineConfig(

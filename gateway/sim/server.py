@@ -201,7 +201,9 @@ class Replica:
             self.engine.pool.record_events = True
         self._web = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._web.setup()
-        ports = [(o.port, "port")] + ([(o.bootstrap_port, "bootstrap_port")] if o.bootstrap_port else [])
+        ports = [(o.port, "port")]
+        if o.bootstrap_port is not None:
+            ports.append((o.bootstrap_port, "bootstrap_port"))
         for port, attr in ports:
             site = web.TCPSite(self._web, o.host, port, reuse_address=True)
             await site.start()
@@ -700,6 +702,7 @@ class Replica:
             ("sglang:token_usage", load["token_usage"]),
             ("sglang:cache_hit_rate", load["cache_hit_rate"]),
             ("sglang:num_used_tokens", load["num_used_tokens"]),
+            ("sglang:max_total_num_tokens", load["max_total_num_tokens"]),
         ):
             lines += [f"# TYPE {name} gauge", f"{name}{{{lbl}}} {value}"]
         for name, value in (
