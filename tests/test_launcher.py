@@ -18,30 +18,11 @@ import httpx
 import pytest
 
 from gateway.config import EngineSpec, Settings
+from gateway.engines import get_adapter
 from gateway.launcher import FleetLauncher, LaunchedReplica, LaunchError, dry_run
+from gateway.load_scraper import LoadScraper
 
 REPO = Path(__file__).resolve().parent.parent
-
-# Stands in for an engine: answers 200 on every path once listening.
-STUB_ENGINE = textwrap.dedent(
-    """
-    import argparse, http.server
-    p = argparse.ArgumentParser()
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    a, _ = p.parse_known_args()
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("Content-Length", "2")
-            self.end_headers()
-            self.wfile.write(b"ok")
-        def log_message(self, *args):
-            pass
-    print("stub engine listening on", a.port, flush=True)
-    http.server.ThreadingHTTPServer((a.host, a.port), H).serve_forever()
-    """
-)
 
 
 def alive(pid: int) -> bool:
@@ -85,35 +66,41 @@ def fast_spec(tmp_path: Path, **kw: object) -> EngineSpec:
     return EngineSpec(**(base | kw))  # type: ignore[arg-type]
 
 
-def stub_command(tmp_path: Path) -> list[str]:
-    script = tmp_path / "stub_engine.py"
-    script.write_text(STUB_ENGINE)
-    return [sys.executable, str(script)]
-
-
-async def test_three_replicas_crash_restart_and_clean_stop(tmp_path: Path) -> None:
+async def test_three_simulators_crash_restart_and_clean_stop(tmp_path: Path) -> None:
     rec = Recorder()
-    spec = fast_spec(tmp_path, replicas=3, command=stub_command(tmp_path))
-    launcher = FleetLauncher("pool", spec, "tiny", rec.on_ready, rec.on_down)
+    # --startup-delay: the simulator answers 503 for a while, like an engine loading weights.
+    spec = fast_spec(
+        tmp_path, replicas=3, kv_cache_dtype="fp8", sim={"extra_args": ["--startup-delay", "0.3"]}
+    )
+    launcher = FleetLauncher("pool", spec, "meta-llama/Llama-3.1-8B-Instruct", rec.on_ready, rec.on_down)
     await launcher.start()
     try:
-        replicas = await launcher.wait_ready(timeout_s=20)
+        replicas = await launcher.wait_ready(timeout_s=30)
         assert sorted(r.name for r in replicas) == ["pool-0", "pool-1", "pool-2"]
         assert len({r.url for r in replicas}) == 3
         assert sorted(r.name for r in rec.ready) == ["pool-0", "pool-1", "pool-2"]
-        async with httpx.AsyncClient(trust_env=False) as client:
+        scraper = LoadScraper()
+        for r in replicas:
+            scraper.add(r.name, r.url, get_adapter("sim"))
+        await scraper.start()
+        try:
             for r in replicas:
-                assert (await client.get(r.url + "/health")).status_code == 200
+                load = await scraper.scrape_once(r.name)
+                assert load is not None and load.block_size == 16 and load.num_gpu_blocks
+        finally:
+            await scraper.stop()
         first = {r.name: r for r in replicas}
 
         os.kill(first["pool-1"].pid, signal.SIGKILL)
         await until(lambda: rec.down == ["pool-1"])
-        await until(lambda: len(rec.ready) == 4)
+        await until(lambda: len(rec.ready) == 4, timeout_s=30)
         back = rec.ready[-1]
         assert back.name == "pool-1" and back.url == first["pool-1"].url
         assert back.pid != first["pool-1"].pid
         assert launcher.status()["pool-1"].restarts == 1
         assert (tmp_path / "logs" / "pool-1.log").read_text().count("kvgate starting pool-1") == 2
+        async with httpx.AsyncClient(trust_env=False) as client:
+            assert (await client.get(back.url + "/health")).status_code == 200
         pids = [r.pid for r in rec.ready]
     finally:
         await launcher.stop()
@@ -123,8 +110,7 @@ async def test_three_replicas_crash_restart_and_clean_stop(tmp_path: Path) -> No
 
 
 async def test_failed_start_reports_log_tail(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    crash = "import sys; print('loading weights'); print('OutOfMemoryError: CUDA out of memory'); sys.exit(3)"
-    spec = fast_spec(tmp_path, command=[sys.executable, "-c", crash])
+    spec = fast_spec(tmp_path, sim={"profile": "no-such-gpu"})  # the simulator refuses to start
     rec = Recorder()
     launcher = FleetLauncher("bad", spec, "tiny", rec.on_ready, rec.on_down)
     caplog.set_level(logging.INFO, logger="kvgate.launcher")
@@ -135,9 +121,9 @@ async def test_failed_start_reports_log_tail(tmp_path: Path, caplog: pytest.LogC
     finally:
         await launcher.stop()
     message = str(err.value)
-    assert "bad-0" in message and "exited with code 3 while starting" in message
-    assert "CUDA out of memory" in message and "loading weights" in message
-    assert "CUDA out of memory" in caplog.text  # the gateway log shows it too
+    assert "bad-0" in message and "exited with code 2 while starting" in message
+    assert "invalid choice: 'no-such-gpu'" in message  # the engine's own words, from its log
+    assert "invalid choice: 'no-such-gpu'" in caplog.text  # and in the gateway log
     assert rec.ready == [] and rec.down == []
 
 
@@ -165,13 +151,11 @@ DRIVER = textwrap.dedent(
     from gateway.launcher import FleetLauncher
 
     async def main():
-        spec = EngineSpec(kind="sim", replicas=2, log_dir=sys.argv[1],
-                          command=[sys.executable, "-c", "import time; time.sleep(600)"])
+        spec = EngineSpec(kind="sim", replicas=2, log_dir=sys.argv[1])
         launcher = FleetLauncher("orphan", spec, "tiny", lambda r: None, lambda n: None)
         await launcher.start()
-        while not all(s.pid for s in launcher.status().values()):
-            await asyncio.sleep(0.01)
-        print(" ".join(str(s.pid) for s in launcher.status().values()), flush=True)
+        replicas = await launcher.wait_ready(30)
+        print(" ".join(str(r.pid) for r in replicas), flush=True)
         await asyncio.sleep(600)
 
     asyncio.run(main())

@@ -1,14 +1,16 @@
 """The bundled simulator (`python -m gateway.sim`): launched with vLLM's flags, like a real engine.
 
 The simulator accepts `vllm serve`'s flags for what it models, so its command line is vLLM's
-(exercising the same code path) minus what only a GPU needs (CUDA_VISIBLE_DEVICES, memory
-fractions, the NIXL side channel), plus `--profile`, `--speedup`, `--max-waiting` and
-`sim.extra_args`. Flags as of the simulator in this repository (mirrors vLLM 0.33).
+(exercising the same code path) minus what only a GPU needs (CUDA_VISIBLE_DEVICES, the split
+of a shared GPU's memory, the NIXL side channel), plus `--profile`, `--speedup`, `--max-waiting`
+and `sim.extra_args`. An explicit `gpu_memory_utilization` or `kv_cache_memory_bytes` is passed
+on: the simulator sizes its KV cache from them. Flags as of gateway/sim/cli.py (mirrors vLLM 0.33).
 
 One process per replica: a crash then takes down, and restarts, exactly one replica. The
 simulator's own `--replicas N` (N servers in one process) is refused in `sim.extra_args` because
 the launcher supervises processes, not ports. `--api sglang` in `sim.extra_args` makes the
-simulator speak SGLang's API: the adapter then reads load, priority and PD protocol the SGLang way.
+simulator speak SGLang's API: PD roles are then given SGLang's way (`--disaggregation-mode`, a
+bootstrap port per prefill replica), and load, priority and PD protocol are read the SGLang way.
 """
 
 from __future__ import annotations
@@ -68,14 +70,26 @@ class SimAdapter(VLLMAdapter):
         argv += ["--profile", spec.sim.profile, "--speedup", f"{spec.sim.speedup:g}"]
         if spec.sim.max_waiting is not None:
             argv += ["--max-waiting", str(spec.sim.max_waiting)]
-        if BOOTSTRAP_PORT in slot.aux_ports:
-            argv += ["--disaggregation-bootstrap-port", str(slot.aux_ports[BOOTSTRAP_PORT])]
         argv += spec.sim.extra_args
         # Unbuffered, so a crashing simulator's last words reach its log file.
         return argv, {"PYTHONUNBUFFERED": "1"} | env
 
+    def pd_args(self, spec: EngineSpec, slot: ReplicaSlot) -> list[str]:
+        if self.api == "vllm":
+            return super().pd_args(spec, slot)
+        args = ["--disaggregation-mode", slot.role]
+        if BOOTSTRAP_PORT in slot.aux_ports:
+            args += ["--disaggregation-bootstrap-port", str(slot.aux_ports[BOOTSTRAP_PORT])]
+        return args
+
     def memory_args(self, spec: EngineSpec, slot: ReplicaSlot) -> list[str]:
-        return []
+        # Each simulated replica models a GPU of its own: nothing to split.
+        args: list[str] = []
+        if spec.kv_cache_memory_bytes is not None:
+            args += ["--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes)]
+        if spec.gpu_memory_utilization is not None:
+            args += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:g}"]
+        return args
 
     def gpu_env(self, slot: ReplicaSlot) -> dict[str, str]:
         return {}

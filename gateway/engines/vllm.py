@@ -91,11 +91,7 @@ class VLLMAdapter(EngineAdapter):
         argv += self.memory_args(spec, slot)
         env = self.gpu_env(slot)
         if slot.role != "mixed":
-            connector = _CONNECTORS[spec.pd_transfer_backend]
-            argv += [
-                "--kv-transfer-config",
-                compact_json({"kv_connector": connector, "kv_role": _KV_ROLES[slot.role]}),
-            ]
+            argv += self.pd_args(spec, slot)
             if NIXL_SIDE_CHANNEL_PORT in slot.aux_ports:
                 env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = connect_host(slot.host)
                 env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(slot.aux_ports[NIXL_SIDE_CHANNEL_PORT])
@@ -105,6 +101,13 @@ class VLLMAdapter(EngineAdapter):
             argv += ["--scheduling-policy", "priority"]
         argv += spec.extra_args
         return argv, env | spec.env
+
+    def pd_args(self, spec: EngineSpec, slot: ReplicaSlot) -> list[str]:
+        connector = _CONNECTORS[spec.pd_transfer_backend]
+        return [
+            "--kv-transfer-config",
+            compact_json({"kv_connector": connector, "kv_role": _KV_ROLES[slot.role]}),
+        ]
 
     def memory_args(self, spec: EngineSpec, slot: ReplicaSlot) -> list[str]:
         args: list[str] = []

@@ -28,13 +28,14 @@ def test_sim_argv_uses_vllm_flags_and_own_options() -> None:
         max_num_seqs=64,
         priority_scheduling=True,
         gpu_ids=[[0], [0]],
+        kv_cache_memory_bytes=10**9,
         sim={"profile": "h200-llama3.1-8b", "speedup": 20, "max_waiting": 50, "extra_args": ["--seed", "1"]},
     )
     argv, env = sim.command(s, "llama", slot(role="prefill", gpu_ids=(0,), gpu_sharers=2))
     assert argv == [
         sys.executable, "-m", "gateway.sim", "--model", "llama", "--host", "127.0.0.1", "--port", "9100",
         "--kv-cache-dtype", "fp8", "--enable-chunked-prefill", "--max-num-batched-tokens", "4096",
-        "--enable-prefix-caching", "--max-num-seqs", "64",
+        "--enable-prefix-caching", "--max-num-seqs", "64", "--kv-cache-memory-bytes", "1000000000",
         "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}',
         "--scheduling-policy", "priority",
         "--profile", "h200-llama3.1-8b", "--speedup", "20", "--max-waiting", "50", "--seed", "1",
@@ -58,7 +59,11 @@ def test_sim_speaking_sglang_is_read_the_sglang_way() -> None:
     assert adapter.engine_priority(2) > adapter.engine_priority(0)
     assert adapter.aux_port_names(s, "prefill") == (BOOTSTRAP_PORT,)
     argv, _ = adapter.command(s, "m", slot(role="prefill", aux_ports={BOOTSTRAP_PORT: 8998}))
-    assert argv[-4:] == ["--disaggregation-bootstrap-port", "8998", "--api", "sglang"]
+    assert argv[argv.index("--disaggregation-mode") :] == [
+        "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", "8998",
+        "--profile", "h200-llama3.1-8b", "--speedup", "1", "--api", "sglang",
+    ]  # fmt: skip
+    assert "--kv-transfer-config" not in argv
     assert adapter_for_spec(EngineSpec(kind="sim")) is sim
 
 
