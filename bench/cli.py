@@ -70,6 +70,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (plain OpenAI)")
     g.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
     g.add_argument("--label", default="target", help="name of this configuration in the report")
+    g.add_argument("--prime", type=int, default=1, help="unmeasured tiny requests sent first")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", type=Path, help="report directory (default bench/out/<workload>)")
 
@@ -139,7 +140,7 @@ def _run_workload(args: argparse.Namespace, workload_name: str, params: dict[str
     points: list[RunPoint] = []
     for load in _loads(args, trace):
         print(f"[{workload_name}] {args.label} @ {load.label} -> {', '.join(targets)} ...", flush=True)
-        result = asyncio.run(loadgen.run(requests, load, targets, opts))
+        result = asyncio.run(loadgen.run(requests, load, targets, opts, args.prime))
         summary = summarize(result)
         for warning in summary["warnings"]:
             print(f"    WARNING: {warning}", file=sys.stderr)
@@ -217,6 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; child processes stopped", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, procs.ProcessError) as exc:
+    except (ValueError, FileNotFoundError, procs.ProcessError, loadgen.TargetError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from typing import Literal
 
 import aiohttp
 
+from bench import text
 from bench.client import STATUS_TIMEOUT, ClientOptions, RequestRecord, send
 from bench.workloads import BenchRequest
 
@@ -91,8 +92,33 @@ def _new_record(req: BenchRequest, load: LoadSpec, scheduled: float) -> RequestR
     )
 
 
+class TargetError(RuntimeError):
+    """A target failed the priming request: it is not serving this model."""
+
+
+async def prime(session: aiohttp.ClientSession, targets: list[str], opts: ClientOptions, n: int) -> None:
+    """Send n tiny unique requests first, round-robin over the targets, so that lazy start-up
+    costs (imports, tokenizer load, first connections) do not land on measured requests."""
+    for i in range(n):
+        req = BenchRequest(
+            index=-1 - i,
+            messages=[{"role": "user", "content": text.words(f"prime:{time.time_ns()}:{i}", 8)}],
+            max_tokens=2,
+            prompt_tokens=8,
+        )
+        target = targets[i % len(targets)]
+        record = RequestRecord(index=req.index, kind="prime", priority=None, group=None, target=target)
+        await send(session, target, req, opts, record, time.perf_counter())
+        if not record.ok:
+            raise TargetError(f"priming request to {target} failed: status {record.status}: {record.error}")
+
+
 async def run(
-    requests: list[BenchRequest], load: LoadSpec, targets: list[str], opts: ClientOptions
+    requests: list[BenchRequest],
+    load: LoadSpec,
+    targets: list[str],
+    opts: ClientOptions,
+    prime_requests: int = 0,
 ) -> RunResult:
     """Send the workload to `targets` (round-robin when there are several) and measure it."""
     if not targets:
@@ -102,6 +128,7 @@ async def run(
     # Without a limit on connections, the client never queues requests itself.
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        await prime(session, targets, opts, prime_requests)
         t0 = time.perf_counter()
         records: list[RequestRecord] = []
         target_cycle = itertools.cycle(targets)

@@ -1,0 +1,175 @@
+"""Scenarios end to end: real child processes (stub engines, the simulator, the gateway), report files."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from bench import procs
+from bench.cli import main
+from bench.scenario import (
+    FleetSpec,
+    available_scenarios,
+    deep_merge,
+    load_scenario,
+    load_spec,
+    run_scenario,
+    scenario_from_dict,
+)
+from bench.workloads import make_workload
+from tests.conftest import REPO
+
+STUB = "tests.bench.stub_engine"
+HAVE_GATEWAY = (REPO / "gateway" / "__main__.py").exists()
+HAVE_SIM = (REPO / "gateway" / "sim" / "__main__.py").exists()
+needs_gateway = pytest.mark.skipif(not HAVE_GATEWAY, reason="gateway/__main__.py not written yet")
+needs_sim_and_gateway = pytest.mark.skipif(
+    not (HAVE_GATEWAY and HAVE_SIM), reason="gateway/__main__.py or gateway/sim/__main__.py not written yet"
+)
+
+
+def stub_scenario(configs: list[dict[str, object]]) -> dict[str, object]:
+    return {
+        "name": "stub",
+        "workload": "shared-prefix",
+        "fleet": {"module": STUB, "replicas": 2, "model": "m", "startup_timeout_s": 30},
+        "configs": configs,
+        "sizes": {
+            "quick": {
+                "workload": {"groups": 2, "prompts_per_group": 4, "system_tokens": 64, "output_tokens": 4},
+                "loads": [{"rate": 40}, {"concurrency": 2}],
+            }
+        },
+    }
+
+
+def test_builtin_scenarios_are_valid() -> None:
+    names = available_scenarios()
+    assert {"routing", "overhead", "scheduling"} <= set(names)
+    for name in names:
+        scenario = load_scenario(name)
+        assert {"quick", "full"} <= set(scenario.sizes), name
+        for size_name, size in scenario.sizes.items():
+            make_workload(scenario.workload, size.workload)  # parameters exist
+            assert size.loads, (name, size_name)
+            for point in size.loads:
+                load_spec(point, size, scenario.seed)
+            known = {c.name for c in scenario.configs}
+            assert set(size.configs or known) <= known, (name, size_name)
+
+
+def test_deep_merge_and_baseline_validation() -> None:
+    base = {"a": {"b": 1, "c": [1]}, "d": 2}
+    assert deep_merge(base, {"a": {"c": [2], "e": 3}}) == {"a": {"b": 1, "c": [2], "e": 3}, "d": 2}
+    assert base == {"a": {"b": 1, "c": [1]}, "d": 2}
+    with pytest.raises(ValueError, match="baseline 'nope'"):
+        scenario_from_dict({**stub_scenario([{"name": "x", "mode": "direct"}]), "baseline": "nope"})
+
+
+def test_fleet_children_are_stopped_and_failures_name_the_log(tmp_path: Path) -> None:
+    from bench.scenario import Fleet
+
+    fleet = Fleet(FleetSpec(module=STUB, replicas=2, model="m"), tmp_path, "t").start()
+    procs_started = [c.proc for c in fleet.children]
+    assert all(p is not None and p.poll() is None for p in procs_started)
+    port = int(fleet.urls[0].rsplit(":", 1)[1])
+    fleet.stop()
+    assert all(p is not None and p.poll() is not None for p in procs_started)
+    with pytest.raises(ConnectionRefusedError):  # nothing listens there any more
+        socket.create_connection((procs.HOST, port), timeout=2).close()
+
+    broken = Fleet(FleetSpec(module="bench.no_such_module", model="m"), tmp_path, "broken")
+    with pytest.raises(procs.ProcessError, match="exited with code 1") as info:
+        broken.start()
+    assert "No module named" in str(info.value)
+    assert all(c.proc is not None and c.proc.poll() is not None for c in broken.children)
+
+
+@needs_gateway
+def test_stub_fleet_direct_vs_gateway_reports(tmp_path: Path) -> None:
+    scenario = scenario_from_dict(
+        stub_scenario(
+            [
+                {"name": "direct", "mode": "direct"},
+                {"name": "gw", "pool": {"policy": {"type": "round_robin"}}},
+            ]
+        )
+    )
+    points = run_scenario(scenario, "quick", tmp_path, progress=lambda m: None)
+    assert [(p.config, p.load) for p in points] == [
+        ("direct", "40 req/s"),
+        ("direct", "C=2"),
+        ("gw", "40 req/s"),
+        ("gw", "C=2"),
+    ]
+    for p in points:
+        assert p.summary["ok"] == 8, p.summary["errors"]
+        assert len(p.ttft_ms) == 8
+        assert p.summary["cache_hit_rate"] > 0  # the stub caches 16-token blocks of the shared prompts
+    assert set(points[0].summary["requests_per_replica"]) == {
+        u for u in points[0].summary["requests_per_replica"]
+    }
+    assert all(name.startswith("http://127.0.0.1:") for name in points[0].summary["requests_per_replica"])
+    gw_config = (tmp_path / "configs" / "gw.yaml").read_text()
+    assert "round_robin" in gw_config and "127.0.0.1" in gw_config
+    assert len(list((tmp_path / "records").glob("*.jsonl"))) == 4
+
+
+@needs_sim_and_gateway
+def test_quick_overhead_scenario_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["scenario", "overhead", "--quick", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "| direct | C=4 |" in printed and "| gateway_round_robin | C=4 |" in printed
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["baseline"] == "direct"
+    assert [r["config"] for r in report["runs"]] == ["direct", "gateway_round_robin"]
+    for run in report["runs"]:
+        assert run["ok"] == run["requests"] == 60
+        assert run["ttft_ms"]["p50"] > 0 and run["output_tokens"] == 60 * 16
+        assert run["cache_hit_rate"] > 0.3  # four 256-token prefixes repeated 60 times
+    assert (tmp_path / "report.md").read_text().count("x1.00") >= 3
+    assert (tmp_path / "ttft_cdf.png").stat().st_size > 1000
+
+
+def test_cli_run_against_running_engines_with_a_sweep(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.scenario import Fleet
+
+    with Fleet(FleetSpec(module=STUB, replicas=2, model="m"), tmp_path / "logs", "cli").start() as fleet:
+        argv = [
+            "run",
+            "--workload",
+            "prefix-repetition",
+            "--set",
+            "num_requests=10",
+            "--set",
+            "prefix_tokens=32",
+        ]
+        argv += ["--model", "m", "--rate", "50", "--rate", "100", "--out", str(tmp_path / "out")]
+        for url in fleet.urls:
+            argv += ["--target", url]
+        assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| target | 50 req/s | 10/10 |" in out and "| target | 100 req/s | 10/10 |" in out
+    assert (tmp_path / "out" / "ttft_p95_vs_load.png").exists()
+    assert (tmp_path / "out" / "ttft_cdf.png").exists()
+
+
+def test_cli_reports_unreachable_target(capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.conftest import free_port
+
+    argv = [
+        "run",
+        "--workload",
+        "prefix-repetition",
+        "--rate",
+        "10",
+        "--target",
+        f"http://127.0.0.1:{free_port()}",
+    ]
+    assert main(argv) == 2
+    assert "priming request" in capsys.readouterr().err
