@@ -226,8 +226,20 @@ class WeightedPool(_Strict):
 
 
 class StickyConfig(_Strict):
-    key: str = Field("header:x-user-id|body:user", description="Sources tried in order, `|`-separated")
+    key: str = Field(
+        "header:x-user-id|body:user",
+        description="Sources tried in order, `|`-separated: header:NAME (e.g. a session id) or body:FIELD",
+    )
     salt: str = ""
+
+    @field_validator("key")
+    @classmethod
+    def _sources(cls, v: str) -> str:
+        for part in v.split("|"):
+            kind, _, name = part.strip().partition(":")
+            if kind not in ("header", "body") or not name:
+                raise ValueError(f"source {part.strip()!r}: expected header:NAME or body:FIELD")
+        return v
 
 
 class RouteRule(_Strict):

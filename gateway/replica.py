@@ -27,6 +27,8 @@ class Replica:
         "managed",
         "name",
         "pool",
+        "remote_inflight_requests",
+        "remote_inflight_tokens",
         "role",
         "stale_after_s",
         "total_requests",
@@ -59,6 +61,9 @@ class Replica:
         self.draining = False
         self.inflight_requests = 0
         self.inflight_tokens = 0
+        # Other gateway instances' in-flight load here (shared state backend; 0 when alone).
+        self.remote_inflight_requests = 0
+        self.remote_inflight_tokens = 0
         self.total_requests = 0
         self.engine = EngineLoad()
         self.stale_after_s = stale_after_s
