@@ -19,8 +19,11 @@ class GatewayError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: Mapping[str, str] | None = None,
+        body: bytes | None = None,
     ) -> None:
+        """`body`, when given, is an already OpenAI-shaped error (an engine's, relayed as is)."""
         super().__init__(message)
+        self._body = body
         self.status = status
         self.message = message
         self.type = type_
@@ -29,6 +32,8 @@ class GatewayError(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> bytes:
+        if self._body is not None:
+            return self._body
         return error_body(self.message, self.type, self.code, self.param)
 
 

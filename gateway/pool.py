@@ -9,6 +9,7 @@ from typing import Any
 
 from gateway.breaker import CircuitBreaker
 from gateway.config import BreakerConfig, PoolConfig, ScrapeConfig
+from gateway.engines import EngineAdapter, adapter_for_spec, get_adapter
 from gateway.policy import Candidate, Policy, RequestFeatures, load_policy
 from gateway.prefix_hash import PrefixHasher, prompt_text
 from gateway.prefix_index import PrefixIndex
@@ -42,6 +43,22 @@ class Pool:
             speculative_ttl_s=cfg.prefix.speculative_ttl_s,
         )
         self._names = itertools.count()
+        # Managed pools know their engine exactly; unmanaged ones by each endpoint's kind.
+        self.adapter = adapter_for_spec(cfg.engines) if cfg.engines is not None else None
+
+    def adapter_for(self, replica: Replica) -> EngineAdapter | None:
+        if self.adapter is not None:
+            return self.adapter
+        try:
+            return get_adapter(replica.kind)
+        except KeyError:  # e.g. a plain OpenAI-compatible server: no load figures to read
+            return None
+
+    @property
+    def pd_protocol(self) -> str | None:
+        prefill = next((r for r in self.replicas.values() if r.role == "prefill"), None)
+        adapter = self.adapter_for(prefill) if prefill is not None else None
+        return adapter.pd_protocol if adapter is not None else None
 
     # -- membership -------------------------------------------------------------------
     def add_replica(
@@ -139,10 +156,10 @@ class Pool:
             out.append(Candidate(r, k, sum(block_tokens[:k]) if k else 0))
         return out
 
-    async def rank(self, features: RequestFeatures, role: str = "decode") -> list[Replica]:
+    async def rank(self, features: RequestFeatures, role: str = "decode") -> list[Candidate]:
+        """Available replicas for the leg, ranked best first by the pool's (or prefill) policy."""
         policy = self.prefill_policy if role == "prefill" else self.policy
-        ranked = await policy.rank(features, self.candidates(features, self.serving(role), policy))
-        return [c.replica for c in ranked]  # type: ignore[misc]
+        return await policy.rank(features, self.candidates(features, self.serving(role), policy))
 
     def learn(self, features: RequestFeatures, replica: Replica, role: str = "decode") -> None:
         """The request went to `replica`: it will hold the prompt's blocks once prefilled."""

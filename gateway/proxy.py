@@ -12,7 +12,6 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -21,7 +20,8 @@ from aiohttp import web
 
 from gateway.canonicalize import canonicalize
 from gateway.errors import GatewayError, error_body, normalize_error_body
-from gateway.policy import RequestFeatures
+from gateway.pd import DecodePlan, PDHandoff
+from gateway.policy import Candidate, RequestFeatures
 from gateway.replica import Replica
 from gateway.request_record import RequestRecord
 from gateway.upstream import UpstreamError
@@ -109,6 +109,7 @@ class Proxy:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self.settings = runtime.settings
+        self.pd = PDHandoff(runtime.upstream)
 
     # -- entry point ------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -170,7 +171,7 @@ class Proxy:
         ticket = await self.rt.scheduler.admit(pool, features)
         rec.queued_s = time.perf_counter() - queued_at
         try:
-            return await self._dispatch(request, pool, features, out, rec)
+            return await self._dispatch(request, pool, features, body, out, rec)
         finally:
             ticket.release()
 
@@ -194,7 +195,8 @@ class Proxy:
         request: web.Request,
         pool: Pool,
         features: RequestFeatures,
-        body: bytes,
+        body: dict[str, Any],
+        raw: bytes,
         rec: RequestRecord,
     ) -> web.StreamResponse:
         request_id = rec.request_id
@@ -211,53 +213,56 @@ class Proxy:
         budget = self.rt.retry_budget
         budget.on_request()
         headers = self._upstream_headers(request, request_id)
-        refused: _Refused | None = None  # the last retryable answer, relayed if every try fails
+        plan = DecodePlan(raw)
+        if pool.disaggregated and self.pd.wanted(pool, features, ranked[0]):
+            plan = await self.pd.prepare(pool, features, body, raw, request.path, headers)
+        refused: GatewayError | None = None  # the last retryable answer, relayed if every try fails
         unreachable: GatewayError | None = None
-        for attempt, replica in enumerate(_walk(ranked, retry_cfg.max_attempts)):
-            if attempt > 0:
-                if not budget.try_spend():
-                    break
-                rec.retries += 1
-                delay = min(retry_cfg.backoff_max_s, retry_cfg.backoff_initial_s * 2 ** (attempt - 1))
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))
-            if not replica.breaker.try_acquire():
-                continue
-            lease = replica.lease(features.prompt_tokens)
-            try:
+        try:
+            for attempt, candidate in enumerate(_walk(ranked, retry_cfg.max_attempts)):
+                replica: Replica = candidate.replica  # type: ignore[assignment]
+                if attempt > 0:
+                    if not budget.try_spend():
+                        break
+                    rec.retries += 1
+                    delay = min(retry_cfg.backoff_max_s, retry_cfg.backoff_initial_s * 2 ** (attempt - 1))
+                    await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                if not replica.breaker.try_acquire():
+                    continue
+                lease = replica.lease(features.prompt_tokens)
                 try:
-                    resp = await self.rt.upstream.open("POST", replica.url + request.path, body, headers)
-                except UpstreamError as exc:
-                    replica.breaker.record_failure()
-                    log.warning("request %s: replica %s failed: %s", request_id, replica.name, exc)
-                    if not exc.connect:
-                        raise GatewayError(504, str(exc), "upstream_error", "upstream_timeout") from None
-                    unreachable = GatewayError(502, str(exc), "upstream_error", "upstream_unreachable")
-                    continue
-                if resp.status in retry_cfg.retry_statuses:
-                    if resp.status == 429:  # busy, not broken: no mark against its health
-                        replica.breaker.release_probe()
-                    else:
+                    try:
+                        resp = await self._open(replica.url + request.path, plan, headers)
+                    except UpstreamError as exc:
                         replica.breaker.record_failure()
-                    refused = _Refused(resp.status, await self._read_error(resp), _retry_after(resp))
-                    log.info("request %s: replica %s answered %d", request_id, replica.name, resp.status)
-                    continue
-                if resp.status >= 500:
-                    replica.breaker.record_failure()
-                else:
-                    replica.breaker.record_success()
-                pool.learn(features, replica)
-                rec.replica = replica.name
-                return await self._relay(request, resp, replica, rec)
-            finally:
-                lease.release()
+                        log.warning("request %s: replica %s failed: %s", request_id, replica.name, exc)
+                        if not exc.connect:
+                            raise GatewayError(504, str(exc), "upstream_error", "upstream_timeout") from None
+                        unreachable = GatewayError(502, str(exc), "upstream_error", "upstream_unreachable")
+                        continue
+                    if resp.status in retry_cfg.retry_statuses:
+                        if resp.status == 429:  # busy, not broken: no mark against its health
+                            replica.breaker.release_probe()
+                        else:
+                            replica.breaker.record_failure()
+                        error = normalize_error_body(await self._read_error(resp), resp.status)
+                        refused = GatewayError(resp.status, "refused", headers=_retry_after(resp), body=error)
+                        log.info("request %s: replica %s answered %d", request_id, replica.name, resp.status)
+                        continue
+                    if resp.status >= 500:
+                        replica.breaker.record_failure()
+                    else:
+                        replica.breaker.record_success()
+                    pool.learn(features, replica)
+                    rec.replica = replica.name
+                    rec.matched_tokens = candidate.matched_tokens
+                    return await self._relay(request, resp, replica, rec)
+                finally:
+                    lease.release()
+        finally:
+            await plan.finish()
         if refused is not None:
-            rec.status = refused.status
-            return web.Response(
-                status=refused.status,
-                body=normalize_error_body(refused.raw, refused.status),
-                content_type="application/json",
-                headers={"x-request-id": request_id, **refused.headers},
-            )
+            raise refused
         if unreachable is not None:
             raise unreachable
         raise GatewayError(
@@ -267,6 +272,18 @@ class Proxy:
             "no_healthy_replica",
             headers={"Retry-After": str(self.settings.scheduler.retry_after_s)},
         )
+
+    async def _open(self, url: str, plan: DecodePlan, headers: dict[str, str]) -> aiohttp.ClientResponse:
+        """Open the decode leg; with a concurrent prefill leg, fail fast if that leg breaks first."""
+        if plan.guard is None:
+            return await self.rt.upstream.open("POST", url, plan.body, headers)
+        opening = asyncio.ensure_future(self.rt.upstream.open("POST", url, plan.body, headers))
+        await asyncio.wait({opening, plan.guard}, return_when=asyncio.FIRST_COMPLETED)
+        if not opening.done() and plan.guard.exception() is not None:
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
+            raise UpstreamError(f"prefill leg failed: {plan.guard.exception()}")
+        return await opening
 
     async def _read_error(self, resp: aiohttp.ClientResponse) -> bytes:
         try:
@@ -348,16 +365,9 @@ class Proxy:
         return out
 
 
-def _walk(ranked: list[Replica], attempts: int) -> list[Replica]:
+def _walk(ranked: list[Candidate], attempts: int) -> list[Candidate]:
     """The replicas to try, best first, wrapping around when there are fewer than attempts."""
     return [ranked[i % len(ranked)] for i in range(attempts)]
-
-
-@dataclass(slots=True)
-class _Refused:
-    status: int
-    raw: bytes
-    headers: dict[str, str]
 
 
 def _retry_after(resp: aiohttp.ClientResponse) -> dict[str, str]:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from gateway.auth import Auth
 from gateway.config import Settings
+from gateway.engine_load import EngineLoad
 from gateway.health import HealthChecker
+from gateway.launcher import FleetLauncher, LaunchedReplica
+from gateway.load_scraper import LoadScraper
 from gateway.pool import Pool
 from gateway.replica import Replica
 from gateway.request_record import Observer, RequestRecord
@@ -35,6 +39,24 @@ class Runtime:
                     healthy=True,
                 )
             self.pools[pool.name] = pool
+        self.scraper = LoadScraper.from_config(settings.scrape, on_update=self._engine_load)
+        for pool in self.pools.values():
+            for replica in pool.replicas.values():
+                adapter = pool.adapter_for(replica)
+                if adapter is not None:
+                    self.scraper.add(replica.name, replica.url, adapter)
+        self.launchers = [
+            FleetLauncher(
+                pool.name,
+                pool.cfg.engines,
+                pool.cfg.engines.model or pool.model,
+                on_ready=self._launched(pool),
+                on_down=self._went_down(pool),
+                served_model_name=pool.upstream_model,
+            )
+            for pool in self.pools.values()
+            if pool.cfg.engines is not None
+        ]
         self.router = Router(settings.routes, {p.name: p.model for p in self.pools.values()})
         self.upstream = Upstream(settings.upstream)
         self.scheduler = Scheduler(settings.scheduler)
@@ -42,6 +64,44 @@ class Runtime:
         self.health = HealthChecker(settings.health, self.all_replicas, lambda: self.upstream.session)
         self.draining = False
         self.observers: list[Observer] = []
+
+    def _launched(self, pool: Pool) -> Callable[[LaunchedReplica], None]:
+        def on_ready(launched: LaunchedReplica) -> None:
+            pool.remove_replica(launched.name)  # a restarted engine comes back with an empty cache
+            replica = pool.add_replica(
+                launched.url,
+                name=launched.name,
+                role=launched.role,
+                kind=launched.kind,
+                bootstrap_port=launched.bootstrap_port,
+                managed=True,
+            )
+            adapter = pool.adapter_for(replica)
+            if adapter is not None:
+                self.scraper.add(replica.name, replica.url, adapter)
+
+        return on_ready
+
+    def _went_down(self, pool: Pool) -> Callable[[str], None]:
+        def on_down(name: str) -> None:
+            self.scraper.remove(name)
+            self.health.forget(name)
+            if pool.remove_replica(name) is not None:
+                log.warning(
+                    "pool %s: managed replica %s went down; the launcher restarts it", pool.name, name
+                )
+
+        return on_down
+
+    def _engine_load(self, name: str, load: EngineLoad) -> None:
+        for pool in self.pools.values():
+            replica = pool.replicas.get(name)
+            if replica is not None:
+                capacity_changed = replica.engine.num_gpu_blocks != load.num_gpu_blocks
+                replica.engine = load
+                if capacity_changed:
+                    pool.set_kv_capacity(replica)
+                return
 
     def observe(self, record: RequestRecord) -> None:
         for observer in self.observers:
@@ -57,8 +117,16 @@ class Runtime:
         return {name: pool.has_healthy() for name, pool in self.pools.items()}
 
     async def start(self) -> None:
+        """Start background work; managed replicas join their pools as each becomes ready, so
+        the gateway serves (and /ready tells) while slow engines are still loading."""
         self.health.start()
+        await self.scraper.start()
+        for launcher in self.launchers:
+            await launcher.start()
 
     async def stop(self) -> None:
+        for launcher in self.launchers:
+            await launcher.stop()
+        await self.scraper.stop()
         await self.health.stop()
         await self.upstream.close()
