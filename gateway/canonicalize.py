@@ -7,16 +7,16 @@ rewrites a chat request so that:
 
 * Volatile sentences move to the end of the leading system content. The leading system content is
   the run of system/developer messages before the first other turn. Every configured rule and
-  named built-in (`BUILTIN_PATTERNS`) is matched there; each SENTENCE containing a match (split
-  after `.`, `!` or `?` followed by spaces or tabs, and after every newline) is removed whole and
-  the removed sentences, stripped and joined by one space in their original order, are appended to
-  the last text of the leading system content as a trailing note:
+  named built-in (`BUILTIN_PATTERNS`) is matched there; each SENTENCE a match touches (text is
+  cut after every '. ', '! ', '? ' and newline; `VolatileRules` says how matching is windowed) is
+  removed whole, and the removed sentences, stripped and joined by one space in their original
+  order, are appended to the last text of the leading system content as a trailing note:
       "You are ...\\n\\n[context: Today is 2026-11-29 09:50, user 1234.]"
   Whole sentences, not just the matched fragments, move: the static text left behind has no holes
   ("Today is , user .") and is identical for every request that differs only in volatile values,
   whatever the values' lengths. The note carries the same words, so the model still sees them.
 * Tool definitions are sorted by function name (stable; a schema's own key order is never touched).
-* System content gets CRLF -> LF and trailing spaces/tabs removed from each line.
+* System content gets CRLF -> LF and trailing spaces, tabs and CRs removed from each line.
 
 Guarantees, tested as properties: deterministic; idempotent (an existing trailing note is
 recognised and kept, and the static part left behind matches no rule); only the leading
@@ -36,8 +36,7 @@ The `opt_out_header` is applied by the caller, which simply does not call `canon
 from __future__ import annotations
 
 import re
-from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
@@ -64,13 +63,10 @@ BUILTIN_PATTERNS: dict[str, str] = {
 }
 
 NOTE_PREFIX = "[context: "
-_NOTE = re.compile(r"(?:\A|\n\n)\[context: ([^\n]*)\]\Z")
-# A sentence ends after terminal punctuation followed by blanks, or at a newline (kept with it).
-_BOUNDARY = re.compile(r"[.!?]+[ \t]+|\n")
-_TRAILING_BLANKS = re.compile(r"[ \t]+(?=\n|\Z)")
+_TRAILING_BLANKS = re.compile(r"[ \t\r]+(?=\n|\Z)")
 _SYSTEM_ROLES = frozenset({"system", "developer"})
-
-Patterns = tuple[tuple[str, re.Pattern[str]], ...]
+_SENTENCE_ENDS = (". ", "! ", "? ")
+_MEMO_SIZE = 20_000
 
 
 @dataclass(slots=True)
@@ -83,8 +79,134 @@ class CanonicalResult:
         return bool(self.notes)
 
 
+def split_sentences(text: str) -> list[str]:
+    """Cut after every '. ', '! ', '? ' and newline; the pieces concatenate back to `text`.
+
+    Plain str.split, not a regex: it is the first step for every system prompt and Python's
+    regex engine scans character classes several times slower than str methods do.
+    """
+    out: list[str] = []
+    lines = text.split("\n")
+    last = len(lines) - 1
+    for i, line in enumerate(lines):
+        pieces = [line]
+        for mark in _SENTENCE_ENDS:
+            if mark in line:
+                split: list[str] = []
+                for piece in pieces:
+                    sub = piece.split(mark)
+                    split.extend(s + mark for s in sub[:-1])
+                    split.append(sub[-1])
+                pieces = split
+        if i < last:
+            pieces[-1] += "\n"
+        out.extend(p for p in pieces if p)
+    return out
+
+
+class VolatileRules:
+    r"""One config's compiled patterns and the sentence-lifting that uses them.
+
+    Patterns are matched in windows of two consecutive sentences, not over the whole text: the
+    windows of a repeated system prompt repeat, so their results are memoized and a request only
+    pays regex scans for the sentences it has not been seen with. A match therefore spans at most
+    two sentences (enough for "Nov. 29, 2026"), and `^`/`\A` anchor at a sentence start.
+    """
+
+    def __init__(self, patterns: tuple[tuple[str, re.Pattern[str]], ...]) -> None:
+        self.patterns = patterns
+        # window -> (hits first sentence, hits second sentence, rule names); () when nothing matches
+        self._windows: dict[str, tuple[bool, bool, tuple[str, ...]] | tuple[()]] = {}
+        self._settled: dict[
+            tuple[Callable[[str], str], str], tuple[str, tuple[str, ...], frozenset[str]]
+        ] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.patterns)
+
+    def _scan(self, window: str, first_len: int) -> tuple[bool, bool, tuple[str, ...]] | tuple[()]:
+        first = second = False
+        names: list[str] = []
+        for name, pattern in self.patterns:
+            for m in pattern.finditer(window):
+                if m.end() == m.start():
+                    continue
+                if name not in names:
+                    names.append(name)
+                first = first or m.start() < first_len
+                second = second or m.end() > first_len
+                if first and (second or first_len == len(window)):
+                    break
+        return (first, second, tuple(names)) if names else ()
+
+    def _window(self, sentences: list[str], i: int) -> tuple[bool, bool, tuple[str, ...]] | tuple[()]:
+        window = sentences[i] + sentences[i + 1] if i + 1 < len(sentences) else sentences[i]
+        found = self._windows.get(window)
+        if found is None:
+            found = self._scan(window, len(sentences[i]))
+            if len(self._windows) >= _MEMO_SIZE:
+                self._windows.clear()
+            self._windows[window] = found
+        return found
+
+    def _lift(self, sentences: list[str], moved: list[str], fired: set[str]) -> list[str]:
+        """Drop every sentence a match touches, appending it (stripped) to `moved`. After a removal
+        only the windows that became adjacent are new, so only those are scanned again."""
+        check: Iterable[int] = range(len(sentences))
+        while True:
+            hit = [False] * len(sentences)
+            for i in check:
+                found = self._window(sentences, i)
+                if found:
+                    first, second, names = found
+                    if first:
+                        hit[i] = True
+                    if second:
+                        hit[i + 1] = True
+                    fired.update(names)
+            if not any(hit):
+                return sentences
+            kept: list[str] = []
+            junctions: list[int] = []
+            for sentence, h in zip(sentences, hit, strict=True):
+                if not h:
+                    kept.append(sentence)
+                elif stripped := sentence.strip():
+                    moved.append(stripped)
+                if h and kept and (not junctions or junctions[-1] != len(kept) - 1):
+                    junctions.append(len(kept) - 1)
+            sentences, check = kept, junctions
+
+    def lift(self, text: str) -> tuple[str, list[str], set[str]]:
+        """Remove every sentence a match touches, until none does: (the rest, removed sentences
+        stripped, names of the rules that matched)."""
+        moved: list[str] = []
+        fired: set[str] = set()
+        kept = self._lift(split_sentences(text), moved, fired)
+        return ("".join(kept) if moved or fired else text), moved, fired
+
+    def settle(self, text: str, post: Callable[[str], str]) -> tuple[str, tuple[str, ...], frozenset[str]]:
+        """Lift, apply `post`, and repeat until nothing changes, so the static text left behind is a
+        fixpoint: that is what makes canonicalization idempotent. Memoized: a static prompt costs
+        one lookup."""
+        key = (post, text)
+        done = self._settled.get(key)
+        if done is not None:
+            return done
+        current, moved, fired = self.lift(text)
+        while (after := post(current)) != current:
+            current, more, names = self.lift(after)
+            moved.extend(more)
+            fired |= names
+        done = (current, tuple(moved), frozenset(fired))
+        if len(self._settled) >= 1024:
+            self._settled.clear()
+        self._settled[key] = done
+        return done
+
+
 @lru_cache(maxsize=256)
-def _compile(rules: tuple[tuple[str, str], ...], builtins: tuple[str, ...]) -> Patterns:
+def _compile(rules: tuple[tuple[str, str], ...], builtins: tuple[str, ...]) -> VolatileRules:
     compiled: list[tuple[str, re.Pattern[str]]] = []
     for name in builtins:
         if name not in BUILTIN_PATTERNS:
@@ -97,63 +219,46 @@ def _compile(rules: tuple[tuple[str, str], ...], builtins: tuple[str, ...]) -> P
             compiled.append((name, re.compile(pattern)))
         except re.error as exc:
             raise ValueError(f"canonicalize rule {name!r}: invalid regex: {exc}") from None
-    return tuple(compiled)
+    return VolatileRules(tuple(compiled))
 
 
-def compile_patterns(cfg: CanonicalizeConfig) -> Patterns:
-    """The config's patterns, compiled once per distinct rule set; ValueError names a bad rule."""
+def compile_rules(cfg: CanonicalizeConfig) -> VolatileRules:
+    """The config's rules, compiled once per distinct rule set; ValueError names a bad rule."""
     return _compile(tuple((r.name, r.pattern) for r in cfg.rules), tuple(cfg.builtin_rules))
 
 
 def normalize_whitespace(text: str) -> str:
-    if "\r\n" in text:
-        text = text.replace("\r\n", "\n")
-    return _TRAILING_BLANKS.sub("", text)
+    """CRLF -> LF and no trailing blanks on any line, in one pass (so it is its own fixpoint)."""
+    # Single-character probes first: they are memchr-fast, two-character ones are not.
+    if "\r" in text or text.endswith((" ", "\t")) or ("\n" in text and (" \n" in text or "\t\n" in text)):
+        return _TRAILING_BLANKS.sub("", text)
+    return text
 
 
-def _lift(text: str, patterns: Patterns, fired: set[str]) -> tuple[str, list[str]]:
-    """Remove every sentence overlapping a match; return the rest and the removed sentences."""
-    spans: list[tuple[int, int]] = []
-    for name, pattern in patterns:
-        for m in pattern.finditer(text):
-            if m.end() > m.start():
-                spans.append((m.start(), m.end()))
-                fired.add(name)
-    if not spans:
-        return text, []
-    starts = [0]
-    starts.extend(m.end() for m in _BOUNDARY.finditer(text) if m.end() < len(text))
-    hit = [False] * len(starts)
-    for a, b in spans:
-        for i in range(bisect_right(starts, a) - 1, bisect_right(starts, b - 1)):
-            hit[i] = True
-    ends = [*starts[1:], len(text)]
-    kept: list[str] = []
-    moved: list[str] = []
-    for s, e, h in zip(starts, ends, hit, strict=True):
-        if not h:
-            kept.append(text[s:e])
-        elif sentence := text[s:e].strip():
-            moved.append(sentence)
-    return "".join(kept), moved
-
-
-def _settle(
-    text: str, patterns: Patterns, fired: set[str], post: Callable[[str], str]
-) -> tuple[str, list[str]]:
-    """Lift until nothing matches, so the static text left behind is a fixpoint (idempotence)."""
-    moved: list[str] = []
-    while True:
-        kept, lifted = _lift(text, patterns, fired)
-        kept = post(kept)
-        if not lifted and kept == text:
-            return text, moved
-        moved.extend(lifted)
-        text = kept
+def _find_note(text: str) -> tuple[int, str] | None:
+    """(start, inner text) of a trailing note: "[context: ...]" ending the text, on its own line
+    after a blank line or as the whole text. str methods only: this runs on every request."""
+    if not text.endswith("]"):
+        return None
+    if text.startswith(NOTE_PREFIX) and "\n" not in text:
+        return 0, text[len(NOTE_PREFIX) : -1]
+    start = text.rfind("\n\n" + NOTE_PREFIX)
+    inner = start + 2 + len(NOTE_PREFIX)
+    if start == -1 or "\n" in text[inner:]:
+        return None
+    return start, text[inner:-1]
 
 
 def _identity(text: str) -> str:
     return text
+
+
+def _normalize_rstrip(text: str) -> str:
+    return normalize_whitespace(text).rstrip()
+
+
+def _rstrip(text: str) -> str:
+    return text.rstrip()
 
 
 def _tool_key(tool: Any) -> tuple[str, str]:
@@ -194,22 +299,25 @@ def _canonical_system(
         texts = [normalize_whitespace(t) for t in texts]
         if texts != [t for _, _, t in slots]:
             notes.append("normalized whitespace in the leading system content")
-    patterns = compile_patterns(cfg) if cfg.move_volatile_to_end else ()
-    if patterns:
+    rules = compile_rules(cfg) if cfg.move_volatile_to_end else None
+    if rules:
         host = texts[-1]
-        prior = _NOTE.search(host)
+        prior = _find_note(host)
         if prior is not None:
-            texts[-1] = host[: prior.start()]
+            texts[-1] = host[: prior[0]]
         fired: set[str] = set()
         moved: list[str] = []
         for k, text in enumerate(texts):
-            texts[k], lifted = _settle(text, patterns, fired, post)
+            texts[k], lifted, names = rules.settle(text, post)
             moved.extend(lifted)
+            fired |= names
         if moved:
-            static, lifted = _settle(texts[-1].rstrip(), patterns, fired, lambda s: post(s).rstrip())
+            finish = _normalize_rstrip if cfg.normalize_whitespace else _rstrip
+            static, lifted, names = rules.settle(texts[-1].rstrip(), finish)
             moved.extend(lifted)
+            fired |= names
             if prior is not None:
-                moved.append(prior.group(1))
+                moved.append(prior[1])
             note = NOTE_PREFIX + " ".join(moved) + "]"
             texts[-1] = f"{static}\n\n{note}" if static else note
             notes.append(

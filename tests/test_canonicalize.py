@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from gateway.canonicalize import (
     BUILTIN_PATTERNS,
     canonicalize,
-    compile_patterns,
+    compile_rules,
     normalize_whitespace,
+    split_sentences,
 )
 from gateway.config import CanonicalizeConfig, CanonicalizeRule
 
@@ -142,8 +143,8 @@ def test_properties(cfg: CanonicalizeConfig, body: dict[str, Any]) -> None:
     static = texts(msgs_out[:lead])
     if static and NOTE.search(static[-1]) and result.changed:
         static[-1] = static[-1][: NOTE.search(static[-1]).start()]
-        for _, pattern in compile_patterns(cfg):
-            assert not any(pattern.search(t) for t in static)
+        rules = compile_rules(cfg)
+        assert not any(rules.lift(t)[1] for t in static)
 
     # Tools: same definitions, sorted by name, schemas serialized byte for byte as sent.
     tools_in, tools_out = body.get("tools", []), out.get("tools", [])
@@ -194,6 +195,39 @@ def test_static_text_identical_whatever_the_values() -> None:
     assert outs == {"You are X.\n\n"}
 
 
+@settings(max_examples=200, deadline=None)
+@given(text=text)
+def test_sentences_concatenate_back(text: str) -> None:
+    sentences = split_sentences(text)
+    assert "".join(sentences) == text
+    assert all(s for s in sentences)
+    assert all("\n" not in s[:-1] for s in sentences)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=text)
+def test_window_matching_agrees_with_whole_text_search_on_single_sentence_matches(text: str) -> None:
+    rules = compile_rules(CFG)
+    _, moved, _ = rules.lift(text)
+    for sentence in split_sentences(text):
+        if any(p.search(sentence) for _, p in rules.patterns):
+            assert sentence.strip() in moved
+
+
+@given(text=st.text(alphabet="a \t\r\n", max_size=30))
+def test_whitespace_normalization_is_a_fixpoint(text: str) -> None:
+    once = normalize_whitespace(text)
+    assert normalize_whitespace(once) == once
+    assert "\r\n" not in once and not re.search(r"[ \t]\n|[ \t]\Z", once)
+    assert once.split() == text.split()
+
+
+def test_a_date_across_a_sentence_cut_moves_both_parts() -> None:
+    body = {"messages": [{"role": "system", "content": "Hello. Today is Nov. 29, 2026. You are X."}]}
+    out = canonicalize(body, CFG, "chat").body["messages"][0]["content"]
+    assert out == "Hello. You are X.\n\n[context: Today is Nov. 29, 2026.]"
+
+
 def test_user_id_alone_needs_the_rule() -> None:
     body = {"messages": [{"role": "system", "content": "User 1234. You are X."}]}
     assert not canonicalize(body, CanonicalizeConfig(enabled=True), "chat").changed
@@ -217,13 +251,13 @@ def test_only_tool_sorting_and_whitespace_when_moving_is_off() -> None:
 
 def test_bad_rules_are_reported_by_name() -> None:
     with pytest.raises(ValueError, match="'broken'"):
-        compile_patterns(CanonicalizeConfig(rules=[CanonicalizeRule(name="broken", pattern="(")]))
+        compile_rules(CanonicalizeConfig(rules=[CanonicalizeRule(name="broken", pattern="(")]))
     with pytest.raises(ValueError, match="'nope'"):
-        compile_patterns(CanonicalizeConfig(builtin_rules=["nope"]))
+        compile_rules(CanonicalizeConfig(builtin_rules=["nope"]))
 
 
 def test_patterns_are_compiled_once_per_rule_set() -> None:
-    assert compile_patterns(CFG) is compile_patterns(CFG.model_copy())
+    assert compile_rules(CFG) is compile_rules(CFG.model_copy())
 
 
 @pytest.mark.parametrize(
