@@ -4,8 +4,10 @@ Each replica is one process in its own process group, logging to `<log_dir>/<nam
 A replica is announced (`on_ready`) only once its health endpoint answers 200; when its process
 exits it is withdrawn (`on_down`), the log tail goes to the gateway log, and it is restarted on
 the same ports with exponential backoff. `stop()` terminates each process group (SIGTERM, then
-SIGKILL after `stop_grace_s`). On Linux every engine also gets PR_SET_PDEATHSIG, so the engines
-die with the gateway even if it is killed without a chance to stop them.
+SIGKILL after `stop_grace_s`). On Linux every engine also gets PR_SET_PDEATHSIG (SIGTERM, so it
+can stop its own workers), so the engines die with the gateway even if it is killed without a
+chance to stop them. The signal follows the thread that spawned the engine: run the launcher on
+the thread that lives as long as the gateway (the event loop's).
 
 `start()` returns at once: the gateway serves while engines load (minutes for a real model), and
 replicas join the pool as they become ready. `wait_ready()` is for callers that want to block.
@@ -267,6 +269,7 @@ class FleetLauncher:
         *,
         served_model_name: str | None = None,
         health_poll_s: float = 0.25,
+        progress_every_s: float = PROGRESS_EVERY_S,
     ) -> None:
         self.pool_name = pool_name
         self.spec = spec
@@ -275,6 +278,7 @@ class FleetLauncher:
         self._on_ready = on_ready
         self._on_down = on_down
         self._health_poll_s = health_poll_s
+        self._progress_every_s = progress_every_s
         self._plans: list[LaunchPlan] | None = None
         self._replicas: dict[str, _Replica] = {}
         self._stopping = False
@@ -404,11 +408,12 @@ class FleetLauncher:
             if error is not None:
                 await self._terminate(replica)
                 return error
+            log.info("replica %s ready at %s (pid %d)", plan.name, plan.url, proc.pid)
+            # Announce first: when wait_ready() returns, the pool already knows every replica.
+            await _call(self._on_ready, self._launched(replica))
             replica.status.last_error = None
             replica.status.ready_since = time.monotonic()
             await self._set_state(replica, "ready")
-            log.info("replica %s ready at %s (pid %d)", plan.name, plan.url, proc.pid)
-            await _call(self._on_ready, self._launched(replica))
             code = await exited
         finally:
             exited.cancel()
@@ -445,7 +450,7 @@ class FleetLauncher:
         assert self._client is not None
         health_url = plan.url + adapter_for_spec(self.spec).health_path
         started = time.monotonic()
-        next_progress = started + PROGRESS_EVERY_S
+        next_progress = started + self._progress_every_s
         while True:
             if exited.done():
                 return f"exited with code {exited.result()} while starting"
@@ -459,7 +464,7 @@ class FleetLauncher:
                 return f"not ready after {self.spec.startup_timeout_s:g} s (startup_timeout_s)"
             if now >= next_progress:
                 log.info("replica %s still starting (%.0f s)", plan.name, now - started)
-                next_progress += PROGRESS_EVERY_S
+                next_progress += self._progress_every_s
             await asyncio.wait({exited}, timeout=self._health_poll_s)
 
     async def _terminate(self, replica: _Replica) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from gateway.config import EngineSpec, Settings
-from gateway.engines import get_adapter
+from gateway.engines import adapter_for_spec, get_adapter
 from gateway.launcher import FleetLauncher, LaunchedReplica, LaunchError, dry_run
 from gateway.load_scraper import LoadScraper
 
@@ -66,19 +67,25 @@ def fast_spec(tmp_path: Path, **kw: object) -> EngineSpec:
     return EngineSpec(**(base | kw))  # type: ignore[arg-type]
 
 
-async def test_three_simulators_crash_restart_and_clean_stop(tmp_path: Path) -> None:
+async def test_three_simulators_crash_restart_and_clean_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     rec = Recorder()
     # --startup-delay: the simulator answers 503 for a while, like an engine loading weights.
     spec = fast_spec(
         tmp_path, replicas=3, kv_cache_dtype="fp8", sim={"extra_args": ["--startup-delay", "0.3"]}
     )
-    launcher = FleetLauncher("pool", spec, "meta-llama/Llama-3.1-8B-Instruct", rec.on_ready, rec.on_down)
+    launcher = FleetLauncher(
+        "pool", spec, "meta-llama/Llama-3.1-8B-Instruct", rec.on_ready, rec.on_down, progress_every_s=0.1
+    )
+    caplog.set_level(logging.INFO, logger="kvgate.launcher")
     await launcher.start()
     try:
         replicas = await launcher.wait_ready(timeout_s=30)
         assert sorted(r.name for r in replicas) == ["pool-0", "pool-1", "pool-2"]
         assert len({r.url for r in replicas}) == 3
         assert sorted(r.name for r in rec.ready) == ["pool-0", "pool-1", "pool-2"]
+        assert re.search(r"replica pool-\d still starting \(\d+ s\)", caplog.text)
         scraper = LoadScraper()
         for r in replicas:
             scraper.add(r.name, r.url, get_adapter("sim"))
@@ -107,6 +114,31 @@ async def test_three_simulators_crash_restart_and_clean_stop(tmp_path: Path) -> 
     assert not [pid for pid in pids if alive(pid)]
     assert rec.down == ["pool-1"]  # stopping is not a crash
     assert all(s.state == "stopped" for s in launcher.status().values())
+
+
+async def test_sglang_speaking_simulators_in_pd_roles(tmp_path: Path) -> None:
+    spec = fast_spec(
+        tmp_path, replicas=2, roles={"prefill": 1, "decode": 1}, sim={"extra_args": ["--api", "sglang"]}
+    )
+    launcher = FleetLauncher("sg", spec, "m", lambda r: None, lambda n: None)
+    await launcher.start()
+    try:
+        prefill, decode = sorted(await launcher.wait_ready(timeout_s=30), key=lambda r: r.name)
+        assert (prefill.role, decode.role) == ("prefill", "decode")
+        assert prefill.bootstrap_port is not None and decode.bootstrap_port is None
+        # The prefill replica listens on its bootstrap port, as SGLang's does.
+        _, writer = await asyncio.open_connection("127.0.0.1", prefill.bootstrap_port)
+        writer.close()
+        scraper = LoadScraper()
+        scraper.add(prefill.name, prefill.url, adapter_for_spec(spec))
+        await scraper.start()
+        try:
+            load = await scraper.scrape_once(prefill.name)  # /v1/loads JSON
+            assert load is not None and (load.running, load.waiting) == (0, 0)
+        finally:
+            await scraper.stop()
+    finally:
+        await launcher.stop()
 
 
 async def test_failed_start_reports_log_tail(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
