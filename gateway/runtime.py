@@ -125,8 +125,9 @@ class Runtime:
             await launcher.start()
 
     async def stop(self) -> None:
-        for launcher in self.launchers:
-            await launcher.stop()
+        # Watchers first, so that engines being stopped are not reported as failing.
         await self.scraper.stop()
         await self.health.stop()
+        for launcher in self.launchers:
+            await launcher.stop()
         await self.upstream.close()
