@@ -41,6 +41,7 @@ from gateway.replica import Role
 log = logging.getLogger("kvgate.launcher")
 
 LOG_TAIL_LINES = 20
+LOG_ROTATE_BYTES = 64 * 1024 * 1024
 PROGRESS_EVERY_S = 10.0
 
 ReadyCallback = Callable[["LaunchedReplica"], Awaitable[None] | None]
@@ -426,6 +427,9 @@ class FleetLauncher:
     async def _spawn(self, replica: _Replica) -> asyncio.subprocess.Process:
         plan = replica.plan
         plan.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if plan.log_path.stat().st_size > LOG_ROTATE_BYTES:  # keep one previous log, not all
+                plan.log_path.replace(plan.log_path.with_name(plan.log_path.name + ".1"))
         with plan.log_path.open("ab") as logfile:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             logfile.write(f"=== {stamp} kvgate starting {plan.name}: {plan.shell()}\n".encode())
