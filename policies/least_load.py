@@ -12,21 +12,33 @@ from gateway.policy import Candidate, Policy, RequestFeatures
 class LeastLoadParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     waiting_token_cost: int = Field(
-        1024, ge=0, description="Tokens of work assumed per request waiting in the engine's own queue"
+        1024, ge=0, description="Tokens of work assumed per request the engine reports waiting or running"
     )
 
 
 class LeastLoad(Policy):
     Params = LeastLoadParams
 
+    def __init__(self, params: BaseModel) -> None:
+        super().__init__(params)
+        self._turn = 0
+
     async def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
         cost = self.params.waiting_token_cost  # type: ignore[attr-defined]
+        n = len(candidates)
+        self._turn += 1
+        turn = self._turn
 
-        def load(c: Candidate) -> tuple[float, int]:
+        def load(item: tuple[int, Candidate]) -> tuple[int, int, int]:
+            i, c = item
             r = c.replica
-            # Our own in-flight tokens are exact and current; the engine's waiting queue also
-            # counts other gateways' requests, but only while its scrape is fresh.
-            engine_waiting = r.engine.waiting if r.engine_fresh else 0
-            return (r.inflight_tokens + engine_waiting * cost, r.inflight_requests)
+            # Our own in-flight tokens are exact and current (the lease is taken at decision time);
+            # the engine's figures also count other gateways' requests, but only while its scrape is
+            # fresh. They overlap (ours are in the engine's too), so the larger one counts, not the sum.
+            tokens = r.inflight_tokens
+            if r.engine_fresh:
+                tokens = max(tokens, (r.engine.waiting + r.engine.running) * cost)
+            # Equal loads (an idle fleet) rotate, instead of always falling to the first replica.
+            return (tokens, r.inflight_requests, (i - turn) % n)
 
-        return sorted(candidates, key=load)
+        return [c for _, c in sorted(enumerate(candidates), key=load)]

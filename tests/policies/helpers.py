@@ -1,0 +1,50 @@
+"""Hand-built routing inputs for policy unit tests: real Replica objects, no gateway around them."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from gateway.breaker import CircuitBreaker
+from gateway.engine_load import EngineLoad
+from gateway.policy import Candidate, RequestFeatures
+from gateway.replica import Lease, Replica
+
+_ids = itertools.count()
+
+
+def replicas(n: int) -> list[Replica]:
+    return [
+        Replica(f"r{i}", f"http://127.0.0.1:{9000 + i}", "p", breaker=CircuitBreaker(3, 5.0))
+        for i in range(n)
+    ]
+
+
+def request(
+    prompt_tokens: int = 2176, text: str = "", headers: dict[str, str] | None = None
+) -> RequestFeatures:
+    return RequestFeatures(
+        request_id=f"req-{next(_ids)}",
+        model="m",
+        pool="p",
+        endpoint="chat",
+        prompt_tokens=prompt_tokens,
+        text=text,
+        headers=headers or {},
+    )
+
+
+def candidates(reps: list[Replica], matched: dict[str, int] | None = None) -> list[Candidate]:
+    """One candidate per replica; `matched` gives a replica's matched tokens (16 per block)."""
+    matched = matched or {}
+    return [Candidate(r, matched.get(r.name, 0) // 16, matched.get(r.name, 0)) for r in reps]
+
+
+def engine_report(replica: Replica, waiting: int = 0, running: int = 0) -> None:
+    """A fresh engine load figure, as the scraper would store it."""
+    replica.engine = EngineLoad(waiting=waiting, running=running, updated_at=time.monotonic())
+
+
+def send(replica: Replica, features: RequestFeatures) -> Lease:
+    """What the proxy does once a replica is chosen: take the in-flight lease."""
+    return replica.lease(features.prompt_tokens)

@@ -1,0 +1,122 @@
+"""prefix_affinity: warm replicas win until their queue costs more than recomputing the prefix."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from gateway.policy import load_policy
+from policies.prefix_affinity import PrefixAffinity
+from tests.policies.helpers import candidates, engine_report, replicas, request, send
+
+PROMPT = 2176  # a 2048-token system prompt and a 128-token question
+SHARED = 2048
+
+
+def policy(**args: object) -> PrefixAffinity:
+    p = load_policy("prefix_affinity", args)
+    assert isinstance(p, PrefixAffinity)
+    return p
+
+
+async def test_prefers_the_warm_replica_when_loads_are_equal() -> None:
+    reps = replicas(3)
+    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+    assert ranked[0].replica.name == "r1"
+
+
+async def test_deeper_match_wins_between_warm_replicas() -> None:
+    reps = replicas(3)
+    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r0": 512, "r2": SHARED}))
+    assert [c.replica.name for c in ranked] == ["r2", "r0", "r1"]
+
+
+async def test_spills_when_the_engine_queue_makes_the_warm_replica_slower() -> None:
+    reps = replicas(3)
+    # 4 requests waiting x 1024 tokens: more queued work than recomputing 2048 tokens elsewhere.
+    engine_report(reps[1], waiting=4)
+    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+    assert ranked[0].replica.name in ("r0", "r2")
+    assert ranked[-1].replica.name == "r1"
+    # A short queue is not worth a recompute: the warm replica keeps the request.
+    engine_report(reps[1], waiting=1)
+    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+    assert ranked[0].replica.name == "r1"
+
+
+async def test_stale_engine_figures_are_ignored() -> None:
+    reps = replicas(2)
+    engine_report(reps[1], waiting=50)
+    reps[1].engine.updated_at -= 60  # a minute old: the scrape stopped
+    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+    assert ranked[0].replica.name == "r1"
+
+
+async def test_own_inflight_work_counted_at_decision_time_spills_a_hot_prefix() -> None:
+    """A burst of one hot prefix: the warm replica takes requests until its queue of uncached
+    work outweighs a recompute, then the prefix spills; with two warm replicas it alternates."""
+    p = policy(per_request_s=0.0)
+    reps = replicas(3)
+    warm = {"r1": SHARED}
+    chosen = []
+    leases = []
+    for _ in range(40):
+        req = request(PROMPT)
+        first = (await p.rank(req, candidates(reps, warm)))[0].replica
+        leases.append(send(first, req))  # the lease is taken right after ranking, nothing released
+        p.on_routed(req, first)
+        chosen.append(first.name)
+        warm.setdefault(first.name, SHARED)  # the replica now holds the prefix too
+    # Each hit queues 128 uncached tokens; a spill costs 2048 more: about 16 hits before spilling.
+    first_spill = next(i for i, name in enumerate(chosen) if name != "r1")
+    assert 14 <= first_spill <= 18, chosen
+    counts = Counter(chosen)
+    assert counts["r1"] >= 16 and len(counts) >= 2
+    # Once the work is done (leases released), the queue is empty again and affinity returns.
+    for lease in leases:
+        lease.release()
+    ranked = await p.rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+    assert ranked[0].replica.name == "r1"
+
+
+async def test_cold_requests_spread_evenly() -> None:
+    p = policy()
+    reps = replicas(4)
+    chosen = []
+    for _ in range(12):
+        req = request(PROMPT)
+        first = (await p.rank(req, candidates(reps)))[0].replica
+        send(first, req)
+        chosen.append(first.name)
+    assert Counter(chosen) == {"r0": 3, "r1": 3, "r2": 3, "r3": 3}
+
+
+async def test_cold_requests_avoid_a_busy_replica() -> None:
+    p = policy()
+    reps = replicas(3)
+    engine_report(reps[0], waiting=20)
+    chosen = set()
+    for _ in range(6):
+        req = request(PROMPT)
+        first = (await p.rank(req, candidates(reps)))[0].replica
+        chosen.add(first.name)
+    assert "r0" not in chosen
+
+
+async def test_retry_moves_the_charge_to_the_replica_that_served() -> None:
+    p = policy(per_request_s=0.0)
+    reps = replicas(2)
+    req = request(PROMPT)
+    ranked = await p.rank(req, candidates(reps, {"r0": SHARED}))
+    assert ranked[0].replica.name == "r0"
+    # r0 refused (e.g. 429), the proxy walked on to r1 and the request was sent there.
+    lease = send(reps[1], req)
+    p.on_routed(req, reps[1])
+    # The uncached tokens charged at decision time now count on r1, where the work is.
+    assert p.queued_tokens(reps[1]) == PROMPT - SHARED
+    assert p.queued_tokens(reps[0]) == 0
+    lease.release()
+    assert p.queued_tokens(reps[1]) == 0
+
+
+async def test_no_candidates() -> None:
+    assert await policy().rank(request(), []) == []

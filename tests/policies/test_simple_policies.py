@@ -1,0 +1,47 @@
+"""least_load and the benchmark's oracle policy."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from bench.oracle_policy import OraclePolicy
+from gateway.policy import load_policy
+from tests.policies.helpers import candidates, engine_report, replicas, request
+
+
+async def test_least_load_counts_own_tokens_and_fresh_engine_figures() -> None:
+    p = load_policy("least_load")
+    reps = replicas(3)
+    reps[0].lease(5000)
+    engine_report(reps[1], waiting=2, running=1)  # 3 x 1024 tokens by the engine's count
+    ranked = await p.rank(request(), candidates(reps))
+    assert [c.replica.name for c in ranked] == ["r2", "r1", "r0"]
+
+
+async def test_least_load_takes_the_larger_of_own_and_engine_load() -> None:
+    p = load_policy("least_load")
+    reps = replicas(2)
+    reps[0].lease(3000)
+    engine_report(reps[0], running=1)  # our own request, as the engine sees it: not added twice
+    reps[1].lease(3500)
+    assert (await p.rank(request(), candidates(reps)))[0].replica.name == "r0"
+
+
+async def test_least_load_rotates_on_ties() -> None:
+    p = load_policy("least_load")
+    reps = replicas(4)
+    firsts = Counter([(await p.rank(request(), candidates(reps)))[0].replica.name for _ in range(8)])
+    assert firsts == {"r0": 2, "r1": 2, "r2": 2, "r3": 2}
+
+
+async def test_oracle_pins_group_g_to_replica_g_mod_n_by_name() -> None:
+    p = load_policy("bench.oracle_policy:OraclePolicy")
+    assert isinstance(p, OraclePolicy)
+    reps = replicas(4)
+    shuffled = candidates([reps[2], reps[0], reps[3], reps[1]])
+    for g in range(8):
+        ranked = await p.rank(request(headers={"x-kvgate-group": f"g{g}"}), shuffled)
+        assert ranked[0].replica.name == f"r{g % 4}"
+        assert len(ranked) == 4
+    ranked = await p.rank(request(), shuffled)  # no group: least in-flight
+    assert len(ranked) == 4
