@@ -118,20 +118,24 @@ class _Response:
                     start, end = self.sent[i], c.num_output
                     if end > start:
                         fin = c.finish_reason if c.state == FINISHED else None
-                        content = proto.output_json(self.seeds[i], start, end)
-                        parts.append(self.fmt.chunk(i, content, start == 0, fin))
+                        # A midstream fault counts chunks: then one token per chunk, never coalesced.
+                        step = 1 if self.cut_after is not None else end - start
+                        for a in range(start, end, step):
+                            content = proto.output_json(self.seeds[i], a, a + step)
+                            parts.append(self.fmt.chunk(i, content, a == 0, fin if a + step >= end else None))
                         self.sent[i] = end
                 finished = all(c.state == FINISHED for c in self.children)
-                if finished:
-                    if self.include_usage:
-                        parts.append(self.fmt.usage_chunk(self.usage()))
-                    parts.append(proto.DONE)
-                if self.cut_after is not None and self.writes + len(parts) >= self.cut_after:
+                if self.cut_after is not None and (finished or self.writes + len(parts) >= self.cut_after):
+                    # Cut before [DONE] even when the output was shorter than N chunks.
                     parts = parts[: max(self.cut_after - self.writes, 0)]
                     if parts:
                         await self.resp.write(b"".join(parts))
                     self.done.set_result("cut")
                     return
+                if finished:
+                    if self.include_usage:
+                        parts.append(self.fmt.usage_chunk(self.usage()))
+                    parts.append(proto.DONE)
                 self.writes += len(parts)
                 await self.resp.write(b"".join(parts))
                 if finished:

@@ -1,0 +1,77 @@
+"""`python -m gateway.sim` as a real process: vLLM command lines, in-process replicas, crash fault."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from gateway.sim.cli import parse_args, replica_options
+from tests.conftest import REPO
+
+LISTEN = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
+
+
+@asynccontextmanager
+async def sim_process(
+    *args: str, replicas: int = 1
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, list[str]]]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway.sim", *args, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    urls: list[str] = []
+    try:
+        while len(urls) < replicas:
+            line = await asyncio.wait_for(proc.stdout.readline(), 20)  # type: ignore[union-attr]
+            if not line:
+                raise AssertionError((await proc.stderr.read()).decode())  # type: ignore[union-attr]
+            if m := LISTEN.search(line):
+                urls.append(m.group(1).decode())
+        yield proc, urls
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+
+
+def test_vllm_command_line_parses_like_vllm_serve() -> None:
+    args = parse_args(
+        ["serve", "meta-llama/Llama-3.1-8B", "--kv-cache-dtype", "fp8", "--no-enable-prefix-caching",
+         "--max-model-len", "8192", "--gpu-memory-utilization", "0.85", "--load-format", "dummy",
+         "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}', "--port", "9000"]
+    )  # fmt: skip
+    [o] = replica_options(args)
+    assert o.model == "meta-llama/Llama-3.1-8B" and o.served_model_names == ["meta-llama/Llama-3.1-8B"]
+    assert o.engine.kv_cache_dtype == "fp8" and not o.engine.enable_prefix_caching
+    assert o.kv_role == "kv_consumer" and o.port == 9000
+    sg = replica_options(parse_args(["--api", "sglang", "--kv-transfer-config", '{"kv_role":"kv_producer"}']))
+    assert sg[0].disaggregation_mode == "prefill" and sg[0].engine.higher_priority_first
+
+
+async def test_replicas_share_a_process_on_consecutive_ports_and_warn_on_unknown_flags() -> None:
+    async with sim_process(
+        "--profile", "tiny", "--port", "0", "--replicas", "2", "--seed", "3", replicas=2
+    ) as (proc, urls):  # fmt: skip
+        assert len(set(urls)) == 2
+        async with httpx.AsyncClient() as c:
+            for u in urls:
+                assert (await c.get(f"{u}/health")).status_code == 200
+            await c.post(f"{urls[0]}/v1/completions", json={"prompt": "a b c", "max_tokens": 2})
+            s0 = (await c.get(f"{urls[0]}/sim/state")).json()
+            s1 = (await c.get(f"{urls[1]}/sim/state")).json()
+            assert s0["counters"]["requests_finished"] == 1 and s1["counters"]["requests_finished"] == 0
+    assert b"--seed" in await proc.stderr.read()  # type: ignore[union-attr]
+
+
+async def test_crash_fault_exits_a_single_replica_process() -> None:
+    async with sim_process("--profile", "tiny", "--port", "0") as (proc, [u]):
+        async with httpx.AsyncClient() as c:
+            with pytest.raises(httpx.TransportError):
+                await c.post(f"{u}/v1/completions", json={"prompt": "x"}, headers={"x-sim-fault": "crash"})
+        assert await asyncio.wait_for(proc.wait(), 10) == 17
