@@ -1,0 +1,176 @@
+"""Precise mode: vLLM-format KV events over a real ZMQ PUB socket feed the token-block index."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from gateway.kv_events import KVEventIndexer, KVEventSubscriber, TokenBlockHasher
+from gateway.prefix_index import PrefixIndex
+
+BS = 4
+TOKENS = list(range(100, 120))  # five full blocks
+
+
+class Publisher:
+    """An engine's side of the wire: PUB socket, 8-byte sequence numbers, msgpack batches."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.seq = 0
+
+    def send(self, events: list[Any], seq: int | None = None, payload: bytes | None = None) -> None:
+        if seq is not None:
+            self.seq = seq
+        body = payload if payload is not None else msgpack.packb([time.time(), events, 0])
+        self.sock.send_multipart([b"kv-events", self.seq.to_bytes(8, "big"), body])
+        self.seq += 1
+
+
+@pytest.fixture
+async def wired() -> AsyncIterator[tuple[Publisher, KVEventSubscriber, PrefixIndex]]:
+    pub = Publisher()
+    index = PrefixIndex()
+    sub = KVEventSubscriber(pub.endpoint, "r1", KVEventIndexer(index, TokenBlockHasher(BS, "m")), "kv-events")
+    await sub.start()
+    # ZMQ drops what a PUB sends before the SUB has joined: send no-op batches until one arrives.
+    deadline = time.monotonic() + 10
+    while sub.stats.batches == 0:
+        assert time.monotonic() < deadline, "subscriber never received a batch"
+        pub.send([])
+        await asyncio.sleep(0.01)
+    try:
+        yield pub, sub, index
+    finally:
+        await sub.stop()
+        pub.sock.close(0)
+
+
+async def until(cond: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+def stored(hashes: list[Any], parent: Any, tokens: list[int], medium: str | None = "GPU") -> list[Any]:
+    return ["BlockStored", hashes, parent, tokens, BS, None, medium]
+
+
+async def test_stored_removed_cleared_over_zmq(
+    wired: tuple[Publisher, KVEventSubscriber, PrefixIndex],
+) -> None:
+    pub, sub, index = wired
+    query = TokenBlockHasher(BS, "m").hashes([*TOKENS, 7, 7])
+    # The engine stores the first three blocks in one event, then two more chained to the third.
+    pub.send([stored([b"e0", b"e1", b"e2"], None, TOKENS[:12])])
+    pub.send(
+        [
+            {
+                "type": "BlockStored",
+                "block_hashes": [b"e3", b"e4"],
+                "parent_block_hash": b"e2",
+                "token_ids": TOKENS[12:20],
+                "block_size": BS,
+            }
+        ]
+    )
+    await until(lambda: index.match(query, ["r1"])["r1"] == 5, "five stored blocks")
+
+    pub.send([["BlockRemoved", [b"e1"], "GPU"]])
+    await until(lambda: index.match(query, ["r1"])["r1"] == 1, "removal of the second block")
+
+    pub.send([["AllBlocksCleared"]])
+    await until(lambda: index.match(query, ["r1"])["r1"] == 0, "clear")
+    assert sub.indexer.stats.stored == 5 and sub.indexer.stats.removed == 1
+    assert sub.stats.gaps == 0
+
+
+async def test_orphans_other_media_and_bad_batches_are_skipped(
+    wired: tuple[Publisher, KVEventSubscriber, PrefixIndex],
+) -> None:
+    pub, sub, index = wired
+    query = TokenBlockHasher(BS, "m").hashes(TOKENS)
+    pub.send([stored([b"x1"], b"never-seen", TOKENS[4:8])])
+    pub.send([stored([b"c0"], None, TOKENS[:4], medium="CPU")])
+    pub.send([], payload=b"\xc1 not msgpack")
+    pub.send([stored([9], None, TOKENS[:4])])  # integer engine hashes (older vLLM) work too
+    await until(lambda: index.match(query, ["r1"])["r1"] == 1, "the valid block")
+    stats = sub.indexer.stats
+    assert (stats.orphans, stats.foreign_media, sub.stats.decode_errors) == (1, 1, 1)
+
+
+async def test_sequence_gap_is_counted_and_restart_clears(
+    wired: tuple[Publisher, KVEventSubscriber, PrefixIndex],
+) -> None:
+    pub, sub, index = wired
+    query = TokenBlockHasher(BS, "m").hashes(TOKENS)
+    pub.send([stored([1], None, TOKENS[:4])], seq=pub.seq + 3)
+    await until(lambda: index.match(query, ["r1"])["r1"] == 1, "stored block")
+    assert sub.stats.gaps == 3
+    pub.send([], seq=0)  # the engine restarted: its sequence and its cache start over
+    await until(lambda: sub.stats.last_seq == 0, "restart batch")
+    assert index.match(query, ["r1"])["r1"] == 0
+
+
+def test_speculative_decision_confirmed_by_event() -> None:
+    now = [0.0]
+    index = PrefixIndex(speculative_ttl_s=2.0, clock=lambda: now[0])
+    hasher = TokenBlockHasher(BS, "m")
+    indexer = KVEventIndexer(index, hasher)
+    prompt = hasher.hashes(TOKENS)
+    index.record("r1", prompt, speculative=True)  # the routing decision
+    indexer.apply("r1", [stored([b"a", b"b"], None, TOKENS[:8])])  # the engine's events (first two blocks)
+    now[0] = 5.0
+    assert index.match(prompt, ["r1"]) == {"r1": 2}
+
+
+def test_token_block_hasher_chains_and_isolates() -> None:
+    hasher = TokenBlockHasher(BS, "m")
+    full = hasher.hashes(TOKENS)
+    assert len(full) == 5 and hasher.hashes(TOKENS[:11]) == full[:2]
+    assert hasher.hashes([*TOKENS[:4], 0, 0, 0, 0])[0] == full[0]
+    assert not set(TokenBlockHasher(BS, "other").hashes(TOKENS)) & set(full)
+    assert not set(hasher.hashes(TOKENS, lora_id=3)) & set(full)
+    parent = hasher.root()
+    for i, h in enumerate(full):
+        parent = hasher.chain(parent, TOKENS[i * BS : (i + 1) * BS])
+        assert parent == h
+
+
+async def test_the_simulators_publisher_is_understood() -> None:
+    from gateway.sim.kv_cache import block_hashes
+    from gateway.sim.kv_events import KVEventPublisher
+
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "kv-events", BS)
+    index = PrefixIndex()
+    sub = KVEventSubscriber(
+        pub.endpoint, "sim", KVEventIndexer(index, TokenBlockHasher(BS, "m")), "kv-events"
+    )
+    await sub.start()
+    try:
+        engine = block_hashes(TOKENS, BS)
+        query = TokenBlockHasher(BS, "m").hashes(TOKENS)
+        events = [
+            ("stored", ([h], engine[i - 1] if i else None, TOKENS[i * BS : (i + 1) * BS]))
+            for i, h in enumerate(engine)
+        ]
+        deadline = time.monotonic() + 10
+        while index.match(query, ["sim"])["sim"] < 5:
+            assert time.monotonic() < deadline, "simulator events never indexed"
+            pub.publish(events)  # re-sent until the SUB has joined; storing twice is harmless
+            await asyncio.sleep(0.01)
+        pub.publish([("removed", [engine[3]])])
+        await until(lambda: index.match(query, ["sim"])["sim"] == 3, "removal")
+    finally:
+        await sub.stop()
+        pub.close()
