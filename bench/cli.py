@@ -9,7 +9,6 @@ kvgate bench scenario routing --quick
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import logging
 import sys
@@ -140,7 +139,7 @@ def _run_workload(args: argparse.Namespace, workload_name: str, params: dict[str
     points: list[RunPoint] = []
     for load in _loads(args, trace):
         print(f"[{workload_name}] {args.label} @ {load.label} -> {', '.join(targets)} ...", flush=True)
-        result = asyncio.run(loadgen.run(requests, load, targets, opts, args.prime))
+        result = loadgen.run_sync(loadgen.run(requests, load, targets, opts, args.prime))
         summary = summarize(result)
         for warning in summary["warnings"]:
             print(f"    WARNING: {warning}", file=sys.stderr)

@@ -11,9 +11,9 @@ import asyncio
 import itertools
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 
@@ -22,6 +22,7 @@ from bench.client import STATUS_TIMEOUT, ClientOptions, RequestRecord, send
 from bench.workloads import BenchRequest
 
 Mode = Literal["poisson", "closed", "trace"]
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -90,6 +91,17 @@ def _new_record(req: BenchRequest, load: LoadSpec, scheduled: float) -> RequestR
         scheduled=scheduled,
         warmup=req.index < load.warmup_requests or scheduled < load.warmup_s,
     )
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on a fresh event loop: uvloop when installed (the client then keeps its
+    schedule at higher rates), else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
 
 
 class TargetError(RuntimeError):

@@ -126,6 +126,9 @@ def ttft_cdf_plot(points: Sequence[RunPoint], path: Path) -> None:
             if ttfts:
                 ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
                 ax.step(ttfts, ys, where="post", label=p.config)
+        ttft_all = [t for p in points if p.load == load for t in p.ttft_ms if t > 0]
+        if ttft_all and max(ttft_all) > 20 * min(ttft_all):
+            ax.set_xscale("log")  # warm hits and cold prefills lie orders of magnitude apart
         ax.set_title(f"TTFT CDF @ {load}")
         ax.set_xlabel("TTFT (ms)")
         ax.set_ylabel("fraction of requests")

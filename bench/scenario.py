@@ -10,7 +10,6 @@ run's warm caches.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import dataclasses
 import json
@@ -267,7 +266,7 @@ def run_point(
     log_dir = out_dir / "logs"
     with Fleet(fleet_spec, log_dir, tag).start() as fleet:
         if config.mode == "direct":
-            result = asyncio.run(loadgen.run(requests, load, fleet.urls, opts, len(fleet.urls)))
+            result = loadgen.run_sync(loadgen.run(requests, load, fleet.urls, opts, len(fleet.urls)))
         else:
             port = procs.free_port_range(1)
             cfg = gateway_config(scenario, config, fleet_spec, fleet.endpoints, port)
@@ -278,7 +277,7 @@ def run_point(
             url = f"http://{procs.HOST}:{port}"
             with procs.Child("gateway", argv, log_dir / f"{tag}-gateway.log").start() as gw:
                 gw.wait_ready([f"{url}/ready"], fleet_spec.startup_timeout_s)
-                result = asyncio.run(loadgen.run(requests, load, [url], opts, len(fleet.urls)))
+                result = loadgen.run_sync(loadgen.run(requests, load, [url], opts, len(fleet.urls)))
     records_path = out_dir / "records" / f"{tag}.jsonl"
     records_path.parent.mkdir(parents=True, exist_ok=True)
     with records_path.open("w") as fh:

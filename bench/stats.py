@@ -97,14 +97,17 @@ def summarize(result: RunResult) -> dict[str, Any]:
     summary["replica_spread"] = spread
     summary["requests_per_replica"] = per_replica
     summary.update(_load_figures(result))
-    for attr, key in (("kind", "by_kind"), ("priority", "by_priority")):
-        labels = sorted({str(getattr(r, attr)) for r in measured})
-        if len(labels) > 1:
-            summary[key] = {
-                label: latency_block([r for r in measured if str(getattr(r, attr)) == label])
-                for label in labels
-            }
+    if len({r.priority for r in measured}) > 1:
+        summary["by_priority"] = _breakdown(measured, "priority")
+    # Kinds often are the priority classes themselves (mixed-priority): then once is enough.
+    if len({r.kind for r in measured}) > 1 and any(r.kind != str(r.priority) for r in measured):
+        summary["by_kind"] = _breakdown(measured, "kind")
     return summary
+
+
+def _breakdown(records: list[RequestRecord], attr: str) -> dict[str, dict[str, Any]]:
+    labels = sorted({str(getattr(r, attr)) for r in records})
+    return {label: latency_block([r for r in records if str(getattr(r, attr)) == label]) for label in labels}
 
 
 def _rate(times: list[float]) -> float | None:
