@@ -1,0 +1,103 @@
+"""prefix_affinity end to end: a real gateway in front of a real simulated fleet (separate process).
+
+Requests sharing a system prompt stay on the replica that holds it while it has room, then the hot
+prefix spills onto another replica, which from then on serves it from its own cache too. Checked on
+the gateway's x-kvgate-replica header and on the engine's cached_tokens in usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import PYTHON, REPO, gateway_settings, subprocess_env
+
+MODEL = "sim-model"
+SYSTEM = "You are the support assistant of a company that sells garden tools. " * 60  # ~900 tokens
+
+
+@dataclass
+class Answer:
+    replica: str
+    cached_tokens: int
+    prompt_tokens: int
+
+
+@pytest.fixture
+async def sim_fleet() -> AsyncIterator[list[str]]:
+    """Three simulated replicas in one process, on ports it picks itself."""
+    proc = await asyncio.create_subprocess_exec(
+        PYTHON, "-m", "gateway.sim", "--model", MODEL, "--port", "0", "--replicas", "3",
+        "--profile", "tiny", "--speedup", "2", "--log-level", "warning",
+        stdout=subprocess.PIPE, env=subprocess_env(), cwd=REPO,
+    )  # fmt: skip
+    try:
+        urls: list[str] = []
+        assert proc.stdout is not None
+        async with asyncio.timeout(30):
+            while len(urls) < 3:
+                line = (await proc.stdout.readline()).decode()
+                assert line, "simulator exited before listening"
+                if line.startswith("kvgate-sim listening on "):
+                    urls.append(line.split()[3])
+        yield urls
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        await proc.wait()
+
+
+async def ask(client: httpx.AsyncClient, url: str, question: str) -> Answer:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 48,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    usage = None
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        replica = resp.headers["x-kvgate-replica"]
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = orjson.loads(line[6:])
+                usage = chunk.get("usage") or usage
+    assert usage is not None
+    return Answer(replica, usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"])
+
+
+async def test_shared_prompt_sticks_then_spills_to_a_second_replica(sim_fleet, gateway) -> None:
+    endpoints = [{"url": u, "name": f"r{i}", "kind": "sim"} for i, u in enumerate(sim_fleet)]
+    pool = {"model": MODEL, "endpoints": endpoints, "policy": {"type": "prefix_affinity"}}
+    gw = await gateway(gateway_settings([], pool=pool))
+    async with httpx.AsyncClient(timeout=30) as client:
+        # One at a time: every request lands where the prompt is warm, and hits its cache.
+        serial = [await ask(client, gw.url, f"Question {i}: how do I sharpen shears?") for i in range(4)]
+        home = serial[0].replica
+        assert [a.replica for a in serial] == [home] * 4
+        assert serial[0].cached_tokens == 0
+        assert all(a.cached_tokens >= 0.8 * a.prompt_tokens for a in serial[1:])
+
+        # A burst: the home replica takes requests until its queue outweighs a recompute, then
+        # the prefix spills; the spilled request pays the full prefill there.
+        burst = await asyncio.gather(*(ask(client, gw.url, f"Burst {i}: which rake?") for i in range(24)))
+        counts = Counter(a.replica for a in burst)
+        assert counts.most_common(1)[0][0] == home, counts
+        assert 3 <= counts[home] < 24, counts
+        spilled = {r for r in counts if r != home}
+        assert spilled, counts
+        assert all(a.cached_tokens > 0 for a in burst if a.replica == home)
+
+        # Another burst: the prefix is now warm on more than one replica, and each serves it cached.
+        again = await asyncio.gather(*(ask(client, gw.url, f"Again {i}: which hoe?") for i in range(24)))
+        warm_replicas = {a.replica for a in again if a.cached_tokens >= 0.8 * a.prompt_tokens}
+        assert home in warm_replicas and warm_replicas & spilled, Counter(a.replica for a in again)
