@@ -479,6 +479,19 @@ class RealtimeRunner:
         self._t0 = 0.0
         self._task: asyncio.Task[None] | None = None
         self.lag_events = 0
+        self.wake_lag_s: deque[float] = deque(maxlen=2048)  # how late each step's timer fired
+
+    def lag_summary(self) -> dict[str, float]:
+        """Step-timer lateness in wall ms (p50/p99/max over the last steps): event-loop lag."""
+        lags = sorted(self.wake_lag_s)
+        if not lags:
+            return {"p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
+        n = len(lags)
+        return {
+            "p50_ms": lags[n // 2] * 1e3,
+            "p99_ms": lags[min(n - 1, n * 99 // 100)] * 1e3,
+            "max_ms": lags[-1] * 1e3,
+        }
 
     def sim_now(self) -> float:
         """Simulated time of this instant (for request arrivals between steps)."""
@@ -521,6 +534,7 @@ class RealtimeRunner:
                 delay = self._t0 + (eng.now + t) / speed - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                self.wake_lag_s.append(max(0.0, loop.time() - self._t0 - (eng.now + t) / speed))
                 eng.now += t
                 eng.last_step_s = t
                 eng._after_step(eng.complete(sched, t))

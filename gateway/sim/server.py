@@ -630,6 +630,7 @@ class Replica:
             profile_source=o.engine.profile.source,
             speedup=o.speedup,
             lag_events=self.runner.lag_events,
+            step_timer_lag=self.runner.lag_summary(),
             kv_events_endpoint=self.kv_pub.endpoint if self.kv_pub else None,
             recent=[
                 {k: r[k] for k in ("request_id", "path", "kv_transfer_params", "bootstrap", "body_keys")}
