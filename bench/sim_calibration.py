@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import re
 import sys
@@ -193,7 +194,7 @@ async def _stream(
             if line.startswith(b"data: {"):
                 chunks += 1
                 stamps.append(time.perf_counter())
-    return chunks, [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return chunks, [b - a for a, b in itertools.pairwise(stamps)]
 
 
 async def realtime(profile: str, concurrency: int, seconds: float) -> str:
@@ -236,7 +237,8 @@ async def realtime(profile: str, concurrency: int, seconds: float) -> str:
                 f"| SSE chunks delivered | {chunks:,} ({chunks / wall:,.0f}/s) |",
                 f"| simulator CPU per chunk | {cpu / max(chunks, 1) * 1e6:.0f} us |",
                 f"| client-side median inter-chunk gap | {gaps[len(gaps) // 2] * 1e3:.2f} ms |",
-                f"| step-timer lag p50 / p99 / max | {lag['p50_ms']:.2f} / {lag['p99_ms']:.2f} / {lag['max_ms']:.2f} ms |",
+                "| step-timer lag p50 / p99 / max | "
+                f"{lag['p50_ms']:.2f} / {lag['p99_ms']:.2f} / {lag['max_ms']:.2f} ms |",
                 f"| steps dropped for lag > 50 ms | {st['lag_events']} |",
                 f"| steps | {st['steps']:,} |",
             ]
