@@ -5,6 +5,8 @@ holds picks the pool. A weighted rule assigns a request by `xxh64(salt + key) mo
 against the cumulative weights, so a key always lands in the same place for given weights
 and raising a canary's weight only moves keys from the other pools to it. A request without
 a sticky key is assigned at random by weight. A pool's own model name always routes to it.
+Weights change at runtime (`set_weights`, the admin API, the shared state backend); a
+weight of 0 takes a pool out of its rule at once (rollback).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import xxhash
 from gateway.config import RouteConfig, RouteRule
 
 BUCKETS = 10_000
+STICKY_KINDS = ("header", "body")
 
 
 @dataclass(slots=True)
@@ -28,6 +31,7 @@ class Rule:
     weights: list[float]
     sticky_sources: list[tuple[str, str]] | None
     salt: str
+    sticky_spec: str | None = None
 
     @classmethod
     def from_config(cls, rule: RouteRule) -> Rule:
@@ -36,6 +40,8 @@ class Rule:
             sources = []
             for part in rule.sticky.key.split("|"):
                 kind, _, name = part.strip().partition(":")
+                if kind not in STICKY_KINDS or not name:
+                    raise ValueError(f"sticky key source {part!r}: expected header:NAME or body:FIELD")
                 sources.append((kind, name.lower() if kind == "header" else name))
         return cls(
             headers={k.lower(): v for k, v in (rule.match.headers if rule.match else {}).items()},
@@ -43,6 +49,7 @@ class Rule:
             weights=[p.weight for p in rule.pools],
             sticky_sources=sources,
             salt=rule.sticky.salt if rule.sticky else "",
+            sticky_spec=rule.sticky.key if rule.sticky else None,
         )
 
     def matches(self, headers: Mapping[str, str]) -> bool:
@@ -50,7 +57,7 @@ class Rule:
 
     def sticky_key(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
         for kind, name in self.sticky_sources or ():
-            value = headers.get(name) if kind == "header" else body.get(name) if kind == "body" else None
+            value = headers.get(name) if kind == "header" else body.get(name)
             if value:
                 return str(value)
         return None
@@ -69,7 +76,15 @@ class Rule:
             acc += weight
             if point < acc:
                 return name
-        return next(n for n, w in zip(self.pools, self.weights, strict=True) if w > 0)
+        # Only float rounding at the very top gets here: it belongs to the last pool with weight.
+        return next(n for n, w in zip(reversed(self.pools), reversed(self.weights), strict=True) if w > 0)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "match": {"headers": self.headers} if self.headers else None,
+            "pools": [{"name": n, "weight": w} for n, w in zip(self.pools, self.weights, strict=True)],
+            "sticky": {"key": self.sticky_spec, "salt": self.salt} if self.sticky_spec else None,
+        }
 
 
 def sticky_bucket(salt: str, key: str) -> int:
@@ -97,11 +112,37 @@ class Router:
                 return rule.pick(headers, body)
         return None
 
-    def set_weights(self, model: str, weights: Mapping[str, float], rule_index: int | None = None) -> None:
-        """Change the weights of a route's weighted rule (the last one unless named); effective at once."""
-        rules = self.routes[model]
-        rule = rules[-1 if rule_index is None else rule_index]
+    def rule(self, model: str, rule_index: int | None = None) -> tuple[int, Rule]:
+        """A route's rule by index; by default its last rule (the weighted split, by convention)."""
+        rules = self.routes.get(model)
+        if rules is None:
+            raise KeyError(f"no route {model!r}")
+        index = len(rules) - 1 if rule_index is None else rule_index
+        if not 0 <= index < len(rules):
+            raise KeyError(f"route {model!r} has no rule {rule_index} (it has {len(rules)})")
+        return index, rules[index]
+
+    def weights(self, model: str, rule_index: int | None = None) -> dict[str, float]:
+        _, rule = self.rule(model, rule_index)
+        return dict(zip(rule.pools, rule.weights, strict=True))
+
+    def set_weights(self, model: str, weights: Mapping[str, float], rule_index: int | None = None) -> int:
+        """Change the weights of a route's rule (pools not named keep theirs); effective at once.
+
+        Raises KeyError for an unknown route, rule or pool and ValueError for a negative
+        weight or one that leaves the rule with no weight at all. Returns the rule's index.
+        """
+        index, rule = self.rule(model, rule_index)
         unknown = set(weights) - set(rule.pools)
         if unknown:
-            raise KeyError(f"route {model!r} rule has no pools {sorted(unknown)}")
-        rule.weights = [float(weights.get(p, w)) for p, w in zip(rule.pools, rule.weights, strict=True)]
+            raise KeyError(f"route {model!r} rule {index} has no pools {sorted(unknown)}")
+        new = [float(weights.get(p, w)) for p, w in zip(rule.pools, rule.weights, strict=True)]
+        if any(w < 0 for w in new):
+            raise ValueError("weights must be >= 0")
+        if sum(new) <= 0:
+            raise ValueError(f"route {model!r} rule {index}: at least one pool needs a positive weight")
+        rule.weights = new
+        return index
+
+    def describe(self) -> dict[str, list[dict[str, Any]]]:
+        return {model: [r.describe() for r in rules] for model, rules in self.routes.items()}
