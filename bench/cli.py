@@ -12,6 +12,7 @@ import argparse
 import datetime as dt
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     scen.add_argument("--only", help="comma-separated config names to run")
     scen.add_argument("--baseline", help="config the ratios are relative to")
     scen.add_argument("--out", type=Path, help="report directory (default bench/out/<scenario>)")
+    scen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="workload parameter")
+    scen.add_argument("--rate", type=float, action="append", default=[], help="replace the load points")
+    scen.add_argument("--concurrency", type=int, action="append", default=[], help="replace the load points")
+    scen.add_argument("--speedup", type=float, help="simulator speedup (default: the scenario's)")
+    scen.add_argument("--profile", help="simulator profile (default: the scenario's)")
+    scen.add_argument("--seed", type=int, help="workload and arrival seed")
     return parser
 
 
@@ -164,19 +171,32 @@ def _scenario(args: argparse.Namespace) -> int:
         scenario.baseline = args.baseline
     only = args.only.split(",") if args.only else None
     size = args.size or "full"
-    out = args.out or DEFAULT_OUT / scenario.name
-    points = run_scenario(scenario, size, out, only=only, progress=lambda m: print(m, flush=True))
-    baseline = scenario.baseline_name if not only or scenario.baseline_name in only else points[0].config
     size_spec = scenario.size(size)
+    size_spec.workload.update(_parse_sets(args.set))
+    if args.rate or args.concurrency:
+        size_spec.loads = [{"rate": r} for r in args.rate] + [{"concurrency": c} for c in args.concurrency]
+    if args.speedup is not None:
+        size_spec.fleet["speedup"] = args.speedup
+    if args.profile:
+        size_spec.fleet["profile"] = args.profile
+    if args.seed is not None:
+        scenario.seed = args.seed
+    out = args.out or DEFAULT_OUT / scenario.name
+    started = time.monotonic()
+    points = run_scenario(scenario, size, out, only=only, progress=lambda m: print(m, flush=True))
+    ran = [p.config for p in points]
+    baseline = scenario.baseline_name if scenario.baseline_name in ran else ran[0]
     meta = {
         "scenario": f"{scenario.name} ({size}): {scenario.description}".strip(),
         "workload": f"{scenario.workload} {size_spec.workload}",
         "seed": scenario.seed,
         "fleet": f"{scenario.fleet.module} profile {scenario.fleet.profile}, overrides {size_spec.fleet}",
+        "loads": ", ".join(str(p) for p in size_spec.loads),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     paths = write_reports(out, f"kvgate bench scenario: {scenario.name}", points, baseline, meta)
     print((out / "report.md").read_text())
+    print(f"finished in {time.monotonic() - started:.0f} s")
     print("reports: " + ", ".join(str(p) for p in paths.values()))
     return 0
 

@@ -65,7 +65,9 @@ class RunResult:
 def schedule(requests: list[BenchRequest], load: LoadSpec) -> list[float]:
     """Send offsets (s) for an open-loop run, one per request, cut by the duration limit."""
     if load.mode == "trace":
-        times = [r.at if r.at is not None else 0.0 for r in requests]
+        if any(r.at is None for r in requests):
+            raise ValueError("trace arrivals need a workload with timestamps (mooncake)")
+        times = [r.at or 0.0 for r in requests]
         base = times[0] if times else 0.0
         times = [t - base for t in times]
     else:
