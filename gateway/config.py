@@ -208,6 +208,9 @@ class PoolConfig(_Strict):
     pd: PDConfig = Field(default_factory=PDConfig)
     engines: EngineSpec | None = None
     endpoints: list[EndpointConfig] = Field(default_factory=list)
+    priority_scheduling: bool = Field(
+        False, description="The endpoints run priority scheduling: forward each request's priority"
+    )
 
     @model_validator(mode="after")
     def _has_replicas(self) -> PoolConfig:
@@ -278,6 +281,14 @@ class SchedulerConfig(_Strict):
     max_inflight_tokens_per_replica: int | None = Field(None, gt=0)
     max_inflight_requests_per_replica: int = Field(256, gt=0)
     expected_output_tokens: int = Field(256, gt=0, description="Assumed when max_tokens is absent")
+    max_expected_output_tokens: int = Field(
+        2048, gt=0, description="A larger max_tokens counts as this much in the job-size estimate"
+    )
+    recheck_interval_s: float = Field(
+        0.05, gt=0, description="While requests queue, re-check headroom this often (engine figures move)"
+    )
+    max_prompt_tokens: int | None = Field(None, gt=0, description="Per request, unless the tenant sets one")
+    prompt_overflow: Literal["reject", "window"] = "reject"
     retry_after_s: int = Field(1, ge=1)
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from gateway.canonicalize import canonicalize
 from gateway.errors import GatewayError, error_body, normalize_error_body
+from gateway.limits import ShedError
 from gateway.pd import DecodePlan, PDHandoff
 from gateway.policy import Candidate, RequestFeatures
 from gateway.replica import Replica
@@ -160,10 +161,16 @@ class Proxy:
         if model != pool.upstream_model:
             body["model"] = pool.upstream_model
             changed = True
-        out = orjson.dumps(body) if changed else raw
+        scheduler = self.rt.scheduler
         features = pool.features(body, endpoint, rec.request_id, request.headers)
         features.tenant = tenant
-        self.rt.scheduler.classify(features, request.headers, body)
+        if scheduler.fit_prompt(features, body):  # oldest turns dropped: the prompt is another one now
+            features = pool.features(body, endpoint, rec.request_id, request.headers)
+            features.tenant = tenant
+            changed = True
+        changed = scheduler.classify(features, request.headers, body) or changed
+        changed = scheduler.forward_priority(pool, features, body) or changed
+        out = orjson.dumps(body) if changed else raw
         rec.stream = features.stream
         rec.prompt_tokens = features.prompt_tokens
         rec.priority_class = features.priority_class
@@ -178,6 +185,8 @@ class Proxy:
     def error_response(self, exc: GatewayError, rec: RequestRecord) -> web.Response:
         rec.status = exc.status
         rec.error_code = exc.code
+        if isinstance(exc, ShedError):
+            rec.shed_reason = exc.shed_reason
         headers = {"x-request-id": rec.request_id, **exc.headers}
         return web.Response(
             status=exc.status, body=exc.body(), content_type="application/json", headers=headers

@@ -59,7 +59,7 @@ class Runtime:
         ]
         self.router = Router(settings.routes, {p.name: p.model for p in self.pools.values()})
         self.upstream = Upstream(settings.upstream)
-        self.scheduler = Scheduler(settings.scheduler)
+        self.scheduler = Scheduler(settings.scheduler, settings.tenants)
         self.retry_budget = RetryBudget(settings.retry.budget_ratio)
         self.health = HealthChecker(settings.health, self.all_replicas, lambda: self.upstream.session)
         self.draining = False
@@ -128,6 +128,7 @@ class Runtime:
         # Watchers first, so that engines being stopped are not reported as failing.
         await self.scraper.stop()
         await self.health.stop()
+        await self.scheduler.close()
         for launcher in self.launchers:
             await launcher.stop()
         await self.upstream.close()
