@@ -15,15 +15,10 @@ log = logging.getLogger(__name__)
 
 
 class HealthChecker:
-    def __init__(
-        self,
-        cfg: HealthConfig,
-        replicas: Callable[[], Iterable[Replica]],
-        session: Callable[[], aiohttp.ClientSession],
-    ) -> None:
+    def __init__(self, cfg: HealthConfig, replicas: Callable[[], Iterable[Replica]]) -> None:
         self.cfg = cfg
         self._replicas = replicas
-        self._session = session
+        self._session: aiohttp.ClientSession | None = None
         self._fails: dict[str, int] = {}
         self._oks: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
@@ -31,6 +26,7 @@ class HealthChecker:
     def start(self) -> None:
         if not self.cfg.enabled:
             return
+        self._session = aiohttp.ClientSession()
         self._task = asyncio.create_task(self._run(), name="kvgate-health")
 
     async def stop(self) -> None:
@@ -38,6 +34,9 @@ class HealthChecker:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
     async def _run(self) -> None:
         while True:
@@ -48,7 +47,8 @@ class HealthChecker:
     async def probe(self, replica: Replica) -> bool:
         try:
             async with asyncio.timeout(self.cfg.timeout_s):
-                async with self._session().get(replica.url + self.cfg.path) as resp:
+                assert self._session is not None
+                async with self._session.get(replica.url + self.cfg.path) as resp:
                     await resp.read()
                     return resp.status == 200
         except (TimeoutError, aiohttp.ClientError, OSError):

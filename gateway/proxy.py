@@ -14,17 +14,18 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from gateway.canonicalize import canonicalize
 from gateway.errors import GatewayError, error_body, normalize_error_body
+from gateway.http1 import UpstreamResponse
 from gateway.limits import ShedError
 from gateway.pd import DecodePlan, PDHandoff
 from gateway.policy import Candidate, RequestFeatures
 from gateway.replica import Replica
 from gateway.request_record import RequestRecord
+from gateway.tracing import NOOP
 from gateway.upstream import UpstreamError
 
 if TYPE_CHECKING:
@@ -115,6 +116,8 @@ class Proxy:
     # -- entry point ------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
         rec = RequestRecord(request.headers.get("x-request-id") or uuid.uuid4().hex, ENDPOINTS[request.path])
+        tr = self.rt.tracing
+        root = tr.request(request.method, request.path, request.headers, rec) if tr else None
         try:
             response = await self._handle(request, rec)
         except GatewayError as exc:
@@ -126,10 +129,13 @@ class Proxy:
         finally:
             rec.ended = time.perf_counter()
             self.rt.observe(rec)
+            if root is not None:
+                root.end(rec)
         return response
 
     async def _handle(self, request: web.Request, rec: RequestRecord) -> web.StreamResponse:
         endpoint = rec.endpoint
+        tr = self.rt.tracing
         tenant = self.rt.auth.client(request)
         rec.tenant = tenant
         raw = await read_body(request, self.settings.server.max_body_bytes)
@@ -154,7 +160,8 @@ class Proxy:
         changed = False
         canon = pool.cfg.canonicalize
         if canon.enabled and not request.headers.get(canon.opt_out_header):
-            result = canonicalize(body, canon, endpoint)
+            with tr.span("canonicalize") if tr else NOOP:
+                result = canonicalize(body, canon, endpoint)
             if result.body is not body:
                 body, changed = result.body, True
                 log.debug("request %s canonicalized: %s", rec.request_id, "; ".join(result.notes))
@@ -175,7 +182,8 @@ class Proxy:
         rec.prompt_tokens = features.prompt_tokens
         rec.priority_class = features.priority_class
         queued_at = time.perf_counter()
-        ticket = await self.rt.scheduler.admit(pool, features)
+        with tr.span("queue", {"kvgate.priority_class": features.priority_class}) if tr else NOOP:
+            ticket = await self.rt.scheduler.admit(pool, features)
         rec.queued_s = time.perf_counter() - queued_at
         try:
             return await self._dispatch(request, pool, features, body, out, rec)
@@ -209,7 +217,9 @@ class Proxy:
         rec: RequestRecord,
     ) -> web.StreamResponse:
         request_id = rec.request_id
-        ranked = await pool.rank(features)
+        tr = self.rt.tracing
+        with tr.span("route", {"kvgate.policy": pool.cfg.policy.type}) if tr else NOOP:
+            ranked = await pool.rank(features)
         if not ranked:
             raise GatewayError(
                 503,
@@ -239,9 +249,11 @@ class Proxy:
                 if not replica.breaker.try_acquire():
                     continue
                 lease = replica.lease(features.prompt_tokens)
+                up = tr.upstream(replica, attempt, headers) if tr else None
                 try:
                     try:
-                        resp = await self._open(replica.url + request.path, plan, headers)
+                        url = replica.url + request.path
+                        resp = await self._open(url, plan, up.headers if up is not None else headers)
                     except UpstreamError as exc:
                         replica.breaker.record_failure()
                         log.warning("request %s: replica %s failed: %s", request_id, replica.name, exc)
@@ -249,6 +261,8 @@ class Proxy:
                             raise GatewayError(504, str(exc), "upstream_error", "upstream_timeout") from None
                         unreachable = GatewayError(502, str(exc), "upstream_error", "upstream_unreachable")
                         continue
+                    if up is not None:
+                        up.responded(resp.status)
                     if resp.status in retry_cfg.retry_statuses:
                         if resp.status == 429:  # busy, not broken: no mark against its health
                             replica.breaker.release_probe()
@@ -268,6 +282,8 @@ class Proxy:
                     return await self._relay(request, resp, replica, rec)
                 finally:
                     lease.release()
+                    if up is not None:
+                        up.end(rec)
         finally:
             await plan.finish()
         if refused is not None:
@@ -282,7 +298,7 @@ class Proxy:
             headers={"Retry-After": str(self.settings.scheduler.retry_after_s)},
         )
 
-    async def _open(self, url: str, plan: DecodePlan, headers: dict[str, str]) -> aiohttp.ClientResponse:
+    async def _open(self, url: str, plan: DecodePlan, headers: dict[str, str]) -> UpstreamResponse:
         """Open the decode leg; with a concurrent prefill leg, fail fast if that leg breaks first."""
         if plan.guard is None:
             return await self.rt.upstream.open("POST", url, plan.body, headers)
@@ -294,7 +310,7 @@ class Proxy:
             raise UpstreamError(f"prefill leg failed: {plan.guard.exception()}")
         return await opening
 
-    async def _read_error(self, resp: aiohttp.ClientResponse) -> bytes:
+    async def _read_error(self, resp: UpstreamResponse) -> bytes:
         try:
             return await self.rt.upstream.read(resp)
         except UpstreamError:
@@ -303,10 +319,8 @@ class Proxy:
             resp.release()
 
     # -- relay -----------------------------------------------------------------------------
-    def _response_headers(
-        self, resp: aiohttp.ClientResponse, replica: Replica, request_id: str
-    ) -> dict[str, str]:
-        headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE}
+    def _response_headers(self, resp: UpstreamResponse, replica: Replica, request_id: str) -> dict[str, str]:
+        headers = {k: v for k, v in resp.headers if k.lower() not in _DROP_RESPONSE}
         headers["x-request-id"] = request_id
         headers["x-kvgate-replica"] = replica.name
         headers["x-kvgate-pool"] = replica.pool
@@ -315,7 +329,7 @@ class Proxy:
     async def _relay(
         self,
         request: web.Request,
-        resp: aiohttp.ClientResponse,
+        resp: UpstreamResponse,
         replica: Replica,
         rec: RequestRecord,
     ) -> web.StreamResponse:
@@ -341,7 +355,7 @@ class Proxy:
     async def _relay_stream(
         self,
         request: web.Request,
-        resp: aiohttp.ClientResponse,
+        resp: UpstreamResponse,
         headers: dict[str, str],
         rec: RequestRecord,
     ) -> web.StreamResponse:
@@ -379,6 +393,6 @@ def _walk(ranked: list[Candidate], attempts: int) -> list[Candidate]:
     return [ranked[i % len(ranked)] for i in range(attempts)]
 
 
-def _retry_after(resp: aiohttp.ClientResponse) -> dict[str, str]:
-    value = resp.headers.get("Retry-After")
+def _retry_after(resp: UpstreamResponse) -> dict[str, str]:
+    value = resp.header("Retry-After")
     return {"Retry-After": value} if value else {}

@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
+from typing import Any
 
+from gateway.access_log import access_log
 from gateway.auth import Auth
 from gateway.config import Settings
 from gateway.engine_load import EngineLoad
 from gateway.health import HealthChecker
 from gateway.launcher import FleetLauncher, LaunchedReplica
 from gateway.load_scraper import LoadScraper
+from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
 from gateway.replica import Replica
 from gateway.request_record import Observer, RequestRecord
 from gateway.retry_budget import RetryBudget
 from gateway.rollout import Router
 from gateway.scheduler import Scheduler
+from gateway.state import make_state
+from gateway.tracing import Tracing
 from gateway.upstream import Upstream
+from gateway.variant_stats import VariantStats
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +68,22 @@ class Runtime:
         self.upstream = Upstream(settings.upstream)
         self.scheduler = Scheduler(settings.scheduler, settings.tenants)
         self.retry_budget = RetryBudget(settings.retry.budget_ratio)
-        self.health = HealthChecker(settings.health, self.all_replicas, lambda: self.upstream.session)
+        self.health = HealthChecker(settings.health, self.all_replicas)
         self.draining = False
         self.observers: list[Observer] = []
+        self.tracing = Tracing.from_config(settings.telemetry)  # None when off: the proxy's only cost
+        self.metrics = GatewayMetrics(self) if settings.telemetry.metrics else None
+        if self.metrics is not None:
+            self.observers.append(self.metrics)
+        if settings.server.access_log:
+            self.observers.append(access_log)
+        self.variant_stats = VariantStats()
+        self.observers.append(self.variant_stats)
+        # Where the settings came from, for reloads (admin API, SIGHUP); set by the server.
+        self.config_path: str | None = None
+        self.server_overrides: dict[str, Any] = {}
+        self.audit: deque[dict[str, Any]] = deque(maxlen=200)  # recent admin changes
+        self.state = make_state(self)
 
     def _launched(self, pool: Pool) -> Callable[[LaunchedReplica], None]:
         def on_ready(launched: LaunchedReplica) -> None:
@@ -119,6 +139,7 @@ class Runtime:
     async def start(self) -> None:
         """Start background work; managed replicas join their pools as each becomes ready, so
         the gateway serves (and /ready tells) while slow engines are still loading."""
+        await self.state.start()
         self.health.start()
         await self.scraper.start()
         for launcher in self.launchers:
@@ -126,9 +147,12 @@ class Runtime:
 
     async def stop(self) -> None:
         # Watchers first, so that engines being stopped are not reported as failing.
+        await self.state.stop()
         await self.scraper.stop()
         await self.health.stop()
         await self.scheduler.close()
         for launcher in self.launchers:
             await launcher.stop()
         await self.upstream.close()
+        if self.tracing is not None:
+            await self.tracing.shutdown()
