@@ -1,0 +1,142 @@
+"""Gateway decision time: `Pool.features` + `Pool.rank` with prefix_affinity, in process.
+
+What the gateway spends per request between parsing the body and choosing a replica: serializing
+the prompt, hashing its blocks, counting its tokens (block counts cached, as for any repeated
+system prompt), walking the prefix index and ranking every replica. Each measured request is a
+2k-token chat prompt (a 2048-token system prompt of one of 64 groups plus a new 128-token question)
+against a pool whose replicas already hold the groups' prefixes, with in-flight load on them.
+
+    python -m bench.decision_time                      # 16 and 256 replicas
+    python -m bench.decision_time --replicas 16 --iterations 20000 --out bench/results/routing
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import random
+import statistics
+import time
+from pathlib import Path
+
+from bench import text
+from bench.workloads import SharedPrefix
+from gateway.config import load_config
+from gateway.pool import Pool
+
+TARGET_MS = {16: 0.3, 256: 1.0}
+
+
+def build_pool(replicas: int, policy: str) -> Pool:
+    settings = load_config(
+        None,
+        {
+            "pools": [
+                {
+                    "name": "bench",
+                    "model": "m",
+                    "policy": {"type": policy},
+                    "endpoints": [{"url": f"http://127.0.0.1:{10000 + i}"} for i in range(replicas)],
+                }
+            ]
+        },
+    )
+    pool = Pool(settings.pools[0], settings.breaker, settings.scrape)
+    for i in range(replicas):
+        pool.add_replica(f"http://127.0.0.1:{10000 + i}", name=f"r{i}")
+    return pool
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def measure(replicas: int, iterations: int, policy: str, seed: int = 0) -> dict[str, float]:
+    pool = build_pool(replicas, policy)
+    workload = SharedPrefix()
+    systems = [workload.system_prompt(seed, g) for g in range(workload.groups)]
+    rng = random.Random(seed)
+    leases = []
+
+    def body(i: int) -> dict[str, object]:
+        question = text.words(f"dt:{seed}:{i}", workload.question_tokens)
+        system = systems[i % len(systems)]
+        return {
+            "model": "m",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        }
+
+    # Warm up: every group's prefix routed once (the index learns where it lives), some load in flight.
+    for i in range(len(systems) * 2):
+        features = pool.features(body(-1 - i), "chat", f"warm-{i}", {})
+        replica = (await pool.rank(features))[0].replica
+        pool.learn(features, replica)
+        leases.append(replica.lease(features.prompt_tokens))
+    for lease in leases[::2]:
+        lease.release()
+    # Bodies are prepared beforehand: the client's JSON parsing is not part of the decision.
+    bodies = [body(i) for i in range(iterations)]
+    times: list[float] = []
+    gc.collect()
+    gc.disable()
+    try:
+        for i, b in enumerate(bodies):
+            t0 = time.perf_counter()
+            features = pool.features(b, "chat", f"req-{i}", {})
+            ranked = await pool.rank(features)
+            times.append((time.perf_counter() - t0) * 1000.0)
+            chosen = ranked[0].replica
+            pool.learn(features, chosen)
+            # Steady load: about 8 requests in flight per replica, finishing in random order.
+            leases.append(chosen.lease(features.prompt_tokens))
+            if len(leases) > 8 * replicas:
+                leases.pop(rng.randrange(len(leases))).release()
+    finally:
+        gc.enable()
+    return {
+        "replicas": replicas,
+        "iterations": iterations,
+        "p50_ms": statistics.median(times),
+        "p99_ms": percentile(times, 0.99),
+        "max_ms": max(times),
+        "prompt_tokens": features.prompt_tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.decision_time", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--replicas", type=int, action="append", help="pool size; repeat (default 16 and 256)"
+    )
+    parser.add_argument("--iterations", type=int, default=5000)
+    parser.add_argument("--policy", default="prefix_affinity")
+    parser.add_argument("--out", type=Path, help="write decision_time.md into this directory")
+    args = parser.parse_args(argv)
+    rows = [asyncio.run(measure(n, args.iterations, args.policy)) for n in args.replicas or [16, 256]]
+    lines = [
+        f"Decision time (Pool.features + Pool.rank, policy {args.policy}, "
+        f"{rows[0]['prompt_tokens']}-token chat prompt, {args.iterations} requests)",
+        "",
+        "| replicas | p50 ms | p99 ms | max ms | target p99 |",
+        "| ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        target = TARGET_MS.get(int(r["replicas"]))
+        verdict = "-" if target is None else f"<= {target} ms: {'met' if r['p99_ms'] <= target else 'MISSED'}"
+        lines.append(
+            f"| {r['replicas']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['max_ms']:.3f} | {verdict} |"
+        )
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "decision_time.md").write_text(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
