@@ -28,8 +28,9 @@ only whitespace between moved sentences and the note may change).
 Completions are left alone: a raw prompt has no reliable system/user boundary (the chat template may
 already be applied), so nothing can be moved without risking the meaning of the prompt.
 
-A "user 1234" id inside a sentence that has no date or time needs a rule, for example
-    rules: [{name: user_id, pattern: '(?i)\\buser(?:[ _-]?id)?[:#]?\\s*\\d+\\b'}]
+A "user 1234" id inside a sentence that has no date or time needs a rule, for example (see
+config/canonicalize.example.yaml)
+    rules: [{name: user_id, pattern: '(?i)\\buser(?:[ _-]?id)?\\s*[:#=]?\\s*\\d+\\b'}]
 The `opt_out_header` is applied by the caller, which simply does not call `canonicalize`.
 """
 

@@ -6,6 +6,7 @@ import copy
 import json
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from gateway.canonicalize import (
     normalize_whitespace,
     split_sentences,
 )
-from gateway.config import CanonicalizeConfig, CanonicalizeRule
+from gateway.config import CanonicalizeConfig, CanonicalizeRule, load_config
 
 USER_RULE = CanonicalizeRule(name="user_id", pattern=r"(?i)\buser[ _-]?(?:id)?[:#]?\s*\d+\b")
 CFG = CanonicalizeConfig(enabled=True, rules=[USER_RULE], builtin_rules=sorted(BUILTIN_PATTERNS))
@@ -281,3 +282,14 @@ def test_builtins_match_their_samples(name: str, sample: str) -> None:
 def test_builtins_leave_ordinary_numbers_alone(static: str) -> None:
     body = {"messages": [{"role": "system", "content": f"You are X. Mind {static}."}]}
     assert not canonicalize(body, CanonicalizeConfig(enabled=True), "chat").changed
+
+
+def test_the_example_config_catches_a_bare_user_id() -> None:
+    settings = load_config(Path(__file__).parent.parent / "config" / "canonicalize.example.yaml")
+    cfg = settings.pool("support").canonicalize
+    for sentence in ("User 1234.", "user_id=77.", "User id: 5."):
+        body = {"messages": [{"role": "system", "content": f"{sentence} You are X."}]}
+        assert (
+            canonicalize(body, cfg, "chat").body["messages"][0]["content"]
+            == f"You are X.\n\n[context: {sentence}]"
+        )
