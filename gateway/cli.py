@@ -65,10 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             print(dry_run(_load(args.config)))
             return 0
         settings = _load(args.config)
-        if args.host is not None or args.port is not None:
-            server = settings.server.model_copy(
-                update={k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-            )
+        server_overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        if server_overrides:
+            server = settings.server.model_copy(update=server_overrides)
             settings = settings.model_copy(update={"server": server})
     except ConfigError as exc:
         print(f"kvgate: config error: {exc}", file=sys.stderr)
@@ -77,4 +76,4 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.server import run
 
     configure_logging(settings.server.log_level, settings.server.log_json)
-    return run(settings)
+    return run(settings, str(args.config or default_config_path()), server_overrides)

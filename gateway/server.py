@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from typing import Any
 
 from aiohttp import web
 
+from gateway.admin import ReloadRejected, reload_config
 from gateway.app import build_app
 from gateway.config import Settings
 from gateway.runtime import Runtime
@@ -41,8 +43,13 @@ class RunningGateway:
             await self.runtime.stop()
 
 
-async def start_gateway(settings: Settings) -> RunningGateway:
+async def start_gateway(
+    settings: Settings, config_path: str | None = None, server_overrides: dict[str, Any] | None = None
+) -> RunningGateway:
+    """`config_path` and `server_overrides` (command-line server.* values) are what a reload re-reads."""
     runtime = Runtime(settings)
+    runtime.config_path = config_path
+    runtime.server_overrides = dict(server_overrides or {})
     await runtime.start()
     runner = web.AppRunner(
         build_app(runtime),
@@ -65,12 +72,29 @@ async def start_gateway(settings: Settings) -> RunningGateway:
     return RunningGateway(runtime, runner, port)
 
 
-async def serve(settings: Settings) -> int:
+async def _reload(runtime: Runtime) -> None:
+    try:
+        await reload_config(runtime, "SIGHUP")
+    except ReloadRejected as exc:
+        log.warning("SIGHUP: config reload rejected: %s", exc)
+
+
+async def serve(
+    settings: Settings, config_path: str | None = None, server_overrides: dict[str, Any] | None = None
+) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    gateway = await start_gateway(settings)
+    gateway = await start_gateway(settings, config_path, server_overrides)
+    reloads: set[asyncio.Task[None]] = set()  # held so a running reload is not garbage-collected
+
+    def on_sighup() -> None:
+        task = asyncio.create_task(_reload(gateway.runtime))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
     try:
         await stop.wait()
         log.info("stop signal: draining (grace %.0f s)", settings.server.grace_period_s)
@@ -80,9 +104,11 @@ async def serve(settings: Settings) -> int:
     return 0
 
 
-def run(settings: Settings) -> int:
+def run(
+    settings: Settings, config_path: str | None = None, server_overrides: dict[str, Any] | None = None
+) -> int:
     try:
         import uvloop
     except ImportError:
-        return asyncio.run(serve(settings))
-    return uvloop.run(serve(settings))
+        return asyncio.run(serve(settings, config_path, server_overrides))
+    return uvloop.run(serve(settings, config_path, server_overrides))

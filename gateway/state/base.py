@@ -1,0 +1,74 @@
+"""The state backend interface, and the local fixed-window counters every backend falls back on."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from gateway.config import StateConfig
+
+if TYPE_CHECKING:
+    from gateway.runtime import Runtime
+
+
+class LocalCounters:
+    """Fixed-window counters in this process (the memory backend, and Redis' fallback when down)."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
+        self._counts: dict[tuple[str, float], tuple[int, int]] = {}  # (key, window_s) -> (window, count)
+
+    def incr(self, key: str, amount: int, window_s: float) -> int:
+        window = int(self._clock() // window_s)
+        current, count = self._counts.get((key, window_s), (window, 0))
+        count = count + amount if current == window else amount
+        self._counts[(key, window_s)] = (window, count)
+        return count
+
+
+class StateBackend:
+    """What a gateway shares with its peers. Subclasses override what they share.
+
+    - in-flight load: each instance's own stays in `Replica.inflight_*`; the others' arrives in
+      `Replica.remote_inflight_*` (policies add the two).
+    - prefix index: blocks one instance learns reach the other instances' `Pool.prefix_index`.
+    - route weights: `publish_weights` after a local change reaches every instance's router.
+    - counters: `incr` is an exact fleet-wide fixed-window counter (rate limits).
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, cfg: StateConfig, runtime: Runtime) -> None:
+        self.cfg = cfg
+        self.rt = runtime
+        self.counters = LocalCounters()
+
+    @property
+    def connected(self) -> bool:
+        """False while the shared store is unreachable (the gateway then serves from local state)."""
+        return True
+
+    async def start(self) -> None:
+        """Called once from Runtime.start."""
+
+    async def stop(self) -> None:
+        """Called once from Runtime.stop."""
+
+    async def publish_weights(
+        self, model: str, rule_index: int, weights: Mapping[str, float], who: str
+    ) -> None:
+        """The local router's rule now has these weights; make every instance use them."""
+
+    async def publish_routes(self, who: str) -> None:
+        """The routes were reloaded from the config file: their weights become the fleet's."""
+
+    async def incr(self, key: str, amount: int, window_s: float) -> int:
+        """Add `amount` to counter `key` in the current `window_s`-second window; the window's total.
+
+        Fleet-wide and exact with a shared backend (one round trip); local otherwise.
+        """
+        return self.counters.incr(key, amount, window_s)
+
+    def status(self) -> dict[str, Any]:
+        return {"backend": self.name, "connected": self.connected}

@@ -1,0 +1,406 @@
+"""Redis-shared state for several gateway instances, kept off the request path.
+
+One background task per instance syncs every `sync_interval_s`:
+- in-flight load: the instance rewrites its own per-replica counts in one MULTI (so readers never
+  see half of them) under a per-instance key with a TTL of `instance_ttl_s`; live instances are
+  listed in a sorted set scored by expiry. The sum over the other live instances lands in each
+  `Replica.remote_inflight_*`. A gateway that dies stops refreshing and its counts expire.
+- prefix index: blocks learned locally are appended to a capped stream; every instance reads the
+  stream from where it left off and merges the others' entries into its own index.
+- route weights: a hash, one field per route rule; an admin change writes it at once, the other
+  instances adopt it on their next sync.
+- counters: INCRBY + PEXPIRE in one Lua script, so N gateways never overshoot a shared limit.
+Replicas are identified across instances by (pool, URL), not by their local names.
+
+When Redis is unreachable the gateway serves from local state (remote load counts as 0), logs a
+warning once, and retries each interval. On reconnect it pushes weights changed meanwhile,
+republishes its whole prefix index, and rereads the stream (from the start if Redis lost it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from array import array
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.config import StateConfig
+from gateway.prefix_index import PrefixIndex
+from gateway.state.base import StateBackend
+
+if TYPE_CHECKING:
+    from gateway.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+STREAM_MAXLEN = 100_000  # entries (one per replica per sync tick): far beyond any index's useful history
+STREAM_IDLE_TTL_MS = 600_000  # a fleet idle this long has nothing worth replaying
+MAX_OUTBOX_BLOCKS = 500_000  # beyond this the outbox is dropped and the next sync sends a snapshot
+READ_BATCH = 1000
+_INCR = """
+local v = redis.call('INCRBY', KEYS[1], ARGV[1])
+if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return v
+"""
+_DOWN = (RedisError, OSError, asyncio.TimeoutError)
+
+
+class SharedPrefixIndex(PrefixIndex):
+    """A PrefixIndex that journals what it learns locally; what `merge` imports is not journaled."""
+
+    def __init__(self, base: PrefixIndex, pool: str, backend: RedisState) -> None:
+        super().__init__(base.default_capacity, base.speculative_ttl_s)
+        self._pool = pool
+        self._backend = backend
+
+    def record(self, replica: str, block_hashes: Sequence[int], speculative: bool = False) -> None:
+        super().record(replica, block_hashes, speculative)
+        if not speculative and block_hashes:
+            self._backend.journal(self._pool, replica, block_hashes)
+
+    def merge(self, replica: str, block_hashes: Sequence[int]) -> None:  # type: ignore[override]
+        PrefixIndex.record(self, replica, list(block_hashes)[::-1])
+
+
+class RedisState(StateBackend):
+    name = "redis"
+
+    def __init__(self, cfg: StateConfig, runtime: Runtime) -> None:
+        super().__init__(cfg, runtime)
+        self.instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self._redis = aioredis.Redis.from_url(
+            cfg.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, health_check_interval=0
+        )
+        self._incr = self._redis.register_script(_INCR)
+        self._connected = False
+        self._ever_connected = False
+        self._warned = False
+        self.last_error: str | None = None
+        self.resyncs = 0
+        self.peers = 0
+        self._task: asyncio.Task[None] | None = None
+        self._stream_id = b"0-0"
+        self._weights_seen: dict[str, bytes] = {}  # field -> raw value last applied or written
+        self._dirty_weights: dict[str, bytes] = {}  # written while Redis was away
+        self._outbox: dict[tuple[str, str], list[Sequence[int]]] = {}  # (pool, replica name) -> prompts
+        self._outbox_blocks = 0
+        self._snapshot_due = False
+        for pool in runtime.pools.values():
+            pool.prefix_index = SharedPrefixIndex(pool.prefix_index, pool.name, self)
+
+    # -- keys -------------------------------------------------------------------------
+    def _key(self, *parts: str) -> str:
+        return ":".join((self.cfg.key_prefix, *parts))
+
+    @property
+    def _instances_key(self) -> str:
+        return self._key("instances")
+
+    @property
+    def _stream_key(self) -> str:
+        return self._key("prefix")
+
+    @property
+    def _weights_key(self) -> str:
+        return self._key("weights")
+
+    def _inflight_key(self, instance: str) -> str:
+        return self._key("inflight", instance)
+
+    # -- lifecycle --------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    async def start(self) -> None:
+        try:
+            await self._connect()
+        except _DOWN as exc:
+            self._down(exc)
+        self._task = asyncio.create_task(self._run(), name="kvgate-state-sync")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._connected:
+            # Leave at once rather than after the TTL: the others stop counting our load now.
+            with contextlib.suppress(*_DOWN):
+                pipe = self._redis.pipeline(transaction=True)
+                pipe.delete(self._inflight_key(self.instance))
+                pipe.zrem(self._instances_key, self.instance)
+                await pipe.execute()
+        await self._redis.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.sync_interval_s)
+            try:
+                if not self._connected:
+                    await self._connect()
+                await self._sync()
+            except _DOWN as exc:
+                self._down(exc)
+            except Exception:  # a bug here must not end sharing for good
+                log.exception("state sync failed")
+
+    def _down(self, exc: BaseException) -> None:
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "redis state at %s unreachable (%s): serving from local state until it returns",
+                self.cfg.redis_url,
+                self.last_error,
+            )
+        self._connected = False
+        self._outbox.clear()
+        self._outbox_blocks = 0
+        for pool in self.rt.pools.values():
+            for replica in pool.replicas.values():
+                replica.remote_inflight_requests = 0
+                replica.remote_inflight_tokens = 0
+
+    async def _connect(self) -> None:
+        """(Re)join: push what changed while away, then let the next sync pull the rest."""
+        await self._redis.ping()
+        pipe = self._redis.pipeline(transaction=True)
+        for field, raw in self._dirty_weights.items():
+            pipe.hset(self._weights_key, field, raw)
+        for field, raw in self._local_weights("config").items():
+            pipe.hsetnx(self._weights_key, field, raw)
+        pipe.xinfo_stream(self._stream_key)
+        results = await pipe.execute(raise_on_error=False)
+        last = results[-1]
+        if isinstance(last, Exception) or _stream_id(_field(last, "last-generated-id")) < _stream_id(
+            self._stream_id
+        ):
+            self._stream_id = b"0-0"  # the stream is new or Redis lost it: replay what it holds
+        self._dirty_weights.clear()
+        if self._ever_connected:
+            self._snapshot_due = True
+            self.resyncs += 1
+            log.warning("redis state at %s is back: resynchronizing", self.cfg.redis_url)
+        self._connected = True
+        self._ever_connected = True
+        self._warned = False
+        self.last_error = None
+
+    # -- sync -------------------------------------------------------------------------
+    async def _sync(self) -> None:
+        now = time.time()
+        own = self._own_inflight()
+        ttl_ms = int(self.cfg.instance_ttl_s * 1000)
+        key = self._inflight_key(self.instance)
+        if self._snapshot_due:
+            self._snapshot_due = False
+            self._queue_snapshot()
+        batches = self._take_outbox()
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(key)
+        if own:
+            pipe.hset(key, mapping=own)
+            pipe.pexpire(key, ttl_ms)
+        pipe.zadd(self._instances_key, {self.instance: now + self.cfg.instance_ttl_s})
+        pipe.zremrangebyscore(self._instances_key, "-inf", now)
+        pipe.zrange(self._instances_key, 0, -1)
+        pipe.hgetall(self._weights_key)
+        for (pool, url), prompts in batches.items():
+            packed = array("Q", [h for p in prompts for h in p]).tobytes()
+            lengths = ",".join(str(len(p)) for p in prompts)
+            entry = {"i": self.instance, "p": pool, "u": url, "n": lengths, "h": packed}
+            pipe.xadd(self._stream_key, entry, maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        if batches:
+            pipe.pexpire(self._stream_key, STREAM_IDLE_TTL_MS)
+        results = await pipe.execute()
+        offset = 3 + 2 * bool(own)  # delete, [hset, pexpire], zadd, zremrangebyscore
+        instances = [m.decode() for m in results[offset] if m.decode() != self.instance]
+        self.peers = len(instances)
+        self._apply_weights(results[offset + 1])
+        reads = self._redis.pipeline(transaction=False)
+        for other in instances:
+            reads.hgetall(self._inflight_key(other))
+        reads.xread({self._stream_key: self._stream_id}, count=READ_BATCH)
+        *loads, stream = await reads.execute()
+        self._apply_remote_inflight(loads)
+        while stream:
+            entries = stream[0][1]
+            self._merge(entries)
+            if len(entries) < READ_BATCH:
+                break
+            stream = await self._redis.xread({self._stream_key: self._stream_id}, count=READ_BATCH)
+
+    def _replica_by_url(self) -> dict[tuple[str, str], Any]:
+        return {(p.name, r.url): r for p in self.rt.pools.values() for r in p.replicas.values()}
+
+    def _own_inflight(self) -> dict[str, str]:
+        return {
+            f"{p.name}\t{r.url}": f"{r.inflight_requests} {r.inflight_tokens}"
+            for p in self.rt.pools.values()
+            for r in p.replicas.values()
+            if r.inflight_requests or r.inflight_tokens
+        }
+
+    def _apply_remote_inflight(self, loads: list[dict[bytes, bytes]]) -> None:
+        totals: dict[str, tuple[int, int]] = {}
+        for load in loads:
+            for field, value in load.items():
+                req, tok = value.split()
+                r0, t0 = totals.get(field.decode(), (0, 0))
+                totals[field.decode()] = (r0 + int(req), t0 + int(tok))
+        for (pool, url), replica in self._replica_by_url().items():
+            replica.remote_inflight_requests, replica.remote_inflight_tokens = totals.get(
+                f"{pool}\t{url}", (0, 0)
+            )
+
+    def _merge(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        replicas = self._replica_by_url()
+        for entry_id, fields in entries:
+            self._stream_id = entry_id
+            if fields[b"i"].decode() == self.instance:
+                continue
+            replica = replicas.get((fields[b"p"].decode(), fields[b"u"].decode()))
+            if replica is None:
+                continue  # a replica this instance does not route to
+            index = self.rt.pools[replica.pool].prefix_index
+            hashes = array("Q")
+            hashes.frombytes(fields[b"h"])
+            start = 0
+            for n in fields[b"n"].decode().split(","):
+                end = start + int(n)
+                # A prompt's blocks as `record` would take them: head last, so it ends most recent.
+                index.merge(replica.name, hashes[start:end][::-1])
+                start = end
+
+    # -- prefix journal ---------------------------------------------------------------
+    def journal(self, pool: str, replica: str, block_hashes: Sequence[int]) -> None:
+        """A block list learned locally, to be shared on the next sync."""
+        if not self._connected:
+            return  # everything is republished as a snapshot on reconnect
+        self._outbox.setdefault((pool, replica), []).append(block_hashes)
+        self._outbox_blocks += len(block_hashes)
+        if self._outbox_blocks > MAX_OUTBOX_BLOCKS:
+            self._outbox.clear()
+            self._outbox_blocks = 0
+            self._snapshot_due = True
+
+    def _queue_snapshot(self) -> None:
+        for pool in self.rt.pools.values():
+            for name in pool.replicas:
+                blocks = pool.prefix_index.snapshot(name)  # oldest first
+                if blocks:
+                    # One "prompt" whose head is the most recent entry, as `merge` expects reversed.
+                    self._outbox[(pool.name, name)] = [blocks[::-1]]
+
+    def _take_outbox(self) -> dict[tuple[str, str], list[Sequence[int]]]:
+        out: dict[tuple[str, str], list[Sequence[int]]] = {}
+        for (pool, name), prompts in self._outbox.items():
+            replica = self.rt.pools[pool].replicas.get(name) if pool in self.rt.pools else None
+            if replica is not None:
+                out[(pool, replica.url)] = prompts
+        self._outbox = {}
+        self._outbox_blocks = 0
+        return out
+
+    # -- route weights ----------------------------------------------------------------
+    def _local_weights(self, who: str) -> dict[str, bytes]:
+        out = {}
+        for model, rules in self.rt.router.routes.items():
+            for i, rule in enumerate(rules):
+                if len(rule.pools) > 1:
+                    out[f"{model}\t{i}"] = _weights_value(
+                        dict(zip(rule.pools, rule.weights, strict=True)), who
+                    )
+        return out
+
+    def _apply_weights(self, stored: Mapping[bytes, bytes]) -> None:
+        router = self.rt.router
+        for raw_field, raw in stored.items():
+            field = raw_field.decode()
+            if self._weights_seen.get(field) == raw:
+                continue
+            self._weights_seen[field] = raw
+            model, _, index = field.rpartition("\t")
+            data = orjson.loads(raw)
+            try:
+                if router.weights(model, int(index)) == data["weights"]:
+                    continue
+                router.set_weights(model, data["weights"], int(index))
+            except (KeyError, ValueError) as exc:
+                log.warning("shared weights for route %s rule %s not applied: %s", model, index, exc)
+                continue
+            log.info(
+                "route %s rule %s weights %s (shared state, set by %s)",
+                model,
+                index,
+                data["weights"],
+                data["by"],
+            )
+
+    async def publish_weights(
+        self, model: str, rule_index: int, weights: Mapping[str, float], who: str
+    ) -> None:
+        field = f"{model}\t{rule_index}"
+        raw = _weights_value(weights, who)
+        self._weights_seen[field] = raw
+        if self._connected:
+            try:
+                await self._redis.hset(self._weights_key, field, raw)
+                return
+            except _DOWN as exc:
+                self._down(exc)
+        self._dirty_weights[field] = raw
+
+    async def publish_routes(self, who: str) -> None:
+        for field, raw in self._local_weights(who).items():
+            model, _, index = field.rpartition("\t")
+            await self.publish_weights(model, int(index), orjson.loads(raw)["weights"], who)
+
+    # -- counters ---------------------------------------------------------------------
+    async def incr(self, key: str, amount: int, window_s: float) -> int:
+        if self._connected:
+            window = int(time.time() // window_s)
+            try:
+                value = await self._incr(
+                    keys=[self._key("count", key, str(window_s), str(window))],
+                    args=[amount, int(window_s * 1000) + 1000],
+                )
+                return int(value)
+            except _DOWN as exc:
+                self._down(exc)
+        return self.counters.incr(key, amount, window_s)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "backend": self.name,
+            "connected": self._connected,
+            "instance": self.instance,
+            "peers": self.peers,
+            "resyncs": self.resyncs,
+            "last_error": self.last_error,
+        }
+
+
+def _weights_value(weights: Mapping[str, float], who: str) -> bytes:
+    return orjson.dumps({"weights": {k: float(v) for k, v in weights.items()}, "by": who, "at": time.time()})
+
+
+def _stream_id(raw: bytes | str) -> tuple[int, int]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _field(info: Mapping[Any, Any], name: str) -> Any:
+    return info[name] if name in info else info[name.encode()]
