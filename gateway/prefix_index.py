@@ -25,6 +25,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from gateway.config import PrefixConfig
+
 
 @dataclass(slots=True)
 class _Replica:
@@ -53,6 +55,14 @@ class PrefixIndex:
         self._free_bits: list[int] = []
         self._confirmed: dict[int, int] = {}  # hash -> bitmask of replicas
         self._speculative: dict[int, int] = {}  # hash -> bitmask, expiry checked per replica
+
+    @classmethod
+    def from_config(cls, cfg: PrefixConfig, clock: Callable[[], float] = time.monotonic) -> PrefixIndex:
+        return cls(
+            default_capacity=cfg.max_blocks_per_replica or cfg.default_blocks_per_replica,
+            speculative_ttl_s=cfg.speculative_ttl_s,
+            clock=clock,
+        )
 
     # --- replicas -------------------------------------------------------------------------
 

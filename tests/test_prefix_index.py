@@ -7,6 +7,7 @@ from collections import OrderedDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.config import PrefixConfig
 from gateway.prefix_index import PrefixIndex
 
 
@@ -106,6 +107,14 @@ def test_snapshot_merge_round_trip() -> None:
     dst.merge("r", src.snapshot("r"))
     assert dst.snapshot("r") == src.snapshot("r")
     assert dst.match([1, 2, 3], ["r"]) == {"r": 3}
+
+
+def test_from_config() -> None:
+    index = PrefixIndex.from_config(PrefixConfig(max_blocks_per_replica=2, speculative_ttl_s=0.5))
+    assert (index.default_capacity, index.speculative_ttl_s) == (2, 0.5)
+    assert (
+        PrefixIndex.from_config(PrefixConfig()).default_capacity == PrefixConfig().default_blocks_per_replica
+    )
 
 
 def test_many_replicas() -> None:
