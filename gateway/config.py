@@ -260,6 +260,9 @@ class PriorityClass(_Strict):
     name: str
     level: int = Field(description="Higher runs first")
     max_queue: int = Field(1000, ge=0)
+    reserved_per_replica: int = Field(
+        0, ge=0, description="In-flight slots per replica that lower classes may not take (kept for this one)"
+    )
 
 
 class SchedulerConfig(_Strict):

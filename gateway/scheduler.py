@@ -15,6 +15,10 @@ Order of dispatch from a pool's queue:
 4. inside a tenant, the smallest estimated job (uncached prompt tokens + expected output tokens),
    or first come first served when `sjf` is off.
 
+A class may reserve in-flight slots (`reserved_per_replica`) that lower classes never take, so that a
+high-priority arrival finds a free slot even when long low-priority jobs fill the fleet: engines do not
+preempt a running request for a waiting one, so without a reserve it would wait for one to finish.
+
 Tenants above their class (`max_priority`) are lowered to it, not rejected: the request is still
 legitimate, only not entitled to jump the queue.
 """
@@ -193,6 +197,10 @@ class PoolQueue:
             self.by_name[class_name].remove(e)
             self.size -= 1
 
+    def next_class(self) -> str | None:
+        """The class the next pop comes from."""
+        return next((q.name for q in self.classes if len(q)), None)
+
     def pop(self, now: float) -> tuple[Entry, str] | None:
         for q in self.classes:
             if len(q):
@@ -262,6 +270,10 @@ class Scheduler:
         self.tenants = {t.name: t for t in tenants}
         self.limits = Limits(self.tenants.values(), clock)
         self._levels = {c.name: c.level for c in cfg.classes}
+        # Per replica, the in-flight slots a class must leave free for the classes above it.
+        self._reserve_above = {
+            c.name: sum(o.reserved_per_replica for o in cfg.classes if o.level > c.level) for c in cfg.classes
+        }
         self._pools: dict[str, _PoolState] = {}
         self._seq = itertools.count()
         # Counters for metrics (see stats()).
@@ -353,9 +365,10 @@ class Scheduler:
         state = self._pools.get(pool.name)
         if state is None or state.pool is not pool:
             state = self._pools[pool.name] = _PoolState(self, pool, PoolQueue(self.cfg))
-        if not state.queue.size and self._has_room(state, features.prompt_tokens):
-            self.admitted[features.priority_class] += 1
-            self.waits[features.priority_class].add(0.0)
+        cls = features.priority_class
+        if not state.queue.size and self._has_room(state, features.prompt_tokens, cls):
+            self.admitted[cls] += 1
+            self.waits[cls].add(0.0)
             return self._grant(state, features.prompt_tokens)
         return await self._wait(state, features)
 
@@ -440,8 +453,9 @@ class Scheduler:
     def _pump(self, state: _PoolState) -> None:
         """Dispatch queued requests, best first, while the pool has headroom."""
         queue = state.queue
-        while queue.size:
-            if not self._has_room(state, 0):
+        while (cls := queue.next_class()) is not None:
+            # Strict priority: when the best class may not go, no lower one may either.
+            if not self._has_room(state, 0, cls):
                 return
             popped = queue.pop(self.clock())
             if popped is None:
@@ -460,15 +474,17 @@ class Scheduler:
             self._pump(state)
 
     # -- headroom ----------------------------------------------------------------------------------------
-    def _has_room(self, state: _PoolState, tokens: int) -> bool:
-        """The pool can take one more request: the gateway's budget summed over serving replicas is not
-        used up by granted tickets (which count requests not leased yet), and at least one replica has
-        headroom by its own in-flight counts and, when fresh, by the engine's figures."""
+    def _has_room(self, state: _PoolState, tokens: int, cls: str) -> bool:
+        """The pool can take one more request of class `cls`: the gateway's budget summed over serving
+        replicas, less the slots reserved for higher classes, is not used up by granted tickets (which
+        count requests not leased yet), and at least one replica has headroom by its own in-flight
+        counts and, when fresh, by the engine's figures."""
         replicas = state.pool.serving("decode")
         if not replicas:
             return True  # nothing to wait for: dispatch answers 503 at once
         cfg = self.cfg
-        if state.outstanding >= cfg.max_inflight_requests_per_replica * len(replicas):
+        reserved = self._reserve_above[cls]
+        if state.outstanding >= (cfg.max_inflight_requests_per_replica - reserved) * len(replicas):
             return False
         token_cap = cfg.max_inflight_tokens_per_replica
         if (

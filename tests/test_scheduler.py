@@ -175,11 +175,10 @@ def _sched(**overrides: Any) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def _hold(c: httpx.AsyncClient, gw: RunningGateway, **headers: str) -> AsyncIterator[None]:
-    """Occupy the replica's only slot with a stream the upstream never ends, until the block exits."""
-    async with c.stream(
-        "POST", gw.url + CHAT, json=_body(stream=True), headers={"x-test-mode": "hang-stream", **headers}
-    ) as r:
+async def _hold(c: httpx.AsyncClient, gw: RunningGateway, priority: str = "default") -> AsyncIterator[None]:
+    """Occupy a slot with a stream the upstream never ends, until the block exits."""
+    headers = {"x-test-mode": "hang-stream", "x-priority": priority}
+    async with c.stream("POST", gw.url + CHAT, json=_body(stream=True), headers=headers) as r:
         assert r.status_code == 200
         chunks = r.aiter_bytes()
         await anext(chunks)  # not `async for ... break`: closing the iterator would close the stream
@@ -235,6 +234,27 @@ async def test_queued_requests_run_by_priority_when_capacity_frees(upstreams, ga
     assert set(by_content) == {"interactive", "batch"}
     stats = gw.runtime.scheduler.stats()
     assert stats["queued_total"]["batch"] == 1 and stats["wait_s"]["batch"]["max"] > 0
+
+
+async def test_slots_reserved_for_a_higher_class(upstreams, gateway) -> None:
+    (up,) = await upstreams(1)
+    classes = [
+        {"name": "interactive", "level": 2, "reserved_per_replica": 1},
+        {"name": "default", "level": 1},
+        {"name": "batch", "level": 0},
+    ]
+    gw = await gateway(
+        gateway_settings([up.url], scheduler=_sched(max_inflight_requests_per_replica=2, classes=classes))
+    )
+    async with httpx.AsyncClient(timeout=10) as c, _hold(c, gw, "batch"):
+        # One slot left, and it is the interactive class's: a batch request waits for it...
+        batch = asyncio.create_task(c.post(gw.url + CHAT, json=_body("b"), headers={"x-priority": "batch"}))
+        await wait_until(lambda: _queued(gw) == 1, what="batch queued")
+        # ...which an interactive request takes at once.
+        r = await c.post(gw.url + CHAT, json=_body("i"), headers={"x-priority": "interactive"})
+        assert r.status_code == 200 and _queued(gw) == 1 and not batch.done()
+        batch.cancel()
+    assert [s.body["messages"][0]["content"] for s in up.state.seen[1:]] == ["i"]
 
 
 async def test_queue_full_is_429_with_retry_after(upstreams, gateway) -> None:
