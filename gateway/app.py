@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from gateway.dashboard import Dashboard
 from gateway.errors import GatewayError, error_body
 from gateway.proxy import ENDPOINTS, Proxy
 from gateway.runtime import Runtime
@@ -79,4 +80,7 @@ def build_app(runtime: Runtime) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    if runtime.metrics is not None:
+        app.router.add_get("/metrics", runtime.metrics.handle)
+    app.router.add_routes(Dashboard(runtime).routes())
     return app
