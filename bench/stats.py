@@ -96,6 +96,9 @@ def summarize(result: RunResult) -> dict[str, Any]:
     spread, per_replica = load_spread(ok)
     summary["replica_spread"] = spread
     summary["requests_per_replica"] = per_replica
+    pools = Counter(r.pool for r in ok if r.pool)
+    if pools:
+        summary["requests_per_pool"] = dict(sorted(pools.items()))
     summary.update(_load_figures(result))
     if len({r.priority for r in measured}) > 1:
         summary["by_priority"] = _breakdown(measured, "priority")

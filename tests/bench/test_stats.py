@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from bench.client import STATUS_TIMEOUT, RequestRecord
 from bench.loadgen import LoadSpec, RunResult
@@ -24,6 +27,11 @@ def test_percentile_interpolates_between_closest_ranks() -> None:
     assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
     assert percentile([7.0], 95) == 7.0
     assert percentile([], 50) is None
+
+
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.sampled_from([0, 1, 50, 95, 99, 100]))
+def test_percentile_matches_numpy_linear(values: list[float], q: int) -> None:
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-9, abs=1e-6)
 
 
 def test_cache_hit_rate_is_token_weighted_over_successes() -> None:
@@ -48,7 +56,7 @@ def test_summary_throughput_window_warmup_and_errors() -> None:
         # warm-up: left out of everything
         rec(0, status=200, sent=0.0, ready=0.0, ttft=5.0, e2e=9.0, output_tokens=99, warmup=True),
         rec(1, status=200, sent=1.0, ready=1.0, ttft=0.1, e2e=1.0, itls=[0.01, 0.03], output_tokens=10,
-            prompt_tokens=100, cached_tokens=50, replica="a"),
+            prompt_tokens=100, cached_tokens=50, replica="a", pool="p"),
         rec(2, status=200, sent=2.0, ready=2.0, ttft=0.3, e2e=2.0, itls=[0.02], output_tokens=30,
             prompt_tokens=100, cached_tokens=0, replica="b"),
         rec(3, status=429, sent=3.0, ready=3.0, e2e=0.01, error="busy"),
@@ -67,6 +75,7 @@ def test_summary_throughput_window_warmup_and_errors() -> None:
     assert s["cache_hit_rate"] == pytest.approx(0.25)
     assert s["errors"] == {"429": 1, "timeout": 1}
     assert s["replica_spread"] == pytest.approx(1.0)
+    assert s["requests_per_pool"] == {"p": 1}
     assert s["offered_rps"] == 1.0
     assert s["sent_rps"] == pytest.approx(4 / 3.5)
     assert not s["client_limited"] and s["warnings"] == []
