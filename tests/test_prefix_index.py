@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 from hypothesis import given, settings
@@ -127,26 +128,42 @@ def test_many_replicas() -> None:
 
 
 class Reference:
-    """The obvious implementation: one ordered dict per replica, a naive leading-block walk."""
+    """The obvious implementation: per replica an ordered dict of hash -> expiry (inf when confirmed),
+    expired entries purged before each record, a naive leading-block walk."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, ttl: float, clock: FakeClock) -> None:
         self.capacity = capacity
-        self.lru: dict[str, OrderedDict[int, None]] = {}
+        self.ttl = ttl
+        self.clock = clock
+        self.lru: dict[str, OrderedDict[int, float]] = {}
 
-    def record(self, replica: str, hashes: list[int]) -> None:
+    def purge(self, replica: str) -> None:
+        lru = self.lru.get(replica, OrderedDict())
+        for h in [h for h, exp in lru.items() if exp <= self.clock.now]:
+            del lru[h]
+
+    def record(self, replica: str, hashes: list[int], speculative: bool) -> None:
+        self.purge(replica)
         lru = self.lru.setdefault(replica, OrderedDict())
         for h in reversed(hashes):
-            lru[h] = None
+            if not speculative:
+                lru[h] = math.inf
+            elif lru.get(h) != math.inf:
+                lru[h] = self.clock.now + self.ttl
             lru.move_to_end(h)
         while len(lru) > self.capacity:
             lru.popitem(last=False)
+
+    def snapshot(self, replica: str) -> list[int]:
+        self.purge(replica)
+        return list(self.lru.get(replica, []))
 
     def match(self, hashes: list[int], replicas: list[str]) -> dict[str, int]:
         out = {}
         for r in replicas:
             held = self.lru.get(r, {})
             n = 0
-            while n < len(hashes) and hashes[n] in held:
+            while n < len(hashes) and held.get(hashes[n], -math.inf) > self.clock.now:
                 n += 1
             out[r] = n
         return out
@@ -154,7 +171,7 @@ class Reference:
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["record", "discard", "clear", "remove"]),
+        st.sampled_from(["record", "speculate", "discard", "clear", "remove", "tick"]),
         st.sampled_from(["a", "b", "c"]),
         st.lists(st.integers(0, 12), max_size=8),
     ),
@@ -162,17 +179,18 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(ops=ops, capacity=st.integers(1, 6), probe=st.lists(st.integers(0, 12), max_size=8))
 def test_matches_reference_model(
     ops: list[tuple[str, str, list[int]]], capacity: int, probe: list[int]
 ) -> None:
-    index = PrefixIndex(default_capacity=capacity)
-    ref = Reference(capacity)
+    clock = FakeClock()
+    index = PrefixIndex(default_capacity=capacity, speculative_ttl_s=2.0, clock=clock)
+    ref = Reference(capacity, 2.0, clock)
     for op, replica, hashes in ops:
-        if op == "record":
-            index.record(replica, hashes)
-            ref.record(replica, hashes)
+        if op in ("record", "speculate"):
+            index.record(replica, hashes, speculative=op == "speculate")
+            ref.record(replica, hashes, speculative=op == "speculate")
         elif op == "discard":
             index.discard(replica, hashes)
             for h in hashes:
@@ -180,10 +198,12 @@ def test_matches_reference_model(
         elif op == "clear":
             index.clear_replica(replica)
             ref.lru.get(replica, OrderedDict()).clear()
-        else:
+        elif op == "remove":
             index.remove_replica(replica)
             ref.lru.pop(replica, None)
-        for r in "abc":
-            assert index.snapshot(r) == list(ref.lru.get(r, []))
-            assert len(index.snapshot(r)) <= capacity
+        else:
+            clock.now += len(hashes) * 0.5  # 0 to 4 s: entries expire at 2 s
         assert index.match(probe, ["a", "b", "c"]) == ref.match(probe, ["a", "b", "c"])
+        for r in "abc":
+            assert index.snapshot(r) == ref.snapshot(r)
+            assert len(index.snapshot(r)) <= capacity
