@@ -502,6 +502,10 @@ class RealtimeRunner:
         self.engine.add_request(req, at=self.sim_now())
         self._wake.set()
 
+    def wake(self) -> None:
+        """Re-run the scheduler now: blocks were freed outside a step (abort, lease release)."""
+        self._wake.set()
+
     def start(self) -> None:
         self._t0 = asyncio.get_running_loop().time()
         self._task = asyncio.create_task(self._run())

@@ -490,8 +490,10 @@ class Replica:
             await out.done
             return self._json(self._full_body(out, chat, resp_id, model, created, kv_lease), headers=headers)
         finally:
-            for c in out.children:
-                self.engine.abort(c)  # no-op once finished; frees the blocks of a gone client
+            if any(c.state != FINISHED for c in out.children):
+                for c in out.children:
+                    self.engine.abort(c)  # frees the blocks of a gone client
+                self.runner.wake()
 
     def _full_body(
         self, out: _Response, chat: bool, resp_id: str, model: str, created: int, kv_lease: bool
@@ -543,6 +545,7 @@ class Replica:
     async def pd_release(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
         released = self.engine.release_lease(str(body.get("remote_request_id")))
+        self.runner.wake()
         return self._json({"released": released})
 
     def _room(self, room: int) -> asyncio.Future[int]:
