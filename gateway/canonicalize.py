@@ -350,7 +350,7 @@ def canonicalize(
     body: dict[str, Any], cfg: CanonicalizeConfig, endpoint: Literal["chat", "completions"]
 ) -> CanonicalResult:
     """Canonical form of a request body; never mutates `body`."""
-    if not cfg.enabled or endpoint != "chat":
+    if not cfg.enabled or endpoint != "chat" or not isinstance(body, dict):
         return CanonicalResult(body)
     notes: list[str] = []
     out = body

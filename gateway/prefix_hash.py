@@ -97,6 +97,8 @@ def _first_prompt(prompt: Any) -> str:
 
 def prompt_text(body: Mapping[str, Any], endpoint: Endpoint) -> str:
     """The request's prompt as the engine caches it, in order. Unknown shapes degrade to ''."""
+    if not isinstance(body, Mapping):
+        return ""
     if endpoint == "completions":
         return _first_prompt(body.get("prompt"))
     out: list[str] = []

@@ -101,6 +101,7 @@ def test_completions_prompt_shapes() -> None:
     assert prompt_text({"prompt": [1, 2, 3]}, "completions") == "1 2 3"
     assert prompt_text({"prompt": [[4, 5], [6]]}, "completions") == "4 5"
     assert prompt_text({"prompt": None}, "completions") == ""
+    assert prompt_text([], "chat") == ""  # type: ignore[arg-type]
     assert prompt_text({"instructions": "sys", "input": "hi"}, "responses") == "<|system|>sys\n<|user|>hi\n"
 
 
