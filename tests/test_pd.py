@@ -1,0 +1,104 @@
+"""Prefill/decode disaggregation end to end: a real gateway in front of simulator processes."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+
+from tests.conftest import gateway_settings
+from tests.simfleet import seen, sim_process
+
+LONG = "Summarize the following text. " + "The quick brown fox jumps over the lazy dog. " * 80
+PRODUCER = ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"}))
+CONSUMER = ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}))
+
+
+def pd_settings(prefill: str, decode: str, kind: str = "vllm", **pool: object):
+    endpoints = [
+        {"url": prefill, "name": "prefill-0", "role": "prefill", "kind": kind},
+        {"url": decode, "name": "decode-0", "role": "decode", "kind": kind},
+    ]
+    return gateway_settings([], pool={"endpoints": endpoints, "pd": {"min_uncached_tokens": 64}, **pool})
+
+
+async def test_vllm_relay_carries_prefill_kv_params_verbatim_and_keeps_streaming(gateway):
+    with sim_process(*PRODUCER) as prefill, sim_process(*CONSUMER) as decode:
+        gw = await gateway(pd_settings(prefill, decode))
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="x", max_retries=0)
+        stream = await client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": LONG}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+        (p_leg,) = await seen(prefill)
+        (d_leg,) = await seen(decode)
+    body = p_leg["body"]
+    assert body["stream"] is False and body["max_tokens"] == 1 and "stream_options" not in body
+    assert body["kv_transfer_params"]["do_remote_decode"] is True
+    # The decode leg: the client's own body (streaming, its max_tokens) plus the prefill's answer.
+    ktp = d_leg["kv_transfer_params"]
+    assert d_leg["body"]["stream"] is True and d_leg["body"]["max_tokens"] == 8
+    assert ktp["do_remote_prefill"] is True and ktp["remote_block_ids"]
+    assert ktp["remote_port"] == int(prefill.rsplit(":", 1)[1])
+    assert p_leg["headers"]["x-request-id"] == d_leg["headers"]["x-request-id"]
+
+
+async def test_short_prompt_is_not_disaggregated(gateway):
+    with sim_process(*PRODUCER) as prefill, sim_process(*CONSUMER) as decode:
+        gw = await gateway(pd_settings(prefill, decode))
+        async with httpx.AsyncClient() as c:
+            r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+        assert await seen(prefill) == [] and len(await seen(decode)) == 1
+
+
+async def test_prefill_5xx_falls_back_to_decode_only(gateway):
+    failing = ("--fault-error-rate", "1", "--fault-error-status", "500")
+    with sim_process(*PRODUCER, *failing) as prefill, sim_process(*CONSUMER) as decode:
+        gw = await gateway(pd_settings(prefill, decode))
+        async with httpx.AsyncClient() as c:
+            r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 2})
+        assert r.status_code == 200 and r.headers["x-kvgate-replica"] == "decode-0"
+        (d_leg,) = await seen(decode)
+    assert d_leg["kv_transfer_params"] is None  # the decode replica prefilled by itself
+
+
+async def test_prefill_4xx_is_passed_to_the_client(gateway):
+    refusing = ("--fault-error-rate", "1", "--fault-error-status", "400")
+    with sim_process(*PRODUCER, *refusing) as prefill, sim_process(*CONSUMER) as decode:
+        gw = await gateway(pd_settings(prefill, decode))
+        async with httpx.AsyncClient() as c:
+            r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 2})
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert await seen(decode) == []
+
+
+async def test_sglang_legs_share_one_bootstrap_room(gateway):
+    from tests.conftest import free_port
+
+    boot = free_port()
+    sglang = ("--api", "sglang")
+    with (
+        sim_process(
+            *sglang, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(boot)
+        ) as prefill,
+        sim_process(*sglang, "--disaggregation-mode", "decode") as decode,
+    ):
+        settings = pd_settings(prefill, decode, kind="sglang")
+        settings.pools[0].endpoints[0].bootstrap_port = boot
+        gw = await gateway(settings)
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        (p_leg,) = await seen(prefill)
+        (d_leg,) = await seen(decode)
+    assert p_leg["bootstrap"] == d_leg["bootstrap"]
+    assert d_leg["bootstrap"]["bootstrap_port"] == boot and 0 <= d_leg["bootstrap"]["bootstrap_room"] < 2**63
+    assert p_leg["body"] == d_leg["body"]
