@@ -464,6 +464,8 @@ class Replica:
                 kv_lease=kv_lease,
                 sink=out,
             )
+            if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+                req.finish_reason = "stop"  # a natural end, as an unbounded request would have
             out.children.append(req)
             out.seeds.append(proto.output_seed(len(prompt_ids), i, seed))
             out.sent.append(0)
@@ -671,7 +673,8 @@ class Replica:
     def _vllm_metrics(self) -> str:
         e = self.engine
         m = e.metrics
-        lbl = f'engine="{self.opts.index}",model_name="{self.opts.served_model_names[0]}"'
+        # Every replica is its own server with one engine, as separate vLLM processes would be.
+        lbl = f'engine="0",model_name="{self.opts.served_model_names[0]}"'
         lines: list[str] = []
 
         def one(name: str, kind: str, value: float) -> None:

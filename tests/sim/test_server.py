@@ -96,6 +96,11 @@ async def test_request_log_keeps_unknown_fields_and_echoes_request_id() -> None:
         last = (await c.get(f"{url(r)}/sim/requests", params={"last": 1})).json()[0]
         assert last["request_id"] == "rid-1" and last["body"]["custom_field"] == {"a": 1}
         assert {"user", "cache_salt", "custom_field"} <= set(last["body_keys"])
+        models = (await c.get(f"{url(r)}/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        unbounded = (await c.post(f"{url(r)}/v1/completions", json={"model": MODEL, "prompt": "hi"})).json()
+        assert unbounded["choices"][0]["finish_reason"] == "stop"
+        assert unbounded["usage"]["completion_tokens"] == 64  # --default-max-tokens
 
 
 async def test_429_beyond_max_waiting_and_disconnect_frees_blocks() -> None:
