@@ -123,7 +123,7 @@ def prompt_text(body: Mapping[str, Any], endpoint: Endpoint) -> str:
 @dataclass(slots=True)
 class PrefixFeatures:
     block_hashes: list[int]  # chained hash of each full block, in order
-    block_tokens: list[int]  # tokens in each full block
+    block_tokens: list[int]  # tokens of each full block (cut at word starts near its edges)
     prompt_tokens: int  # all blocks plus the partial tail
 
 
