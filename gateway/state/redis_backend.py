@@ -78,9 +78,11 @@ class RedisState(StateBackend):
     def __init__(self, cfg: StateConfig, runtime: Runtime) -> None:
         super().__init__(cfg, runtime)
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-        self._redis = aioredis.Redis.from_url(
-            cfg.redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, health_check_interval=0
+        # Blocking pool: a burst of counter calls waits for a connection instead of failing.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            cfg.redis_url, max_connections=64, timeout=2.0, socket_timeout=1.0, socket_connect_timeout=1.0
         )
+        self._redis = aioredis.Redis(connection_pool=pool)
         self._incr = self._redis.register_script(_INCR)
         self._connected = False
         self._ever_connected = False
@@ -141,7 +143,7 @@ class RedisState(StateBackend):
                 pipe.delete(self._inflight_key(self.instance))
                 pipe.zrem(self._instances_key, self.instance)
                 await pipe.execute()
-        await self._redis.aclose()
+        await self._redis.aclose(close_connection_pool=True)
 
     async def _run(self) -> None:
         while True:
@@ -191,7 +193,7 @@ class RedisState(StateBackend):
         if self._ever_connected:
             self._snapshot_due = True
             self.resyncs += 1
-            log.warning("redis state at %s is back: resynchronizing", self.cfg.redis_url)
+            log.info("redis state at %s is back: resynchronizing", self.cfg.redis_url)
         self._connected = True
         self._ever_connected = True
         self._warned = False

@@ -1,0 +1,266 @@
+"""Redis-shared state between real gateway instances: prefix index, in-flight load, weights, counters,
+and what happens when Redis goes away and comes back (on a redis-server this test starts itself)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from gateway.server import RunningGateway
+from tests.conftest import free_port, gateway_settings, wait_until
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+KEY = "admin-secret"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _redis_reachable() -> None:
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis reachable at {REDIS_URL}: {exc}")
+
+
+@pytest.fixture
+async def key_prefix() -> AsyncIterator[str]:
+    prefix = f"kvgate-test-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    client = aioredis.Redis.from_url(REDIS_URL)
+    keys = [k async for k in client.scan_iter(f"{prefix}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+def shared_settings(endpoints: list[str], prefix: str, redis_url: str = REDIS_URL, **extra: Any) -> Any:
+    return gateway_settings(
+        endpoints,
+        server={"admin_key": KEY},
+        state={
+            "backend": "redis",
+            "redis_url": redis_url,
+            "key_prefix": prefix,
+            "sync_interval_s": 0.05,
+            "instance_ttl_s": 1.0,
+        },
+        **extra,
+    )
+
+
+def prompt(group: int) -> str:
+    # Long enough for many 64-character prefix blocks; distinct from the first character on.
+    return f"group {group}: " + " ".join(f"shared-context-{group}-{i}" for i in range(150))
+
+
+async def complete(
+    client: httpx.AsyncClient, gw: RunningGateway, text: str, **headers: str
+) -> httpx.Response:
+    r = await client.post(gw.url + "/v1/completions", json={"model": "m", "prompt": text}, headers=headers)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def blocks(gw: RunningGateway) -> int:
+    return int(gw.runtime.pools["p"].prefix_index.stats()["distinct_blocks"])  # type: ignore[call-overload]
+
+
+async def test_two_instances_send_a_prefix_to_the_same_replica(upstreams, gateway, key_prefix) -> None:
+    ups = await upstreams(4)
+    pool = {"policy": {"type": "prefix_affinity"}}
+    a = await gateway(shared_settings([u.url for u in ups], key_prefix, pool=pool))
+    b = await gateway(shared_settings([u.url for u in ups], key_prefix, pool=pool))
+    groups = range(8)
+    async with httpx.AsyncClient() as client:
+        first = {g: (await complete(client, a, prompt(g))).headers["x-kvgate-replica"] for g in groups}
+        assert len(set(first.values())) == 4  # cold prefixes spread over the replicas
+        await wait_until(lambda: blocks(b) == blocks(a) > 0, timeout=5, what="B to learn A's prefixes")
+        # B sees them in another order: without shared state its own rotation would differ.
+        second = {
+            g: (await complete(client, b, prompt(g))).headers["x-kvgate-replica"] for g in reversed(groups)
+        }
+    assert second == first
+
+
+async def test_remote_inflight_visible_and_expires_with_a_dead_instance(
+    upstreams, gateway, key_prefix
+) -> None:
+    (up,) = await upstreams(1)
+    a = await gateway(shared_settings([up.url], key_prefix))
+    b = await gateway(shared_settings([up.url], key_prefix))
+    ra, rb = a.runtime.pools["p"].replicas["r0"], b.runtime.pools["p"].replicas["r0"]
+    async with httpx.AsyncClient(timeout=10) as client:
+        slow = asyncio.create_task(complete(client, a, "x" * 400, **{"x-test-mode": "stall:1.5"}))
+        await wait_until(lambda: rb.remote_inflight_requests == 1, timeout=3, what="B to see A's request")
+        assert rb.remote_inflight_tokens == ra.inflight_tokens > 0
+        assert rb.inflight_requests == 0 and ra.remote_inflight_requests == 0  # own and others' apart
+        await slow
+        await wait_until(lambda: rb.remote_inflight_requests == 0, timeout=3, what="A's request to end on B")
+        # A gateway that dies mid-request (its sync stops) stops counting once its TTL runs out.
+        slow = asyncio.create_task(complete(client, a, "x" * 400, **{"x-test-mode": "stall:4"}))
+        await wait_until(lambda: rb.remote_inflight_requests == 1, timeout=3, what="B to see A's request")
+        task = a.runtime.state._task  # type: ignore[attr-defined]
+        task.cancel()
+        await wait_until(lambda: rb.remote_inflight_requests == 0, timeout=3, what="A's counts to expire")
+        assert ra.inflight_requests == 1
+        await slow
+
+
+async def test_weight_change_on_one_instance_reaches_the_other_within_a_second(
+    upstreams, gateway, key_prefix
+) -> None:
+    from tests.test_rollout import rollout_settings
+
+    s, c = await upstreams(2)
+    state = {"backend": "redis", "key_prefix": key_prefix, "sync_interval_s": 0.05}
+    a = await gateway(rollout_settings(s.url, c.url, 50, 50, server={"admin_key": KEY}, state=state))
+    b = await gateway(rollout_settings(s.url, c.url, 50, 50, server={"admin_key": KEY}, state=state))
+    await wait_until(lambda: a.runtime.state.connected and b.runtime.state.connected, what="both connected")
+    async with httpx.AsyncClient() as client:
+        r = await client.put(
+            a.url + "/admin/routes/llama/weights", json={"weights": {"canary": 0}}, headers=AUTH
+        )
+        assert r.status_code == 200
+        await wait_until(
+            lambda: b.runtime.router.weights("llama") == {"stable": 50.0, "canary": 0.0},
+            timeout=1.0,
+            what="the rollback on B",
+        )
+        for i in range(20):
+            r = await client.post(
+                b.url + "/v1/completions",
+                json={"model": "llama", "prompt": "x"},
+                headers={"x-user-id": f"u{i}"},
+            )
+            assert r.headers["x-kvgate-pool"] == "stable"
+        # A third instance started later adopts the fleet's weights, not its file's.
+        late = await gateway(rollout_settings(s.url, c.url, 50, 50, server={"admin_key": KEY}, state=state))
+        await wait_until(
+            lambda: late.runtime.router.weights("llama") == {"stable": 50.0, "canary": 0.0},
+            timeout=2.0,
+            what="the late instance to adopt the weights",
+        )
+        audit = (await client.get(a.url + "/admin/audit", headers=AUTH)).json()["changes"]
+        assert "weights" in audit[-1]["what"]
+
+
+async def test_fleet_counter_is_exact_under_concurrency(upstreams, gateway, key_prefix) -> None:
+    (up,) = await upstreams(1)
+    a = await gateway(shared_settings([up.url], key_prefix))
+    b = await gateway(shared_settings([up.url], key_prefix))
+    results = await asyncio.gather(
+        *(gw.runtime.state.incr("tenant-x:requests", 1, 60) for _ in range(100) for gw in (a, b))
+    )
+    assert sorted(results) == list(range(1, 201))  # every increment saw a distinct, exact total
+    assert await a.runtime.state.incr("tenant-x:tokens", 500, 60) == 500  # keys are separate
+
+
+def _start_redis(port: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+@pytest.fixture
+def own_redis() -> Iterator[tuple[int, list[subprocess.Popen[bytes]]]]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    procs = [_start_redis(port)]
+    yield port, procs
+    for p in procs:
+        p.terminate()
+        p.wait(timeout=10)
+
+
+async def _wait_ping(port: int) -> None:
+    client = aioredis.Redis(host="127.0.0.1", port=port)
+    try:
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:
+            try:
+                await client.ping()
+                return
+            except redis.RedisError:
+                assert asyncio.get_running_loop().time() < deadline, "redis-server did not start"
+                await asyncio.sleep(0.02)
+    finally:
+        await client.aclose()
+
+
+async def test_redis_outage_serves_locally_and_resynchronizes(upstreams, gateway, own_redis) -> None:
+    from tests.test_rollout import rollout_settings
+
+    port, procs = own_redis
+    await _wait_ping(port)
+    s, c = await upstreams(2)
+    state = {
+        "backend": "redis",
+        "redis_url": f"redis://127.0.0.1:{port}/0",
+        "key_prefix": "outage",
+        "sync_interval_s": 0.05,
+    }
+    a, b = [
+        await gateway(rollout_settings(s.url, c.url, 50, 50, server={"admin_key": KEY}, state=state))
+        for _ in "ab"
+    ]
+    await wait_until(lambda: a.runtime.state.connected and b.runtime.state.connected, what="both connected")
+
+    async with httpx.AsyncClient(timeout=10) as client:
+
+        async def ask(gw: RunningGateway, text: str) -> httpx.Response:
+            body = {"model": "llama", "prompt": text}
+            r = await client.post(
+                gw.url + "/v1/completions", json=body, headers={"x-canary": "0", "x-user-id": "u1"}
+            )
+            assert r.status_code == 200, r.text
+            return r
+
+        pool_of_u1 = (await ask(a, prompt(1))).headers["x-kvgate-pool"]
+        procs[0].terminate()
+        procs[0].wait(timeout=10)
+        await wait_until(
+            lambda: not a.runtime.state.connected and not b.runtime.state.connected, what="outage"
+        )
+        # Requests are still served from local state; admin changes apply locally meanwhile.
+        for gw in (a, b):
+            for i in range(3):
+                await ask(gw, prompt(10 + i))
+        r = await client.put(
+            a.url + "/admin/routes/llama/weights", json={"weights": {"stable": 0}}, headers=AUTH
+        )
+        assert r.status_code == 200
+        assert (await ask(a, prompt(2))).headers["x-kvgate-pool"] == "canary"
+        assert (await ask(b, prompt(2))).headers["x-kvgate-pool"] == pool_of_u1  # B cannot know yet
+        assert await a.runtime.state.incr("k", 2, 60) == 2  # counters fall back to local
+        status = (await client.get(a.url + "/admin/state", headers=AUTH)).json()
+        assert status["connected"] is False and status["last_error"]
+
+        learned_on_a = set(a.runtime.pools["canary"].prefix_index.snapshot("canary-0"))
+        procs.append(_start_redis(port))  # an empty Redis: everything must be pushed again
+        await wait_until(
+            lambda: a.runtime.state.connected and b.runtime.state.connected, timeout=10, what="reconnect"
+        )
+        await wait_until(
+            lambda: b.runtime.router.weights("llama") == {"stable": 0.0, "canary": 50.0},
+            timeout=3,
+            what="A's outage-time weight change to reach B",
+        )
+        await wait_until(
+            lambda: learned_on_a <= set(b.runtime.pools["canary"].prefix_index.snapshot("canary-0")),
+            timeout=3,
+            what="A's prefix index to be republished to B",
+        )
+        assert (await ask(b, prompt(3))).headers["x-kvgate-pool"] == "canary"
+        assert a.runtime.state.status()["resyncs"] == 1
