@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from gateway.admin import register_admin
 from gateway.dashboard import Dashboard
 from gateway.errors import GatewayError, error_body
 from gateway.proxy import ENDPOINTS, Proxy
@@ -83,4 +84,5 @@ def build_app(runtime: Runtime) -> web.Application:
     if runtime.metrics is not None:
         app.router.add_get("/metrics", runtime.metrics.handle)
     app.router.add_routes(Dashboard(runtime).routes())
+    register_admin(app, runtime)
     return app
