@@ -66,7 +66,7 @@ def _content_text(content: Any) -> str:
     return _json(content)
 
 
-def _message_text(message: Any) -> str:
+def message_text(message: Any) -> str:
     if not isinstance(message, Mapping):
         return f"<|?|>{_json(message)}\n"
     role = message.get("role", "?")
@@ -112,11 +112,11 @@ def prompt_text(body: Mapping[str, Any], endpoint: Endpoint) -> str:
         if isinstance(items, str):
             out.append(f"<|user|>{items}\n")
         elif isinstance(items, list):
-            out.extend(_message_text(m) for m in items)
+            out.extend(message_text(m) for m in items)
         return "".join(out)
     messages = body.get("messages")
     if isinstance(messages, list):
-        out.extend(_message_text(m) for m in messages)
+        out.extend(message_text(m) for m in messages)
     return "".join(out)
 
 

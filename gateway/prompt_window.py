@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.prefix_hash import _message_text, prompt_text
+from gateway.prefix_hash import message_text, prompt_text
 from gateway.tokens import count_tokens
 
 _KEPT_ROLES = frozenset({"system", "developer"})
@@ -51,7 +51,7 @@ def fit_window(body: dict[str, Any], endpoint: str, limit: int) -> int | None:
     # Where the kept conversation may start, least trimming first: at each turn boundary. The newest
     # turn is kept whole (a tool result without the call that asked for it is meaningless).
     cuts = [s for s, _ in spans]
-    sizes = [count_tokens(_message_text(m)) for m in messages]
+    sizes = [count_tokens(message_text(m)) for m in messages]
     fixed = count_tokens(prompt_text({**body, key: messages[:head]}, endpoint))  # type: ignore[misc]
     kept = sum(sizes[head:])
     dropped_to = head
