@@ -22,7 +22,14 @@ from gateway.sim.kv_cache import BlockPool, block_hashes
 from gateway.sim.metrics import EngineMetrics
 from gateway.sim.profiles import Profile
 
-PENDING, TRANSFER, WAITING, RUNNING, FINISHED = "pending", "transfer", "waiting", "running", "finished"
+NEW, PENDING, TRANSFER, WAITING, RUNNING, FINISHED = (
+    "new",
+    "pending",
+    "transfer",
+    "waiting",
+    "running",
+    "finished",
+)
 
 
 class Sink(Protocol):
@@ -102,7 +109,7 @@ class Request:
         self.remote_kv_loaded = False
         self.kv_lease = kv_lease  # prefill leg: keep the blocks for the decode replica to pull
         self.sink = sink
-        self.state = PENDING
+        self.state = NEW
         self.aborted = False
         self.blocks: list[int] = []
         self.num_computed = 0
@@ -170,6 +177,7 @@ class Engine:
         self.running: list[Request] = []
         self.waiting = _WaitQueue(c.scheduling_policy == "priority")
         self._pending: list[tuple[float, int, Request]] = []  # not yet schedulable: front end, KV transfer
+        self._pending_live = 0  # the entries of _pending not aborted
         self._leases: dict[str, Request] = {}
         self._lease_heap: list[tuple[float, str]] = []
         self._seq = itertools.count()
@@ -182,7 +190,7 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return self.waiting.live + len(self._pending)
+        return self.waiting.live + self._pending_live
 
     def add_request(self, req: Request, at: float | None = None, frontend: bool = True) -> None:
         req.arrival = self.now if at is None else at
@@ -190,6 +198,8 @@ class Engine:
         p = req.priority if not self.config.higher_priority_first else -req.priority
         req.sort_key = (p, req.arrival, next(self._seq))
         heapq.heappush(self._pending, (req.ready_at, next(self._seq), req))
+        self._pending_live += 1
+        req.state = PENDING
 
     def abort(self, req: Request) -> None:
         if req.aborted or req.state == FINISHED:
@@ -199,6 +209,8 @@ class Engine:
             self.running.remove(req)
         elif req.state == WAITING:
             self.waiting.live -= 1
+        elif req.state in (PENDING, TRANSFER):
+            self._pending_live -= 1
         if req.blocks:
             self.pool.free(req.blocks)
             req.blocks = []
@@ -235,6 +247,7 @@ class Engine:
                 continue
             req.remote_kv_loaded = req.state == TRANSFER
             req.state = WAITING
+            self._pending_live -= 1
             self.waiting.push(req)
         while self._lease_heap and self._lease_heap[0][0] <= now:
             _, rid = heapq.heappop(self._lease_heap)

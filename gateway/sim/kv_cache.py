@@ -120,13 +120,22 @@ class BlockPool:
         self._cached[h] = block
         self._hash_of[block] = h
         if self.record_events:
-            self.events.append(("stored", ([h], parent, list(token_ids))))
+            last = self.events[-1] if self.events else None
+            if last is not None and last[0] == "stored" and last[1][0][-1] == parent:  # type: ignore[index]
+                # The next block of the same chain: one event for the run, as vLLM sends.
+                last[1][0].append(h)  # type: ignore[index]
+                last[1][2].extend(token_ids)  # type: ignore[index]
+            else:
+                self.events.append(("stored", ([h], parent, list(token_ids))))
 
     def _unregister(self, block: int) -> None:
         h = self._hash_of.pop(block)
         del self._cached[h]
         if self.record_events:
-            self.events.append(("removed", [h]))
+            if self.events and self.events[-1][0] == "removed":
+                self.events[-1][1].append(h)  # type: ignore[attr-defined]
+            else:
+                self.events.append(("removed", [h]))
 
     def reset_cache(self) -> bool:
         """Forget every unreferenced cached block (vLLM's reset_prefix_cache); False if some are in use."""
