@@ -25,6 +25,7 @@ MAIN_COLUMNS = (
 )  # fmt: skip
 BREAKDOWN_COLUMNS = (
     "config", "load", "split", "class", "ok/sent", "TTFT p50", "p95", "p99", "e2e p95", "cache hit", "errors",
+    "TTFT p50 ratio", "TTFT p95 ratio",
 )  # fmt: skip
 
 
@@ -105,10 +106,14 @@ def markdown(title: str, points: Sequence[RunPoint], baseline: str, meta: dict[s
         ]
         for p, key, groups in breakdown:
             for label, g in groups.items():
+                b = ((base.get(p.load) or {}).get(key) or {}).get(label) or {}
+                b_ttft = b.get("ttft_ms") or {}
                 lines.append(
                     f"| {p.config} | {p.load} | {key[3:]} | {label} | {g['ok']}/{g['requests']} | "
                     f"{_f(g['ttft_ms']['p50'])} | {_f(g['ttft_ms']['p95'])} | {_f(g['ttft_ms']['p99'])} | "
-                    f"{_f(g['e2e_ms']['p95'])} | {_pct(g['cache_hit_rate'])} | {_errors(g)} |"
+                    f"{_f(g['e2e_ms']['p95'])} | {_pct(g['cache_hit_rate'])} | {_errors(g)} | "
+                    f"{_ratio(g['ttft_ms']['p50'], b_ttft.get('p50'))} | "
+                    f"{_ratio(g['ttft_ms']['p95'], b_ttft.get('p95'))} |"
                 )
     lines += ["", "Requests per replica:", ""]
     lines += [f"- {p.config} @ {p.load}: {p.summary['requests_per_replica']}" for p in points]
@@ -152,6 +157,7 @@ def p95_vs_load_plot(points: Sequence[RunPoint], path: Path) -> bool:
         )
         if pts:
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=config)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("offered load (requests/s)")
     ax.set_ylabel("TTFT p95 (ms)")
     ax.set_title("TTFT p95 vs offered load")
