@@ -229,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
                 "output_scale": args.output_scale,
                 "time_scale": args.time_scale,
                 "start_s": args.start_s,
-                "max_requests": args.max_requests,
                 "max_input_tokens": args.max_input_tokens,
             }
+            if args.max_requests is not None:  # else the workload's bounded default, not the whole trace
+                params["max_requests"] = args.max_requests
             return _run_workload(args, "mooncake", params, trace=True)
         return _scenario(args)
     except KeyboardInterrupt:
