@@ -1,31 +1,36 @@
 """prefix_affinity: send each request where its first token is expected soonest.
 
-For every candidate replica the policy estimates the request's time to first token:
+For every candidate replica the policy estimates the request's time to first token, in tokens of
+prefill work (divide by the prefill throughput for seconds):
 
-    queued prefill work ahead of it           max(own in-flight uncached tokens, engine waiting x cost)
-  + the part of this prompt it must compute   prompt_tokens - matched_tokens on that replica
-  all divided by the prefill throughput, plus a per-request term for every request in flight there
-  (per-request overheads and the decode steps a prefill shares its batches with).
+    prefill work queued there        max(own queued uncached tokens, engine waiting x waiting_token_cost)
+  + this prompt's uncached part      prompt_tokens - matched_tokens on that replica
+  + a decode-load term               per_request_tokens x requests in flight there
 
 The lowest estimate wins. A warm replica therefore keeps a prefix while its queue is shorter than
 the cost of recomputing the prefix elsewhere, and a hot prefix spills onto a second replica exactly
 when that is faster: affinity degrades smoothly under load instead of flipping to shortest-queue.
 
-Load is counted from two sources: the policy's own ledger of the uncached tokens it sent to each
-replica, updated at decision time (exact and current; entries leave it as the replica's in-flight
-request count falls, oldest first), and the engine's own waiting queue while its scrape is fresh
-(it also sees other gateways' traffic). The larger one is taken, so neither double counts our own
-requests nor misses anyone else's.
+Load comes from two sources. The policy's own queue estimate is charged at decision time with the
+uncached tokens it sends to a replica and drains at `prefill_tokens_per_s` (a request's prefill is
+over long before its decode is), capped by the uncached tokens of the replica's requests still in
+flight (entries leave that ledger as the replica's in-flight count falls, oldest first). The
+engine's own waiting queue, while its scrape is fresh, also sees other gateways' traffic and
+admission stalls. The larger one counts, so neither double counts our own requests nor misses
+anyone else's.
 
 Requests no replica has an advantage for (no hit anywhere, or the same hit everywhere) go to the
-replica among the near-cheapest that received such a request least recently, so new prefixes
-spread evenly instead of piling onto whichever replica looked idle first.
+replica, among those within `cold_spread_tokens` of the best, that took such a request least
+recently (llm-d's no-hit-LRU), so new prefixes spread evenly instead of piling onto whichever
+replica looked idle first.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -35,108 +40,132 @@ from gateway.policy import Candidate, Policy, ReplicaView, RequestFeatures
 class PrefixAffinityParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     prefill_tokens_per_s: float = Field(
-        30000.0, gt=0, description="Prefill throughput of one replica (wall clock; scale by the sim speedup)"
+        30000.0,
+        gt=0,
+        description="How fast one replica works through queued prefill (wall clock: multiply by a "
+        "simulator's speedup); drains the policy's own queue estimate between decisions",
     )
-    per_request_s: float = Field(
-        0.004,
+    per_request_tokens: float = Field(
+        8.0,
         ge=0,
-        description="Added per request in flight on the replica (overheads, shared decode steps)",
+        description="Decode-load term: tokens of prefill time added per request in flight on the replica",
     )
     waiting_token_cost: int = Field(
         1024, ge=0, description="Uncached tokens assumed per request in the engine's own waiting queue"
     )
-    cold_spread_s: float = Field(
-        0.05,
+    cold_spread_tokens: float = Field(
+        1024.0,
         ge=0,
-        description="Requests without a preferred replica may go to any replica this close to the best, "
-        "picking the one that got such a request least recently",
+        description="Requests without a preferred replica may go to any replica this close to the best; "
+        "the one that took such a request least recently wins",
     )
+
+
+@dataclass(slots=True)
+class _Queue:
+    """The policy's own view of one replica's prefill queue."""
+
+    ledger: OrderedDict[str, int] = field(default_factory=OrderedDict)  # in flight: id -> uncached tokens
+    ledger_tokens: int = 0
+    backlog: float = 0.0  # uncached tokens not yet prefilled, as of `stamp`
+    stamp: float = 0.0
+    cold_turn: int = -1  # when it last took a request without a preference
 
 
 class PrefixAffinity(Policy):
     Params = PrefixAffinityParams
     uses_prefix_match = True
 
-    def __init__(self, params: BaseModel) -> None:
+    def __init__(self, params: BaseModel, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(params)
         p: PrefixAffinityParams = params  # type: ignore[assignment]
         self._tps = p.prefill_tokens_per_s
-        self._per_request = p.per_request_s
+        self._per_request = p.per_request_tokens
         self._waiting_cost = p.waiting_token_cost
-        self._spread = p.cold_spread_s
-        # replica -> request id -> uncached tokens sent there, oldest first
-        self._ledger: dict[str, OrderedDict[str, int]] = {}
-        self._ledger_tokens: dict[str, int] = {}
-        self._placed: dict[str, str] = {}  # request id -> replica its ledger entry is on
-        self._cold_stamp: dict[str, int] = {}  # replica -> when it last took a request without a preference
-        self._cold_clock = 0
+        self._spread = p.cold_spread_tokens
+        self._clock = clock
+        self._queues: dict[str, _Queue] = {}
+        self._placed: dict[str, tuple[str, int]] = {}  # request id -> (replica charged, tokens)
+        self._cold_turns = 0
 
-    def queued_tokens(self, r: ReplicaView) -> int:
-        """Uncached prompt tokens believed queued on `r`: our ledger or the engine's queue, the larger."""
-        name = r.name
-        ledger = self._ledger.get(name)
-        own = 0
-        if ledger is not None:
-            # Finished requests leave the replica's in-flight count; drop as many entries, oldest first.
-            excess = len(ledger) - r.inflight_requests
-            if excess > 0:
-                tokens = self._ledger_tokens[name]
-                for _ in range(excess):
-                    rid, n = ledger.popitem(last=False)
-                    tokens -= n
-                    if self._placed.get(rid) == name:
-                        del self._placed[rid]
-                self._ledger_tokens[name] = tokens
-            own = self._ledger_tokens[name]
+    def _queue(self, name: str, now: float) -> _Queue:
+        q = self._queues.get(name)
+        if q is None:
+            q = self._queues[name] = _Queue(stamp=now)
+        elif q.backlog:
+            q.backlog = max(0.0, q.backlog - (now - q.stamp) * self._tps)
+        q.stamp = now
+        return q
+
+    def queued_tokens(self, r: ReplicaView, now: float | None = None) -> float:
+        """Uncached prompt tokens believed queued for prefill on `r`."""
+        q = self._queue(r.name, self._clock() if now is None else now)
+        # Finished requests leave the replica's in-flight count: drop as many entries, oldest first.
+        excess = len(q.ledger) - r.inflight_requests
+        for _ in range(max(0, excess)):
+            rid, n = q.ledger.popitem(last=False)
+            q.ledger_tokens -= n
+            self._placed.pop(rid, None)
+        own = min(q.backlog, q.ledger_tokens)
         if r.engine_fresh:
             return max(own, r.engine.waiting * self._waiting_cost)
         return own
 
-    def estimate_s(self, request: RequestFeatures, c: Candidate) -> float:
-        """The estimated time to first token of `request` on candidate `c`, in seconds."""
+    def estimate_tokens(self, request: RequestFeatures, c: Candidate, now: float | None = None) -> float:
+        """Estimated time to first token of `request` on `c`, in tokens of prefill work."""
         r = c.replica
+        in_flight = r.inflight_requests
+        if r.engine_fresh:
+            in_flight = max(in_flight, r.engine.running + r.engine.waiting)
         uncached = max(0, request.prompt_tokens - c.matched_tokens)
-        in_flight = max(r.inflight_requests, r.engine.running + r.engine.waiting if r.engine_fresh else 0)
-        return (self.queued_tokens(r) + uncached) / self._tps + self._per_request * in_flight
+        return self.queued_tokens(r, now) + uncached + self._per_request * in_flight
+
+    def estimate_s(self, request: RequestFeatures, c: Candidate) -> float:
+        """Estimated time to first token of `request` on `c`, in seconds."""
+        return self.estimate_tokens(request, c) / self._tps
 
     async def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
         if not candidates:
             return []
+        now = self._clock()
         scored = sorted(
-            ((self.estimate_s(request, c), c.replica.inflight_requests, i) for i, c in enumerate(candidates)),
+            (self.estimate_tokens(request, c, now), c.replica.inflight_requests, i)
+            for i, c in enumerate(candidates)
         )
         best = scored[0]
-        matched = [c.matched_tokens for c in candidates]
-        if max(matched) == min(matched):
+        first_matched = candidates[0].matched_tokens
+        if all(c.matched_tokens == first_matched for c in candidates):
             # No replica is preferred for its cache: among the near-cheapest, the one that took
-            # such a request least recently (llm-d's no-hit-LRU), so new prefixes spread evenly.
+            # such a request least recently, so new prefixes spread evenly.
             limit = best[0] + self._spread
-            stamp = self._cold_stamp
+            queues = self._queues
             best = min(
                 (s for s in scored if s[0] <= limit),
-                key=lambda s: (stamp.get(candidates[s[2]].replica.name, -1), s[0]),
+                key=lambda s: (queues[candidates[s[2]].replica.name].cold_turn, s[0]),
             )
-            self._cold_clock += 1
-            stamp[candidates[best[2]].replica.name] = self._cold_clock
+            self._cold_turns += 1
+            queues[candidates[best[2]].replica.name].cold_turn = self._cold_turns
         chosen = candidates[best[2]]
-        self._charge(request.request_id, chosen.replica.name, request.prompt_tokens - chosen.matched_tokens)
+        self._charge(
+            request.request_id, chosen.replica.name, request.prompt_tokens - chosen.matched_tokens, now
+        )
         return [chosen, *(candidates[s[2]] for s in scored if s is not best)]
 
-    def _charge(self, request_id: str, replica: str, tokens: int) -> None:
-        old = self._placed.get(request_id)
-        if old is not None:
-            self._ledger_tokens[old] -= self._ledger[old].pop(request_id)
-        ledger = self._ledger.get(replica)
-        if ledger is None:
-            ledger = self._ledger[replica] = OrderedDict()
-            self._ledger_tokens[replica] = 0
-        ledger[request_id] = tokens
-        self._ledger_tokens[replica] += tokens
-        self._placed[request_id] = replica
+    def _charge(self, request_id: str, replica: str, tokens: int, now: float) -> None:
+        placed = self._placed.get(request_id)
+        if placed is not None:
+            old = self._queue(placed[0], now)
+            if old.ledger.pop(request_id, None) is not None:
+                old.ledger_tokens -= placed[1]
+            old.backlog = max(0.0, old.backlog - placed[1])
+        q = self._queue(replica, now)
+        q.ledger[request_id] = tokens
+        q.ledger_tokens += tokens
+        q.backlog += tokens
+        self._placed[request_id] = (replica, tokens)
 
     def on_routed(self, request: RequestFeatures, replica: ReplicaView) -> None:
         # A retry may have sent the request past the replica it was charged to: move the charge.
         placed = self._placed.get(request.request_id)
-        if placed is not None and placed != replica.name:
-            tokens = self._ledger[placed][request.request_id]
-            self._charge(request.request_id, replica.name, tokens)
+        if placed is not None and placed[0] != replica.name:
+            self._charge(request.request_id, replica.name, placed[1], self._clock())

@@ -21,7 +21,9 @@ import pytest
 from tests.conftest import PYTHON, REPO, gateway_settings, subprocess_env
 
 MODEL = "sim-model"
-SYSTEM = "You are the support assistant of a company that sells garden tools. " * 60  # ~900 tokens
+SYSTEM = "You are the support assistant of a company that sells garden tools. " * 120  # ~1700 tokens
+# ~300 tokens each: a burst of them queues more prefill work than recomputing the system prompt.
+QUESTION = "Which rake, hoe or spade suits clay soil, and how should it be cleaned after use? " * 16
 
 
 @dataclass
@@ -36,7 +38,7 @@ async def sim_fleet() -> AsyncIterator[list[str]]:
     """Three simulated replicas in one process, on ports it picks itself."""
     proc = await asyncio.create_subprocess_exec(
         PYTHON, "-m", "gateway.sim", "--model", MODEL, "--port", "0", "--replicas", "3",
-        "--profile", "tiny", "--speedup", "2", "--log-level", "warning",
+        "--profile", "tiny", "--speedup", "0.25", "--log-level", "warning",
         stdout=subprocess.PIPE, env=subprocess_env(), cwd=REPO,
     )  # fmt: skip
     try:
@@ -59,7 +61,7 @@ async def ask(client: httpx.AsyncClient, url: str, question: str) -> Answer:
     body = {
         "model": MODEL,
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
-        "max_tokens": 48,
+        "max_tokens": 16,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -77,7 +79,10 @@ async def ask(client: httpx.AsyncClient, url: str, question: str) -> Answer:
 
 async def test_shared_prompt_sticks_then_spills_to_a_second_replica(sim_fleet, gateway) -> None:
     endpoints = [{"url": u, "name": f"r{i}", "kind": "sim"} for i, u in enumerate(sim_fleet)]
-    pool = {"model": MODEL, "endpoints": endpoints, "policy": {"type": "prefix_affinity"}}
+    # The tiny profile prefills about 45k tokens/s (gateway.sim.cost_model); the fleet runs in slow
+    # motion (speedup 0.25) so that a burst from the test client outruns a replica's prefill.
+    policy = {"type": "prefix_affinity", "args": {"prefill_tokens_per_s": 45_000 * 0.25}}
+    pool = {"model": MODEL, "endpoints": endpoints, "policy": policy}
     gw = await gateway(gateway_settings([], pool=pool))
     async with httpx.AsyncClient(timeout=30) as client:
         # One at a time: every request lands where the prompt is warm, and hits its cache.
@@ -87,9 +92,9 @@ async def test_shared_prompt_sticks_then_spills_to_a_second_replica(sim_fleet, g
         assert serial[0].cached_tokens == 0
         assert all(a.cached_tokens >= 0.8 * a.prompt_tokens for a in serial[1:])
 
-        # A burst: the home replica takes requests until its queue outweighs a recompute, then
-        # the prefix spills; the spilled request pays the full prefill there.
-        burst = await asyncio.gather(*(ask(client, gw.url, f"Burst {i}: which rake?") for i in range(24)))
+        # A burst: the home replica takes requests until the prefill work queued there outweighs a
+        # recompute, then the prefix spills; the spilled request pays the full prefill there.
+        burst = await asyncio.gather(*(ask(client, gw.url, f"Burst {i}: {QUESTION}") for i in range(24)))
         counts = Counter(a.replica for a in burst)
         assert counts.most_common(1)[0][0] == home, counts
         assert 3 <= counts[home] < 24, counts
@@ -98,6 +103,6 @@ async def test_shared_prompt_sticks_then_spills_to_a_second_replica(sim_fleet, g
         assert all(a.cached_tokens > 0 for a in burst if a.replica == home)
 
         # Another burst: the prefix is now warm on more than one replica, and each serves it cached.
-        again = await asyncio.gather(*(ask(client, gw.url, f"Again {i}: which hoe?") for i in range(24)))
+        again = await asyncio.gather(*(ask(client, gw.url, f"Again {i}: {QUESTION}") for i in range(24)))
         warm_replicas = {a.replica for a in again if a.cached_tokens >= 0.8 * a.prompt_tokens}
         assert home in warm_replicas and warm_replicas & spilled, Counter(a.replica for a in again)

@@ -5,17 +5,29 @@ from __future__ import annotations
 from collections import Counter
 
 from gateway.policy import load_policy
-from policies.prefix_affinity import PrefixAffinity
+from policies.prefix_affinity import PrefixAffinity, PrefixAffinityParams
 from tests.policies.helpers import candidates, engine_report, replicas, request, send
 
 PROMPT = 2176  # a 2048-token system prompt and a 128-token question
 SHARED = 2048
 
 
-def policy(**args: object) -> PrefixAffinity:
-    p = load_policy("prefix_affinity", args)
-    assert isinstance(p, PrefixAffinity)
-    return p
+class Clock:
+    """Time stands still unless a test moves it: the policy's queue estimate drains with time."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def policy(clock: Clock | None = None, **args: object) -> PrefixAffinity:
+    return PrefixAffinity(PrefixAffinityParams(**args), clock=clock or Clock())
+
+
+def test_registered_as_an_entry_point() -> None:
+    assert isinstance(load_policy("prefix_affinity"), PrefixAffinity)
 
 
 async def test_prefers_the_warm_replica_when_loads_are_equal() -> None:
@@ -54,7 +66,7 @@ async def test_stale_engine_figures_are_ignored() -> None:
 async def test_own_inflight_work_counted_at_decision_time_spills_a_hot_prefix() -> None:
     """A burst of one hot prefix: the warm replica takes requests until its queue of uncached
     work outweighs a recompute, then the prefix spills; with two warm replicas it alternates."""
-    p = policy(per_request_s=0.0)
+    p = policy(per_request_tokens=0)
     reps = replicas(3)
     warm = {"r1": SHARED}
     chosen = []
@@ -76,6 +88,25 @@ async def test_own_inflight_work_counted_at_decision_time_spills_a_hot_prefix() 
         lease.release()
     ranked = await p.rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
     assert ranked[0].replica.name == "r1"
+
+
+async def test_queued_prefill_drains_while_requests_are_still_decoding() -> None:
+    clock = Clock()
+    p = policy(clock, per_request_tokens=0, prefill_tokens_per_s=10000)
+    reps = replicas(2)
+    leases = []
+    for _ in range(3):  # three cold 2176-token prefills sent to r0, still in flight afterwards
+        req = request(PROMPT)
+        leases.append(send(reps[0], req))
+        await p.rank(req, [candidates(reps)[0]])
+    assert p.queued_tokens(reps[0]) == 3 * PROMPT
+    # The warm replica's queue costs more than recomputing the prefix on the idle one...
+    assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r1"
+    # ...until its prefills are done (0.5 s at 10k tokens/s), even though the requests still decode.
+    clock.now += 0.7
+    assert p.queued_tokens(reps[0]) == 0
+    assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r0"
+    assert reps[0].inflight_requests == 3
 
 
 async def test_cold_requests_spread_evenly() -> None:
@@ -103,7 +134,7 @@ async def test_cold_requests_avoid_a_busy_replica() -> None:
 
 
 async def test_retry_moves_the_charge_to_the_replica_that_served() -> None:
-    p = policy(per_request_s=0.0)
+    p = policy(per_request_tokens=0)
     reps = replicas(2)
     req = request(PROMPT)
     ranked = await p.rank(req, candidates(reps, {"r0": SHARED}))
