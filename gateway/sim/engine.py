@@ -539,7 +539,10 @@ class RealtimeRunner:
         while True:
             wall_sim = (loop.time() - self._t0) * speed
             if idle:
-                eng.now = max(eng.now, wall_sim)
+                # Resume at the event we slept for, not at the (jittery) moment the timer fired: simulated
+                # times then match the virtual clock exactly, whatever the speedup.
+                nxt = eng.next_event_time()
+                eng.now = max(eng.now, wall_sim if nxt is None else min(wall_sim, nxt))
             elif wall_sim - eng.now > self.max_lag_s * speed:
                 eng.now = wall_sim  # too far behind to catch up: the engine just ran slower
                 self.lag_events += 1

@@ -13,8 +13,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from gateway.sim.engine import Request
 from gateway.sim.kv_cache import block_hashes
-from tests.sim.conftest import MODEL, replica, state, url, wait_for
+from tests.sim.conftest import MODEL, engine, replica, state, url, wait_for
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 300}], "max_tokens": 4}
 
@@ -265,3 +266,20 @@ async def test_kv_events_over_zmq_match_blocks_stored() -> None:
         assert len(events) == 1  # one request's chain of blocks: one event, as vLLM sends it
         assert first[2] is None and first[3] == tokens[:full] and first[4] == 16
     sub.close(0)
+
+
+async def test_wall_clock_pacing_reproduces_the_virtual_clock() -> None:
+    ids = list(range(1000, 4000))
+    virtual = engine("tiny")
+    req = Request("v", ids, 3, block_size=16)
+    virtual.add_request(req)
+    virtual.run_until_idle()
+    async with replica(speedup=20.0) as r, httpx.AsyncClient() as c:
+        await c.post(f"{url(r)}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 3})
+        text = (await c.get(f"{url(r)}/metrics")).text
+    ttft_sum = next(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:time_to_first_token_seconds_sum")
+    )
+    assert ttft_sum == pytest.approx(req.ttft, rel=0.01)  # simulated seconds, not wall seconds
