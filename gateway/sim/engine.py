@@ -400,6 +400,7 @@ class Engine:
             if req.first_token_at is None:
                 req.first_token_at = now
                 m.ttft.observe(now - req.arrival)
+                m.prefill_time.observe(now - (req.scheduled_at or now))
                 m.prompt_tokens += req.prompt_len
             if req.num_output >= req.max_tokens:
                 self._finish(req)
@@ -416,6 +417,7 @@ class Engine:
         m = self.metrics
         m.requests_finished += 1
         m.e2e.observe(self.now - req.arrival)
+        m.decode_time.observe(self.now - (req.first_token_at or self.now))
         if req.kv_lease:
             self._leases[req.id] = req
             heapq.heappush(self._lease_heap, (self.now + self.config.kv_lease_timeout_s, req.id))

@@ -43,10 +43,12 @@ class Histogram:
 
 class EngineMetrics:
     __slots__ = (
+        "decode_time",
         "e2e",
         "generation_tokens",
         "itl",
         "num_preemptions",
+        "prefill_time",
         "prefix_cache_hits",
         "prefix_cache_queries",
         "prompt_tokens",
@@ -65,6 +67,8 @@ class EngineMetrics:
         self.ttft = Histogram()
         self.e2e = Histogram()
         self.queue_time = Histogram()
+        self.prefill_time = Histogram()  # scheduled -> first token
+        self.decode_time = Histogram()  # first token -> finished
         self.itl = Histogram(ITL_BUCKETS)
 
     def as_dict(self) -> dict[str, int]:

@@ -694,6 +694,8 @@ class Replica:
         lines += m.itl.render("vllm:inter_token_latency_seconds", lbl)
         lines += m.e2e.render("vllm:e2e_request_latency_seconds", lbl)
         lines += m.queue_time.render("vllm:request_queue_time_seconds", lbl)
+        lines += m.prefill_time.render("vllm:request_prefill_time_seconds", lbl)
+        lines += m.decode_time.render("vllm:request_decode_time_seconds", lbl)
         lines.append("# TYPE vllm:cache_config_info gauge")
         lines.append(
             f'vllm:cache_config_info{{block_size="{e.block_size}",num_gpu_blocks="{e.pool.num_blocks}",'
