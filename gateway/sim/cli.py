@@ -134,7 +134,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
                 api=args.api,
                 kv_role=kv_role,
                 disaggregation_mode=mode,
-                bootstrap_port=(boot + i if boot else None),
+                bootstrap_port=boot + i if boot else boot,  # 0: an ephemeral port
                 kv_events=parse_kv_events_config(args.kv_events_config),
                 faults=FaultConfig(
                     args.fault_error_rate,

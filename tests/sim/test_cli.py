@@ -52,6 +52,11 @@ def test_vllm_command_line_parses_like_vllm_serve() -> None:
     assert o.kv_role == "kv_consumer" and o.port == 9000
     sg = replica_options(parse_args(["--api", "sglang", "--kv-transfer-config", '{"kv_role":"kv_producer"}']))
     assert sg[0].disaggregation_mode == "prefill" and sg[0].engine.higher_priority_first
+    assert sg[0].bootstrap_port == 8998  # SGLang's default
+    eph = replica_options(
+        parse_args(["--api", "sglang", "--disaggregation-bootstrap-port", "0", "--replicas", "2"])
+    )
+    assert [o.bootstrap_port for o in eph] == [0, 0] and eph[0].disaggregation_mode == "prefill"
 
 
 async def test_replicas_share_a_process_on_consecutive_ports_and_warn_on_unknown_flags() -> None:
