@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--fault-error-status", type=int, default=500)
     sim.add_argument("--fault-stall-rate", type=float, default=0.0)
     sim.add_argument("--fault-stall-s", type=float, default=0.0)
-    sim.add_argument("--crash-after", type=int, default=None, help="die at the Nth generation request")
+    sim.add_argument(
+        "--crash-after", type=int, default=None, help="serve N generation requests, die at the next"
+    )
     sim.add_argument("--fault-seed", type=int, default=0)
     sim.add_argument("--default-max-tokens", type=int, default=64, help="output length without max_tokens")
     sim.add_argument("--kv-lease-timeout", type=float, default=30.0, help="PD prefill: hold blocks this long")

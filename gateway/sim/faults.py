@@ -56,7 +56,7 @@ class FaultConfig:
     error_status: int = 500
     stall_rate: float = 0.0
     stall_s: float = 0.0
-    crash_after: int | None = None  # the Nth generation request kills the engine
+    crash_after: int | None = None  # after this many generation requests, the next one kills the engine
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -66,7 +66,7 @@ class FaultConfig:
     def draw(self) -> FaultSpec:
         spec = FaultSpec()
         self._count += 1
-        if self.crash_after is not None and self._count >= self.crash_after:
+        if self.crash_after is not None and self._count > self.crash_after:
             spec.crash = True
         if self.error_rate and self._rng.random() < self.error_rate:
             spec.status = self.error_status

@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from gateway.sim.engine import Request
+from gateway.sim.faults import FaultConfig
 from gateway.sim.kv_cache import block_hashes
 from tests.sim.conftest import MODEL, engine, replica, state, url, wait_for
 
@@ -283,3 +284,14 @@ async def test_wall_clock_pacing_reproduces_the_virtual_clock() -> None:
         if line.startswith("vllm:time_to_first_token_seconds_sum")
     )
     assert ttft_sum == pytest.approx(req.ttft, rel=0.01)  # simulated seconds, not wall seconds
+
+
+async def test_configured_faults_error_rate_and_crash_after() -> None:
+    async with replica(faults=FaultConfig(error_rate=1.0, error_status=502)) as r, httpx.AsyncClient() as c:
+        resp = await c.post(f"{url(r)}/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 502 and resp.json()["error"]["code"] == 502
+    async with replica(faults=FaultConfig(crash_after=1)) as r, httpx.AsyncClient() as c:
+        assert (await c.post(f"{url(r)}/v1/chat/completions", json=CHAT)).status_code == 200
+        with pytest.raises(httpx.RemoteProtocolError):
+            await c.post(f"{url(r)}/v1/chat/completions", json=CHAT)
+        assert r.crashed
