@@ -117,6 +117,15 @@ def markdown(title: str, points: Sequence[RunPoint], baseline: str, meta: dict[s
                 )
     lines += ["", "Requests per replica:", ""]
     lines += [f"- {p.config} @ {p.load}: {p.summary['requests_per_replica']}" for p in points]
+    engines = [(p, e) for p in points if (e := p.summary.get("engine"))]
+    if engines:
+        lines += ["", "Engines' own counters (summed over the fleet, priming requests included):", ""]
+        lines += [
+            f"- {p.config} @ {p.load}: prefix-cache hit {_pct(e['prefix_cache_hit_rate'])}, "
+            f"preemptions {e['preemptions']:.0f}, prompt tokens {e['prompt_tokens']:.0f}, "
+            f"generated {e['generation_tokens']:.0f}"
+            for p, e in engines
+        ]
     return "\n".join(lines) + "\n"
 
 

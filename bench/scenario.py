@@ -10,17 +10,19 @@ run's warm caches.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import logging
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from bench import loadgen, procs
+from bench import engine_metrics, loadgen, procs
 from bench.client import ClientOptions
 from bench.loadgen import LoadSpec
 from bench.stats import summarize
@@ -66,6 +68,7 @@ class ConfigSpec:
     pool: dict[str, Any] = field(default_factory=dict)  # merged into the benchmark pool
     gateway: dict[str, Any] = field(default_factory=dict)  # merged into the whole gateway config
     fleet: dict[str, Any] = field(default_factory=dict)  # FleetSpec fields to override
+    gateways: int = 1  # gateway instances in front of the one fleet; the client alternates between them
 
 
 @dataclass
@@ -267,23 +270,37 @@ def run_point(
     with Fleet(fleet_spec, log_dir, tag).start() as fleet:
         if config.mode == "direct":
             result = loadgen.run_sync(loadgen.run(requests, load, fleet.urls, opts, len(fleet.urls)))
+            engine = engine_metrics.fleet_counters(fleet.urls)
         else:
-            port = procs.free_port_range(1)
-            cfg = gateway_config(scenario, config, fleet_spec, fleet.endpoints, port)
-            cfg_path = out_dir / "configs" / f"{config.name}.yaml"
-            cfg_path.parent.mkdir(parents=True, exist_ok=True)
-            cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-            argv = procs.python_module("gateway", "serve", "--config", str(cfg_path))
-            url = f"http://{procs.HOST}:{port}"
-            with procs.Child("gateway", argv, log_dir / f"{tag}-gateway.log").start() as gw:
-                gw.wait_ready([f"{url}/ready"], fleet_spec.startup_timeout_s)
-                result = loadgen.run_sync(loadgen.run(requests, load, [url], opts, len(fleet.urls)))
+            run_id = uuid.uuid4().hex[:12]
+            with contextlib.ExitStack() as gateways:
+                urls = []
+                for i in range(config.gateways):
+                    name = config.name if config.gateways == 1 else f"{config.name}-{i}"
+                    port = procs.free_port_range(1)
+                    cfg = gateway_config(scenario, config, fleet_spec, fleet.endpoints, port)
+                    # Shared state (state.backend redis) starts empty for every run, like the caches.
+                    cfg.setdefault("state", {})["key_prefix"] = f"kvgate-bench-{run_id}"
+                    cfg_path = out_dir / "configs" / f"{name}.yaml"
+                    cfg_path.parent.mkdir(parents=True, exist_ok=True)
+                    cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+                    argv = procs.python_module("gateway", "serve", "--config", str(cfg_path))
+                    url = f"http://{procs.HOST}:{port}"
+                    child = procs.Child(name, argv, log_dir / f"{tag}-gateway{'' if i == 0 else i}.log")
+                    gateways.enter_context(child.start()).wait_ready(
+                        [f"{url}/ready"], fleet_spec.startup_timeout_s
+                    )
+                    urls.append(url)
+                result = loadgen.run_sync(loadgen.run(requests, load, urls, opts, len(fleet.urls)))
+            engine = engine_metrics.fleet_counters(fleet.urls)
     records_path = out_dir / "records" / f"{tag}.jsonl"
     records_path.parent.mkdir(parents=True, exist_ok=True)
     with records_path.open("w") as fh:
         for r in result.records:
             fh.write(json.dumps(r.to_dict()) + "\n")
     summary = summarize(result)
+    if engine:
+        summary["engine"] = engine
     summary["fleet"] = {
         "profile": fleet_spec.profile,
         "speedup": fleet_spec.speedup,

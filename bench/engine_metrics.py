@@ -1,0 +1,51 @@
+"""The engines' own counters after a run (vLLM metric names, which the simulator speaks too).
+
+The client's cache-hit rate comes from usage fields; the engines' prefix-cache counters and
+preemptions are a second opinion from the other end, summed over the fleet.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+COUNTERS = {
+    "vllm:prefix_cache_queries": "prefix_cache_queries",
+    "vllm:prefix_cache_hits": "prefix_cache_hits",
+    "vllm:prompt_tokens": "prompt_tokens",
+    "vllm:generation_tokens": "generation_tokens",
+    "vllm:num_preemptions": "preemptions",
+}
+
+
+def scrape(url: str, timeout_s: float = 2.0) -> dict[str, float]:
+    """One engine's counters; empty when it has no /metrics or none of these names."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=timeout_s) as resp:
+            body = resp.read().decode()
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    out: dict[str, float] = {}
+    # Go by sample names: depending on how the TYPE lines are laid out, the parser files a
+    # `<name>_total` sample under `<name>` or under a family of its own.
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            key = COUNTERS.get(sample.name.removesuffix("_total")) if sample.name.endswith("_total") else None
+            if key is not None:
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def fleet_counters(urls: Sequence[str]) -> dict[str, Any]:
+    """Counters summed over the engines, with the engines' own prefix-cache hit rate."""
+    per_engine = [scrape(u) for u in urls]
+    if not any(per_engine):
+        return {}
+    total = {key: sum(e.get(key, 0.0) for e in per_engine) for key in COUNTERS.values()}
+    queries = total["prefix_cache_queries"]
+    total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else None
+    return total
