@@ -4,6 +4,7 @@ and what happens when Redis goes away and comes back (on a redis-server this tes
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
 import subprocess
 import uuid
@@ -15,7 +16,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from gateway.prefix_index import PrefixIndex
 from gateway.server import RunningGateway
+from gateway.state.redis_backend import dedupe
 from tests.conftest import free_port, gateway_settings, wait_until
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -264,3 +267,18 @@ async def test_redis_outage_serves_locally_and_resynchronizes(upstreams, gateway
         )
         assert (await ask(b, prompt(3))).headers["x-kvgate-pool"] == "canary"
         assert a.runtime.state.status()["resyncs"] == 1
+
+
+def test_outbox_dedupe_keeps_the_index_identical() -> None:
+    rng = random.Random(7)
+    prompts: list[list[int]] = []
+    for _ in range(200):
+        head = rng.choice([[1, 2, 3], [1, 2, 4], [9], []])
+        prompts.append(head + [rng.randrange(10, 60) for _ in range(rng.randrange(0, 4))])
+    full, deduped = PrefixIndex(default_capacity=30), PrefixIndex(default_capacity=30)
+    for p in prompts:
+        full.merge("r", p[::-1])
+    for p in dedupe(prompts):
+        deduped.merge("r", list(p)[::-1])
+    assert deduped.snapshot("r") == full.snapshot("r")
+    assert sum(map(len, dedupe(prompts))) < sum(map(len, prompts)) / 2

@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STREAM_MAXLEN = 100_000  # entries (one per replica per sync tick): far beyond any index's useful history
+# Entries (one per replica per sync tick, deduplicated): minutes of history at 5 ticks/s, bounded
+# memory (a hot fleet's entries are mostly the few blocks that are new since the last tick).
+STREAM_MAXLEN = 20_000
 STREAM_IDLE_TTL_MS = 600_000  # a fleet idle this long has nothing worth replaying
 MAX_OUTBOX_BLOCKS = 500_000  # beyond this the outbox is dropped and the next sync sends a snapshot
 READ_BATCH = 1000
@@ -310,7 +312,7 @@ class RedisState(StateBackend):
         for (pool, name), prompts in self._outbox.items():
             replica = self.rt.pools[pool].replicas.get(name) if pool in self.rt.pools else None
             if replica is not None:
-                out[(pool, replica.url)] = prompts
+                out[(pool, replica.url)] = dedupe(prompts)
         self._outbox = {}
         self._outbox_blocks = 0
         return out
@@ -392,6 +394,19 @@ class RedisState(StateBackend):
             "resyncs": self.resyncs,
             "last_error": self.last_error,
         }
+
+
+def dedupe(prompts: list[Sequence[int]]) -> list[Sequence[int]]:
+    """Drop blocks a later prompt repeats: merging what is left in order leaves the same index
+    entries, in the same recency order, as merging every prompt (shared prefixes repeat a lot)."""
+    seen: set[int] = set()
+    out: list[Sequence[int]] = []
+    for prompt in reversed(prompts):
+        rest = [h for h in prompt if h not in seen]
+        if rest:
+            seen.update(rest)
+            out.append(rest)
+    return out[::-1]
 
 
 def _weights_value(weights: Mapping[str, float], who: str) -> bytes:
