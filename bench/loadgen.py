@@ -174,6 +174,12 @@ async def run(
         else:
             sent, last_send = await _open_loop(chosen, load, spawn, t0)
         notes: list[str] = []
+        if load.duration_s is not None and sent == len(chosen) and last_send < 0.9 * load.duration_s:
+            # Not an error, but the run was shorter than asked: say so rather than let it pass.
+            notes.append(
+                f"the workload's {len(chosen)} requests ran out after {last_send:.1f} s "
+                f"of the {load.duration_s:g} s duration"
+            )
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=load.drain_timeout_s)
             for task in pending:

@@ -120,6 +120,15 @@ async def test_open_loop_run_sends_every_request_round_robin(stub: Stub) -> None
     # Open loop: a request is never sent before its scheduled time.
     assert all((r.sent or 0) >= r.scheduled for r in result.records)
     assert result.offered_rate == 200.0 and result.unsent == 0
+    assert result.notes == []
+
+
+async def test_a_workload_shorter_than_the_duration_is_noted(stub: Stub) -> None:
+    _, url = stub
+    result = await loadgen.run([request(i) for i in range(3)], LoadSpec(rate=100.0, duration_s=30.0), [url],
+                               ClientOptions("m"))  # fmt: skip
+    assert len(result.records) == 3 and result.unsent == 0
+    assert any("ran out after" in n for n in result.notes)
 
 
 async def test_closed_loop_keeps_at_most_c_in_flight(stub: Stub) -> None:
