@@ -43,6 +43,11 @@ class Pool:
             speculative_ttl_s=cfg.prefix.speculative_ttl_s,
         )
         self._names = itertools.count()
+        # Prompt characters and tokens seen: the index is sized in blocks of characters, the engine
+        # in tokens, and characters per token vary with the text (code, CJK, generated benchmarks).
+        self._text_chars = 0
+        self._text_tokens = 0
+        self._sized_tokens_per_block = 0.0
         # Managed pools know their engine exactly; unmanaged ones by each endpoint's kind.
         self.adapter = adapter_for_spec(cfg.engines) if cfg.engines is not None else None
 
@@ -125,6 +130,7 @@ class Pool:
         text = prompt_text(body, endpoint)
         salt = body.get("cache_salt")
         pf = self.hasher.features(self.upstream_model, salt if isinstance(salt, str) else None, text)
+        self._learn_token_size(len(text), pf.prompt_tokens)
         max_tokens = (
             body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
         )
@@ -167,9 +173,26 @@ class Pool:
             self.prefix_index.record(replica.name, features.block_hashes)
         (self.prefill_policy if role == "prefill" else self.policy).on_routed(features, replica)
 
+    def tokens_per_block(self) -> float:
+        """Tokens in one hashed block of prompt text, as measured on this pool's traffic."""
+        if self._text_chars < 4096:
+            return self.cfg.prefix.block_chars / CHARS_PER_TOKEN
+        return self.cfg.prefix.block_chars * self._text_tokens / self._text_chars
+
+    def _learn_token_size(self, chars: int, tokens: int) -> None:
+        self._text_chars += chars
+        self._text_tokens += tokens
+        if self._text_chars > 1 << 24:  # forget slowly, so the figure follows the traffic
+            self._text_chars //= 2
+            self._text_tokens //= 2
+        sized = self._sized_tokens_per_block
+        if sized and abs(self.tokens_per_block() - sized) > 0.2 * sized:
+            for replica in self.replicas.values():
+                self.set_kv_capacity(replica)
+
     def set_kv_capacity(self, replica: Replica) -> None:
         """Size the replica's index budget from the engine's KV capacity, when it is known."""
         cap = replica.kv_capacity_tokens
         if cap and self.cfg.prefix.max_blocks_per_replica is None:
-            tokens_per_block = max(1, self.cfg.prefix.block_chars // CHARS_PER_TOKEN)
-            self.prefix_index.set_capacity(replica.name, max(1, cap // tokens_per_block))
+            self._sized_tokens_per_block = tokens_per_block = max(1.0, self.tokens_per_block())
+            self.prefix_index.set_capacity(replica.name, max(1, int(cap / tokens_per_block)))

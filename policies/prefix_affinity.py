@@ -3,7 +3,7 @@
 For every candidate replica the policy estimates the request's time to first token, in tokens of
 prefill work (divide by the prefill throughput for seconds):
 
-    prefill work queued there        max(own queued uncached tokens, engine waiting x waiting_token_cost)
+    prefill work queued there        max(own queue estimate, the engine's waiting queue)
   + this prompt's uncached part      prompt_tokens - matched_tokens on that replica
   + a decode-load term               per_request_tokens x requests in flight there
 
@@ -15,9 +15,10 @@ Load comes from two sources. The policy's own queue estimate is charged at decis
 uncached tokens it sends to a replica and drains at `prefill_tokens_per_s` (a request's prefill is
 over long before its decode is), capped by the uncached tokens of the replica's requests still in
 flight (entries leave that ledger as the replica's in-flight count falls, oldest first). The
-engine's own waiting queue, while its scrape is fresh, also sees other gateways' traffic and
-admission stalls. The larger one counts, so neither double counts our own requests nor misses
-anyone else's.
+engine's own waiting queue, while its scrape is fresh, also sees admission stalls and other
+gateways' traffic: its requests are costed at the average uncached size of ours in flight there,
+those beyond our own count at `waiting_token_cost`. The larger of the two estimates counts, so
+neither double counts our own requests nor misses anyone else's.
 
 Requests no replica has an advantage for (no hit anywhere, or the same hit everywhere) go to the
 replica, among those within `cold_spread_tokens` of the best, that took such a request least
@@ -51,7 +52,9 @@ class PrefixAffinityParams(BaseModel):
         description="Decode-load term: tokens of prefill time added per request in flight on the replica",
     )
     waiting_token_cost: int = Field(
-        1024, ge=0, description="Uncached tokens assumed per request in the engine's own waiting queue"
+        1024,
+        ge=0,
+        description="Uncached tokens assumed per request waiting in the engine beyond the policy's own",
     )
     cold_spread_tokens: float = Field(
         1024.0,
@@ -107,8 +110,14 @@ class PrefixAffinity(Policy):
             q.ledger_tokens -= n
             self._placed.pop(rid, None)
         own = min(q.backlog, q.ledger_tokens)
-        if r.engine_fresh:
-            return max(own, r.engine.waiting * self._waiting_cost)
+        if r.engine_fresh and r.engine.waiting:
+            # Waiting requests cost what ours in flight there cost on average; any beyond our own
+            # count are another gateway's, of unknown size.
+            waiting = r.engine.waiting
+            mine = len(q.ledger)
+            engine = min(waiting, mine) * (q.ledger_tokens / mine if mine else 0.0)
+            engine += max(0, waiting - mine) * self._waiting_cost
+            return max(own, engine)
         return own
 
     def estimate_tokens(self, request: RequestFeatures, c: Candidate, now: float | None = None) -> float:

@@ -44,7 +44,7 @@ async def test_deeper_match_wins_between_warm_replicas() -> None:
 
 async def test_spills_when_the_engine_queue_makes_the_warm_replica_slower() -> None:
     reps = replicas(3)
-    # 4 requests waiting x 1024 tokens: more queued work than recomputing 2048 tokens elsewhere.
+    # 4 requests of another gateway waiting x 1024 tokens: more than recomputing 2048 elsewhere.
     engine_report(reps[1], waiting=4)
     ranked = await policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
     assert ranked[0].replica.name in ("r0", "r2")
@@ -53,6 +53,21 @@ async def test_spills_when_the_engine_queue_makes_the_warm_replica_slower() -> N
     engine_report(reps[1], waiting=1)
     ranked = await policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
     assert ranked[0].replica.name == "r1"
+
+
+async def test_engine_waiting_counts_our_own_requests_at_their_size() -> None:
+    p = policy(per_request_tokens=0)
+    reps = replicas(2)
+    for _ in range(3):  # three cache hits in flight on r1, 128 uncached tokens each
+        req = request(PROMPT)
+        send(reps[1], req)
+        await p.rank(req, [candidates(reps, {"r1": SHARED})[1]])
+    engine_report(reps[1], waiting=3)  # the engine reports them waiting: 3 x 128, not 3 x 1024
+    assert p.queued_tokens(reps[1]) == 3 * (PROMPT - SHARED)
+    ranked = await p.rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+    assert ranked[0].replica.name == "r1"
+    engine_report(reps[1], waiting=5)  # two more than ours: another gateway's, 1024 each
+    assert p.queued_tokens(reps[1]) == 3 * (PROMPT - SHARED) + 2 * 1024
 
 
 async def test_stale_engine_figures_are_ignored() -> None:
