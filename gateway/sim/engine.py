@@ -554,8 +554,9 @@ class RealtimeRunner:
             if sched and shape is not None:
                 t = eng.cost.step_time(shape)
                 delay = self._t0 + (eng.now + t) / speed - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                # Yield even when late: the previous step's output (SSE writes) must go out before the next
+                # step, or a late runner would batch steps back to back and keep itself late.
+                await asyncio.sleep(max(delay, 0.0))
                 self.wake_lag_s.append(max(0.0, loop.time() - self._t0 - (eng.now + t) / speed))
                 eng.now += t
                 eng.last_step_s = t
