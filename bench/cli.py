@@ -183,7 +183,10 @@ def _scenario(args: argparse.Namespace) -> int:
         scenario.seed = args.seed
     out = args.out or DEFAULT_OUT / scenario.name
     started = time.monotonic()
-    points = run_scenario(scenario, size, out, only=only, progress=lambda m: print(m, flush=True))
+    failures: list[str] = []
+    points = run_scenario(scenario, size, out, only, lambda m: print(m, flush=True), failures)
+    if not points:
+        raise ValueError("every configuration failed:\n" + "\n".join(failures))
     ran = [p.config for p in points]
     baseline = scenario.baseline_name if scenario.baseline_name in ran else ran[0]
     meta = {
@@ -194,11 +197,15 @@ def _scenario(args: argparse.Namespace) -> int:
         "loads": ", ".join(str(p) for p in size_spec.loads),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
+    if failures:
+        meta["FAILED"] = "; ".join(failures)
     paths = write_reports(out, f"kvgate bench scenario: {scenario.name}", points, baseline, meta)
     print((out / "report.md").read_text())
     print(f"finished in {time.monotonic() - started:.0f} s")
+    for failure in failures:
+        print(f"FAILED: {failure}", file=sys.stderr)
     print("reports: " + ", ".join(str(p) for p in paths.values()))
-    return 0
+    return 1 if failures else 0
 
 
 def _list() -> int:

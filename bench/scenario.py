@@ -286,7 +286,8 @@ def run_point(
                     cfg_path.write_text(yaml.safe_dump(cfg, sort_keys=False))
                     argv = procs.python_module("gateway", "serve", "--config", str(cfg_path))
                     url = f"http://{procs.HOST}:{port}"
-                    child = procs.Child(name, argv, log_dir / f"{tag}-gateway{'' if i == 0 else i}.log")
+                    log_path = log_dir / f"{tag}-gateway{'' if i == 0 else i}.log"
+                    child = procs.Child(f"gateway {name}", argv, log_path)
                     gateways.enter_context(child.start()).wait_ready(
                         [f"{url}/ready"], fleet_spec.startup_timeout_s
                     )
@@ -328,8 +329,13 @@ def run_scenario(
     out_dir: Path,
     only: list[str] | None = None,
     progress: Any = print,
+    failures: list[str] | None = None,
 ) -> list[RunPoint]:
-    """Run every (configuration, load point) in turn; returns their summaries."""
+    """Run every (configuration, load point) in turn; returns their summaries.
+
+    A configuration that cannot start (its gateway or fleet fails, its target refuses the
+    priming request) raises, unless `failures` is given: then the reason is appended there and
+    the other configurations still run, so one broken config does not cost a long run."""
     size = scenario.size(size_name)
     workload = make_workload(scenario.workload, size.workload)
     requests = workload.build(scenario.seed)
@@ -342,7 +348,15 @@ def run_scenario(
     for config in configs:
         for point in size.loads:
             progress(f"[{scenario.name}] {config.name} @ {load_spec(point, size, scenario.seed).label} ...")
-            rp = run_point(scenario, config, size, point, requests, out_dir)
+            try:
+                rp = run_point(scenario, config, size, point, requests, out_dir)
+            except (procs.ProcessError, loadgen.TargetError) as exc:
+                if failures is None:
+                    raise
+                label = load_spec(point, size, scenario.seed).label
+                failures.append(f"{config.name} @ {label}: {str(exc).splitlines()[0]}")
+                progress(f"    FAILED: {exc}")
+                continue
             s = rp.summary
             progress(
                 f"    ok {s['ok']}/{s['requests']}  TTFT p50 {_fmt(s['ttft_ms']['p50'])} ms  "

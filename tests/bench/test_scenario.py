@@ -7,6 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bench import procs
 from bench.cli import main
@@ -177,3 +178,21 @@ def test_cli_reports_unreachable_target(capsys: pytest.CaptureFixture[str]) -> N
     ]
     assert main(argv) == 2
     assert "priming request" in capsys.readouterr().err
+
+
+@needs_gateway
+def test_a_failing_config_is_reported_and_the_others_still_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = {"name": "broken", "pool": {"policy": {"type": "no_such_policy"}}}
+    data = stub_scenario([{"name": "direct", "mode": "direct"}, broken])
+    data["sizes"]["quick"]["loads"] = [{"rate": 40}]  # type: ignore[index]
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["scenario", str(path), "--quick", "--out", str(tmp_path / "out")]) == 1
+    captured = capsys.readouterr()
+    assert "FAILED: broken @ 40 req/s: gateway broken exited with code" in captured.err
+    assert "no_such_policy" in captured.out  # the tail of its log, printed when it failed
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [r["config"] for r in report["runs"]] == ["direct"]
+    assert "broken @ 40 req/s" in report["meta"]["FAILED"]
