@@ -14,6 +14,7 @@ import math
 import os
 import random
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -316,6 +317,7 @@ class MooncakeTrace(Workload):
     start_s: float = 0.0  # skip the trace before this offset (trace time)
     max_requests: int | None = 500
     max_input_tokens: int | None = None  # drop longer (scaled) prompts: small simulated contexts
+    group_max_share: float = 0.1  # x-kvgate-group: first block id shared by fewer requests than this
     dropped: int = field(default=0, init=False)
 
     @property
@@ -357,7 +359,12 @@ class MooncakeTrace(Workload):
         out: list[BenchRequest] = []
         self.dropped = 0
         t0: float | None = None
-        for row in self.rows():
+        rows = self.rows()
+        # A session's group is its first block that is not a fleet-wide hot prefix: in the
+        # conversation trace every request starts with block 0, which would make one group.
+        popularity = Counter(h for row in rows for h in set(row["hash_ids"]))
+        hot = self.group_max_share * len(rows)
+        for row in rows:
             ids: list[int] = row["hash_ids"]
             n_in = self.scaled_input(row["input_length"], len(ids))
             if self.max_input_tokens is not None and n_in > self.max_input_tokens:
@@ -382,7 +389,7 @@ class MooncakeTrace(Workload):
                     messages=_chat(None, "".join(parts)),
                     max_tokens=max(1, math.ceil(row["output_length"] * out_scale)),
                     prompt_tokens=n_in,
-                    group=f"h{ids[0]}" if ids else None,
+                    group=f"h{next((h for h in ids if popularity[h] < hot), ids[-1])}" if ids else None,
                     at=(t - t0) * self.time_scale,
                 )
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -161,3 +162,11 @@ def test_mooncake_scaling_and_timing_options() -> None:
 def test_mooncake_missing_trace_names_the_path(tmp_path: Any) -> None:
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         MooncakeTrace(data_dir=str(tmp_path)).build(seed=0)
+
+
+@needs_trace
+def test_mooncake_groups_skip_the_prefix_every_request_shares() -> None:
+    reqs = MooncakeTrace(length_scale=0.01, max_requests=300).build(seed=0)
+    sizes = Counter(r.group for r in reqs)
+    assert max(sizes.values()) < 0.1 * len(reqs)  # block 0 starts every request; it is no group
+    assert len(sizes) < len(reqs)  # but turns of one conversation do share a group
