@@ -190,6 +190,8 @@ class Replica:
         if self.sglang:
             r.add_get("/v1/loads", self.loads)
             r.add_get("/get_load", self.loads)
+            r.add_get("/health_generate", self.health)
+            r.add_get("/server_info", self.sim_state)
         return app
 
     async def start(self) -> None:
