@@ -10,6 +10,7 @@ reasons are capped per pool, and request ids and tenants never become labels.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -143,8 +144,8 @@ class GatewayMetrics:
         )
         self.duration = Histogram(
             "kvgate_request_duration_seconds",
-            "Gateway-side end-to-end time, request arrival to last byte",
-            ["pool", "replica", "stream"],
+            "Gateway-side end-to-end time, request arrival to last byte (per replica: see TTFT)",
+            ["pool", "stream"],
             buckets=DURATION_BUCKETS,
             registry=reg,
         )
@@ -269,7 +270,7 @@ class GatewayMetrics:
             traffic = self.traffic.setdefault(rec.pool, PoolTraffic())
         return _Bound(
             requests=self.requests.labels(model, rec.endpoint, pool, replica, status),
-            duration=self.duration.labels(pool, replica, stream),
+            duration=self.duration.labels(pool, stream),
             ttft=self.ttft.labels(pool, replica, stream) if routed and rec.status < 400 else None,
             queue=self.queue.labels(pool, priority) if rec.priority_class is not None else None,
             decision=(
@@ -295,11 +296,16 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
     async def handle(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        # Rendering a large fleet takes tens of milliseconds: off the event loop, requests keep flowing.
+        body = await asyncio.to_thread(self.render)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 class FleetCollector(Collector):
-    """Gauges read from the runtime at scrape time: nothing is maintained per request."""
+    """Gauges read from the runtime at scrape time: nothing is maintained per request.
+
+    It runs in a worker thread while the event loop may add replicas or pools, so it iterates
+    over copies of the live collections."""
 
     def __init__(self, runtime: Runtime, metrics: GatewayMetrics) -> None:
         self.runtime = runtime
@@ -343,8 +349,8 @@ class FleetCollector(Collector):
         fresh = GaugeMetricFamily(
             "kvgate_replica_engine_load_fresh", "1 if the engine load figures are recent", labels=labels
         )
-        for pool in rt.pools.values():
-            for r in pool.replicas.values():
+        for pool in list(rt.pools.values()):
+            for r in list(pool.replicas.values()):
                 lv = [pool.name, r.name, r.role, r.kind]
                 healthy.add_metric(lv, float(r.healthy))
                 available.add_metric(lv, float(r.available))
@@ -366,7 +372,7 @@ class FleetCollector(Collector):
             "Prefix-matched over routed prompt tokens since start (gateway's estimate)",
             labels=["pool"],
         )
-        for name, traffic in self.metrics.traffic.items():
+        for name, traffic in list(self.metrics.traffic.items()):
             ratio = traffic.hit_ratio
             if ratio is not None:
                 hit.add_metric([name], ratio)
@@ -377,8 +383,8 @@ class FleetCollector(Collector):
             "Configured weight of a pool in a route's rule (the rollout split)",
             labels=["model", "rule", "pool"],
         )
-        for model, rules in rt.router.routes.items():
-            for i, rule in enumerate(rules):
+        for model, rules in list(rt.router.routes.items()):
+            for i, rule in enumerate(list(rules)):
                 for pool_name, weight in zip(rule.pools, rule.weights, strict=True):
                     weights.add_metric([model, str(i), pool_name], weight)
         yield weights
@@ -391,7 +397,7 @@ class FleetCollector(Collector):
                 "Requests waiting for admission",
                 labels=["pool", "priority"],
             )
-            for name in rt.pools:
+            for name in list(rt.pools):
                 for cls, n in queued_by_class(stats, name).items():
                     depth.add_metric([name, cls], n)
             yield depth
