@@ -192,9 +192,9 @@ class Engine:
     def num_waiting(self) -> int:
         return self.waiting.live + self._pending_live
 
-    def add_request(self, req: Request, at: float | None = None, frontend: bool = True) -> None:
+    def add_request(self, req: Request, at: float | None = None) -> None:
         req.arrival = self.now if at is None else at
-        req.ready_at = req.arrival + (self.cost.frontend_time(req.prompt_len) if frontend else 0.0)
+        req.ready_at = req.arrival + self.cost.frontend_time(req.prompt_len)
         p = req.priority if not self.config.higher_priority_first else -req.priority
         req.sort_key = (p, req.arrival, next(self._seq))
         heapq.heappush(self._pending, (req.ready_at, next(self._seq), req))
@@ -475,6 +475,7 @@ class Engine:
             "kv_cache_usage": p.usage,
             "leased_requests": len(self._leases),
             "steps": self.steps,
+            "last_step_ms": self.last_step_s * 1e3,
             "counters": self.metrics.as_dict(),
         }
 
