@@ -1,0 +1,169 @@
+"""Scheduling results: the client's view (report.json) joined with the gateway's (its JSON access log).
+
+The client sees TTFT and status; only the gateway knows how long a request waited in its queue, so the
+scheduling scenarios run the gateway with `server.log_json` and this reads `queue_ms` back per request.
+
+    python -m bench.scheduling_report OUT_DIR [OUT_DIR ...] --results bench/results/scheduling --name NAME
+
+writes NAME.md (tables and the criteria of issue #7 with their verdicts) and NAME_*.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from bench.scenario import _slug
+from bench.stats import percentile
+
+MIN_PROMPT_TOKENS = 100  # the harness's readiness probes are tiny; workload prompts are not
+LONG_PROMPT_TOKENS = 1000  # the "long" requests of both scheduling workloads are above this
+ANSWERS = {200, 429, 503}  # every request must end in one of these
+
+
+def _f(v: float | None, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def gateway_requests(log: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in log.read_text().splitlines():
+        if '"queue_ms"' not in line:
+            continue
+        doc = json.loads(line)
+        if doc.get("prompt_tokens", 0) >= MIN_PROMPT_TOKENS:
+            doc["length"] = "long" if doc["prompt_tokens"] >= LONG_PROMPT_TOKENS else "short"
+            out.append(doc)
+    return out
+
+
+def load_runs(out_dir: Path) -> list[dict[str, Any]]:
+    doc = json.loads((out_dir / "report.json").read_text())
+    runs = doc["runs"]
+    for run in runs:
+        log = out_dir / "logs" / f"{run['config']}-{_slug(run['load'])}-gateway.log"
+        run["gateway"] = gateway_requests(log) if log.exists() else []
+        run["records"] = [
+            json.loads(line)
+            for line in (out_dir / "records" / f"{run['config']}-{_slug(run['load'])}.jsonl")
+            .read_text()
+            .splitlines()
+        ]
+    return runs
+
+
+def _groups(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return run.get("by_priority") or run.get("by_kind") or {}
+
+
+def client_table(runs: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| config | load | split | sent | ok | 429 | 503 | unanswered | TTFT mean | p50 | p95 | p99 |",
+        "|" + " --- |" * 12,
+    ]
+    for run in runs:
+        groups = {"all": run, **_groups(run)}
+        for label, g in groups.items():
+            recs = [r for r in run["records"] if label == "all" or label in (r["kind"], str(r["priority"]))]
+            statuses = Counter(r["status"] for r in recs if not r["warmup"])
+            unanswered = sum(n for s, n in statuses.items() if s not in ANSWERS)
+            unanswered += sum(1 for r in recs if r["status"] == 200 and r["error"])
+            t = g["ttft_ms"]
+            lines.append(
+                f"| {run['config']} | {run['load']} | {label} | {sum(statuses.values())} | {g['ok']} | "
+                f"{statuses.get(429, 0)} | {statuses.get(503, 0)} | {unanswered} | {_f(t['mean'])} | "
+                f"{_f(t['p50'])} | {_f(t['p95'])} | {_f(t['p99'])} |"
+            )
+    return lines
+
+
+def queue_table(runs: list[dict[str, Any]], key: str) -> list[str]:
+    lines = [
+        f"| config | load | {key} | admitted | shed (reason:n) | queue wait p50 | p95 | p99 | max |",
+        "|" + " --- |" * 9,
+    ]
+    for run in runs:
+        for label in sorted({r[key] for r in run["gateway"]}):
+            reqs = [r for r in run["gateway"] if r[key] == label]
+            # Dispatched ones; a client that closes right after [DONE] can be logged 499, yet was served.
+            waits = [r["queue_ms"] for r in reqs if r["replica"]]
+            shed = Counter(r.get("shed") for r in reqs if r.get("shed"))
+            lines.append(
+                f"| {run['config']} | {run['load']} | {label} | {len(waits)} | "
+                f"{', '.join(f'{k}:{v}' for k, v in sorted(shed.items())) or '0'} | "
+                f"{_f(percentile(waits, 50))} | {_f(percentile(waits, 95))} | {_f(percentile(waits, 99))} | "
+                f"{_f(max(waits, default=None))} |"
+            )
+    return lines
+
+
+def cdf_plot(runs: list[dict[str, Any]], path: Path, title: str, values: str) -> None:
+    """CDF per (config, load, group): client TTFT (`values="ttft"`) or gateway queue wait ("queue")."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for run in runs:
+        if values == "ttft":
+            series = {}
+            for r in run["records"]:
+                if r["status"] == 200 and r["ttft"] is not None and not r["warmup"]:
+                    series.setdefault(str(r["priority"] if r["priority"] else r["kind"]), []).append(
+                        r["ttft"] * 1000
+                    )
+        else:
+            series = {}
+            for r in run["gateway"]:
+                if r["replica"]:
+                    series.setdefault(r["length"], []).append(r["queue_ms"])
+        for label, xs in sorted(series.items()):
+            xs.sort()
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
+                    label=f"{run['config']} @ {run['load']}: {label}")  # fmt: skip
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_xlabel("TTFT (ms)" if values == "ttft" else "gateway queue wait (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dirs", nargs="+", type=Path, help="bench scenario output directories")
+    p.add_argument("--results", type=Path, default=Path("bench/results/scheduling"))
+    p.add_argument("--name", required=True, help="file name stem of the report")
+    p.add_argument("--command", default="", help="the command that produced the runs, for the record")
+    args = p.parse_args(argv)
+    runs = [run for d in args.out_dirs for run in load_runs(d)]
+    metas = [json.loads((d / "report.json").read_text())["meta"] for d in args.out_dirs]
+    args.results.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Scheduling: {args.name}", ""]
+    if args.command:
+        lines += ["```", args.command, "```", ""]
+    for meta in metas:
+        lines += [f"- {k}: {v}" for k, v in meta.items()] + [""]
+    lines += ["## Client view (TTFT in ms, wall clock)", "", *client_table(runs), ""]
+    lines += ["Unanswered = anything but 200/429/503 (timeouts, connection errors, broken streams).", ""]
+    key = "priority" if any(r.get("by_priority") for r in runs) else "length"
+    lines += ["## Gateway view (queue wait in ms, from the access log)", "", *queue_table(runs, key), ""]
+    ttft_png = args.results / f"{args.name}_ttft_cdf.png"
+    queue_png = args.results / f"{args.name}_queue_wait_cdf.png"
+    cdf_plot(runs, ttft_png, f"{args.name}: TTFT", "ttft")
+    cdf_plot(runs, queue_png, f"{args.name}: gateway queue wait", "queue")
+    lines += [f"![TTFT CDF]({ttft_png.name})", "", f"![queue wait CDF]({queue_png.name})", ""]
+    (args.results / f"{args.name}.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
