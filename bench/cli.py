@@ -44,6 +44,16 @@ def _parse_sets(pairs: list[str]) -> dict[str, str]:
     return out
 
 
+def _parse_headers(pairs: list[str]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition(":")
+        if not sep or not name.strip():
+            raise SystemExit(f"--header expects NAME:VALUE, got {pair!r}")
+        out[name.strip().lower()] = value.strip()
+    return out
+
+
 def _add_load_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load")
     g.add_argument("--rate", type=float, action="append", default=[], help="Poisson req/s; repeat for sweeps")
@@ -67,6 +77,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
     g.add_argument("--api", choices=["chat", "completions"], default="chat")
     g.add_argument("--api-key")
+    g.add_argument("--header", action="append", default=[], metavar="NAME:VALUE", help="extra request header")
     g.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (plain OpenAI)")
     g.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
     g.add_argument("--label", default="target", help="name of this configuration in the report")
@@ -142,6 +153,7 @@ def _run_workload(args: argparse.Namespace, workload_name: str, params: dict[str
         ignore_eos=not args.no_ignore_eos,
         timeout_s=args.timeout,
         api_key=args.api_key,
+        extra_headers=_parse_headers(args.header),
     )
     points: list[RunPoint] = []
     for load in _loads(args, trace):
