@@ -154,7 +154,18 @@ def test_cli_run_against_running_engines_with_a_sweep(
             "--set",
             "prefix_tokens=32",
         ]
-        argv += ["--model", "m", "--header", "x-stub-itl-ms: 1", "--rate", "50", "--rate", "100", "--out", str(tmp_path / "out")]
+        argv += [
+            "--model",
+            "m",
+            "--header",
+            "x-stub-itl-ms: 1",
+            "--rate",
+            "50",
+            "--rate",
+            "100",
+            "--out",
+            str(tmp_path / "out"),
+        ]
         for url in fleet.urls:
             argv += ["--target", url]
         assert main(argv) == 0
