@@ -129,7 +129,13 @@ def _fleet(data: dict[str, Any]) -> FleetSpec:
 
 
 def scenario_from_dict(data: dict[str, Any]) -> Scenario:
-    data = dict(data)
+    try:
+        return _scenario_from_dict(dict(data))
+    except TypeError as exc:  # a key no dataclass has: name the scenario and the key
+        raise ValueError(f"scenario {data.get('name')!r}: {exc}") from None
+
+
+def _scenario_from_dict(data: dict[str, Any]) -> Scenario:
     data["configs"] = [ConfigSpec(**c) for c in data.get("configs") or []]
     if not data["configs"]:
         raise ValueError(f"scenario {data.get('name')!r} has no configs")
@@ -163,7 +169,7 @@ def load_spec(point: dict[str, Any], size: SizeSpec, seed: int) -> LoadSpec:
         mode = "closed"
     else:
         mode = "trace"
-    return LoadSpec(
+    spec = LoadSpec(
         mode=point.pop("mode", mode),
         rate=point.pop("rate", None),
         concurrency=point.pop("concurrency", None),
@@ -174,6 +180,9 @@ def load_spec(point: dict[str, Any], size: SizeSpec, seed: int) -> LoadSpec:
         drain_timeout_s=point.pop("drain_timeout_s", size.drain_timeout_s),
         seed=seed,
     )
+    if point:
+        raise ValueError(f"load point has unknown keys {sorted(point)}")
+    return spec
 
 
 def gateway_config(

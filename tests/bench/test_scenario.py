@@ -68,6 +68,11 @@ def test_deep_merge_and_baseline_validation() -> None:
     assert base == {"a": {"b": 1, "c": [1]}, "d": 2}
     with pytest.raises(ValueError, match="baseline 'nope'"):
         scenario_from_dict({**stub_scenario([{"name": "x", "mode": "direct"}]), "baseline": "nope"})
+    with pytest.raises(ValueError, match=r"scenario 'stub': .*'polcy'"):
+        scenario_from_dict(stub_scenario([{"name": "x", "polcy": {}}]))
+    scenario = scenario_from_dict(stub_scenario([{"name": "x", "mode": "direct"}]))
+    with pytest.raises(ValueError, match=r"unknown keys \['rps'\]"):
+        load_spec({"rps": 3}, scenario.size("quick"), 0)
 
 
 def test_fleet_children_are_stopped_and_failures_name_the_log(tmp_path: Path) -> None:
