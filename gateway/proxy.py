@@ -171,11 +171,10 @@ class Proxy:
         scheduler = self.rt.scheduler
         features = pool.features(body, endpoint, rec.request_id, request.headers)
         features.tenant = tenant
-        if scheduler.fit_prompt(features, body):  # oldest turns dropped: the prompt is another one now
-            features = pool.features(body, endpoint, rec.request_id, request.headers)
-            features.tenant = tenant
-            changed = True
         changed = scheduler.classify(features, request.headers, body) or changed
+        trimmed = scheduler.fit_prompt(pool, features, body)
+        if trimmed is not None:  # the window policy dropped the oldest turns
+            features, changed = trimmed, True
         changed = scheduler.forward_priority(pool, features, body) or changed
         out = orjson.dumps(body) if changed else raw
         rec.stream = features.stream

@@ -286,18 +286,25 @@ class Scheduler:
         self.prompts_trimmed = 0
 
     # -- per request, before queueing ----------------------------------------------------------------
-    def fit_prompt(self, features: RequestFeatures, body: dict[str, Any]) -> bool:
-        """Apply the prompt size limit; True when the body was trimmed (features must be recomputed)."""
+    def fit_prompt(
+        self, pool: Pool, features: RequestFeatures, body: dict[str, Any]
+    ) -> RequestFeatures | None:
+        """Apply the prompt size limit (after `classify`). Returns the features of the trimmed body when the
+        window policy dropped turns, None when the prompt fits as it is; raises 400 when it cannot fit."""
         tenant = self.tenants.get(features.tenant) if features.tenant else None
         limit = (
             tenant.max_prompt_tokens if tenant and tenant.max_prompt_tokens else self.cfg.max_prompt_tokens
         )
         if limit is None or features.prompt_tokens <= limit:
-            return False
+            return None
         policy = tenant.prompt_overflow if tenant and tenant.max_prompt_tokens else self.cfg.prompt_overflow
         if policy == "window" and fit_window(body, features.endpoint, limit) is not None:
             self.prompts_trimmed += 1
-            return True
+            trimmed = pool.features(body, features.endpoint, features.request_id, features.headers)
+            trimmed.tenant = features.tenant
+            trimmed.priority_class = features.priority_class
+            trimmed.priority = features.priority
+            return trimmed
         self._count_shed(features.priority_class, "prompt_too_large")
         raise ShedError(
             400,
@@ -308,8 +315,8 @@ class Scheduler:
 
     def classify(self, features: RequestFeatures, headers: Mapping[str, str], body: dict[str, Any]) -> bool:
         """Set the request's class (header `x-priority`, else a class name in body `priority`), lowered to
-        the tenant's highest; charge the tenant's rate limits. True when the body changed (a class name in
-        `priority` is removed: engines expect an integer there)."""
+        the tenant's highest. True when the body changed (a class name in `priority` is removed: engines
+        expect an integer there)."""
         changed = False
         name = headers.get("x-priority")
         body_priority = body.get("priority")
@@ -325,11 +332,6 @@ class Scheduler:
             self.priority_lowered += 1
         features.priority_class = name
         features.priority = self._levels[name]
-        try:
-            self.limits.check(features.tenant, features.prompt_tokens + self._expected_output(features))
-        except ShedError as exc:
-            self._count_shed(name, exc.shed_reason)
-            raise
         return changed
 
     def forward_priority(self, pool: Pool, features: RequestFeatures, body: dict[str, Any]) -> bool:
@@ -360,12 +362,18 @@ class Scheduler:
 
     # -- admission ---------------------------------------------------------------------------------------
     async def admit(self, pool: Pool, features: RequestFeatures) -> Ticket:
+        """Charge the tenant's rate limits (429), then dispatch now or queue; see the module docstring."""
+        cls = features.priority_class
+        try:
+            self.limits.check(features.tenant, features.prompt_tokens + self._expected_output(features))
+        except ShedError as exc:
+            self._count_shed(cls, exc.shed_reason)
+            raise
         if not self.cfg.enabled:
             return _UNLIMITED
         state = self._pools.get(pool.name)
         if state is None or state.pool is not pool:
             state = self._pools[pool.name] = _PoolState(self, pool, PoolQueue(self.cfg))
-        cls = features.priority_class
         if not state.queue.size and self._has_room(state, features.prompt_tokens, cls):
             self.admitted[cls] += 1
             self.waits[cls].add(0.0)
