@@ -278,6 +278,9 @@ class Proxy:
                     pool.learn(features, replica)
                     rec.replica = replica.name
                     rec.matched_tokens = candidate.matched_tokens
+                    rec.route_reason = (
+                        route_reason(candidate, ranked) if pool.policy.uses_prefix_match else None
+                    )
                     return await self._relay(request, resp, replica, rec)
                 finally:
                     lease.release()
@@ -385,6 +388,16 @@ class Proxy:
                 # engine aborts the request instead of generating for nobody.
                 resp.close()
         return out
+
+
+def route_reason(chosen: Candidate, ranked: list[Candidate]) -> str:
+    """How a prefix-aware choice relates to the cache: `cold` when no replica held any of the
+    prompt, `cache_hit` when the chosen one held the most, `spill` when a warmer one was passed
+    over (its queue made it slower, or it failed)."""
+    best = max(c.matched_tokens for c in ranked)
+    if best == 0:
+        return "cold"
+    return "cache_hit" if chosen.matched_tokens == best else "spill"
 
 
 def _walk(ranked: list[Candidate], attempts: int) -> list[Candidate]:

@@ -287,3 +287,14 @@ async def test_observers_receive_one_record_per_request(upstreams, gateway):
     assert (ok.status, ok.pool, ok.replica, ok.stream, ok.endpoint) == (200, "p", "r0", True, "completions")
     assert ok.ttft_s is not None and 0 < ok.ttft_s <= ok.duration_s
     assert (missing.status, missing.error_code, missing.replica) == (404, "model_not_found", None)
+
+
+def test_route_reason_tells_cold_hit_and_spill():
+    from gateway.policy import Candidate
+    from gateway.proxy import route_reason
+
+    a, b = Candidate(object(), 0, 0), Candidate(object(), 0, 0)  # type: ignore[arg-type]
+    assert route_reason(a, [a, b]) == "cold"
+    warm = Candidate(object(), 4, 64)  # type: ignore[arg-type]
+    assert route_reason(warm, [warm, a]) == "cache_hit"
+    assert route_reason(a, [a, warm]) == "spill"
