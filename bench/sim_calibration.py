@@ -153,6 +153,10 @@ def decode_rows(profile: str) -> list[Row]:
     return rows
 
 
+def _num(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}"
+
+
 def table(title: str, rows: list[Row], unit: str) -> tuple[str, int]:
     lines = [
         f"### {title}",
@@ -163,14 +167,14 @@ def table(title: str, rows: list[Row], unit: str) -> tuple[str, int]:
     off = 0
     for label, measured, sim in rows:
         if measured is None:
-            lines.append(f"| {label} | - | {sim:,.2f} | - |")
+            lines.append(f"| {label} | - | {_num(sim)} | - |")
             continue
         ratio = sim / measured
         flag = ""
         if abs(ratio - 1) > TOLERANCE:
             flag = " !!"
             off += not label.endswith("*")
-        lines.append(f"| {label} | {measured:,.2f} | {sim:,.2f} | {ratio:.2f}{flag} |")
+        lines.append(f"| {label} | {_num(measured)} | {_num(sim)} | {ratio:.2f}{flag} |")
     return "\n".join(lines), off
 
 
