@@ -26,7 +26,9 @@ log = logging.getLogger("gateway.sim")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvgate sim", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="kvgate sim", usage="%(prog)s [MODEL] [options]", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--model", "--model-path", dest="model")
     p.add_argument("--served-model-name", nargs="+")
     p.add_argument("--host", default="127.0.0.1")
