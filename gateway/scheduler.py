@@ -418,6 +418,8 @@ class Scheduler:
         except TimeoutError:
             if _granted(fut):  # granted in the same instant the timeout fired: use it
                 return fut.result()
+            if fut.done() and not fut.cancelled():  # evicted in that instant: say so
+                raise fut.exception() from None  # type: ignore[misc]
             state.queue.remove(entry, cls)
             self._count_shed(cls, "queue_timeout")
             raise ShedError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.config import PriorityClass, SchedulerConfig
+from gateway.engine_load import EngineLoad
 from gateway.request_record import RequestRecord
 from gateway.scheduler import ClassQueue, Entry, PoolQueue, QueueFull
 from gateway.server import RunningGateway
@@ -234,6 +236,32 @@ async def test_queued_requests_run_by_priority_when_capacity_frees(upstreams, ga
     assert set(by_content) == {"interactive", "batch"}
     stats = gw.runtime.scheduler.stats()
     assert stats["queued_total"]["batch"] == 1 and stats["wait_s"]["batch"]["max"] > 0
+
+
+async def test_engine_figures_gate_admission_and_the_recheck_wakes_the_queue(upstreams, gateway) -> None:
+    (up,) = await upstreams(1)
+    # kind "openai": nothing scrapes this replica, so the figures below stay as the test sets them.
+    settings = gateway_settings(
+        [up.url], pool={"endpoints": [{"url": up.url, "name": "r0", "kind": "openai"}]}
+    )
+    gw = await gateway(settings)
+    replica = gw.runtime.pools["p"].replicas["r0"]
+    replica.engine = EngineLoad(waiting=5, kv_usage=0.2, updated_at=time.monotonic())
+    async with httpx.AsyncClient(timeout=10) as c:
+        queued = asyncio.create_task(c.post(gw.url + CHAT, json=_body()))
+        await wait_until(lambda: _queued(gw) == 1, what="queued on the engine's waiting figure")
+        replica.engine = EngineLoad(waiting=0, kv_usage=0.99, updated_at=time.monotonic())
+        # A new arrival re-checks headroom as it queues: with the KV cache full, both wait.
+        second = asyncio.create_task(c.post(gw.url + CHAT, json=_body()))
+        await wait_until(lambda: _queued(gw) == 2, what="second queued on KV usage")
+        assert not up.state.seen
+        replica.engine = EngineLoad(waiting=0, kv_usage=0.5, updated_at=time.monotonic())
+        # Nothing is released; only the periodic re-check can notice the new figures.
+        assert (await queued).status_code == 200 and (await second).status_code == 200
+        # Stale figures are not trusted: the in-flight budget alone decides.
+        replica.engine = EngineLoad(waiting=50, updated_at=time.monotonic() - 60)
+        assert (await c.post(gw.url + CHAT, json=_body())).status_code == 200
+    assert gw.runtime.scheduler.stats()["queued_total"]["default"] == 2
 
 
 async def test_slots_reserved_for_a_higher_class(upstreams, gateway) -> None:
