@@ -529,7 +529,9 @@ class Replica:
                 "remote_block_ids": list(c0.blocks),
                 "remote_engine_id": self.engine_id,
                 "remote_request_id": c0.id,
-                "remote_host": o.host,
+                # vLLM advertises VLLM_NIXL_SIDE_CHANNEL_HOST; a wildcard bind address is not reachable.
+                "remote_host": os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST")
+                or (o.host if o.host not in ("0.0.0.0", "::", "") else "127.0.0.1"),
                 "remote_port": self.port,
                 "tp_size": self.engine.cost.tp,
             }
