@@ -19,7 +19,7 @@ from typing import Any
 from bench import loadgen, procs
 from bench.client import ClientOptions
 from bench.loadgen import LoadSpec
-from bench.report import write_reports
+from bench.report import summary_table, write_reports
 from bench.scenario import (
     DEFAULT_OUT,
     RunPoint,
@@ -172,7 +172,7 @@ def _run_workload(args: argparse.Namespace, workload_name: str, params: dict[str
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     paths = write_reports(out, f"kvgate bench: {workload_name}", points, args.label, meta)
-    print((out / "report.md").read_text())
+    print(summary_table(points, args.label))
     print("reports: " + ", ".join(str(p) for p in paths.values()))
     return 0
 
@@ -212,7 +212,8 @@ def _scenario(args: argparse.Namespace) -> int:
     if failures:
         meta["FAILED"] = "; ".join(failures)
     paths = write_reports(out, f"kvgate bench scenario: {scenario.name}", points, baseline, meta)
-    print((out / "report.md").read_text())
+    print(f"\n{scenario.name} ({size}), ratios against {baseline}; every figure in {paths['markdown']}\n")
+    print(summary_table(points, baseline))
     print(f"finished in {time.monotonic() - started:.0f} s")
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)

@@ -129,6 +129,40 @@ def markdown(title: str, points: Sequence[RunPoint], baseline: str, meta: dict[s
     return "\n".join(lines) + "\n"
 
 
+def summary_table(points: Sequence[RunPoint], baseline: str) -> str:
+    """The comparison that matters at a glance, with aligned columns, for the terminal."""
+    base = {p.load: p.summary for p in points if p.config == baseline}
+    header = ["config", "load", "ok/sent", "TTFT p50", "TTFT p95", "vs base p50/p95", "ITL p50", "cache hit",
+              "req/s", "vs base", "spread", "errors"]  # fmt: skip
+    rows = [header]
+    for p in points:
+        s, b = p.summary, base.get(p.load, {})
+        b_ttft = b.get("ttft_ms") or {}
+        vs_p50 = _ratio(s["ttft_ms"]["p50"], b_ttft.get("p50"))
+        vs_p95 = _ratio(s["ttft_ms"]["p95"], b_ttft.get("p95"))
+        rows.append(
+            [
+                p.config,
+                p.load,
+                f"{s['ok']}/{s['requests']}",
+                _f(s["ttft_ms"]["p50"]),
+                _f(s["ttft_ms"]["p95"]),
+                f"{vs_p50} / {vs_p95}",
+                _f(s["itl_ms"]["p50"], 2),
+                _pct(s["cache_hit_rate"]),
+                _f(s["throughput_rps"], 2),
+                _ratio(s["throughput_rps"], b.get("throughput_rps")),
+                _f(s["replica_spread"], 2),
+                _errors(s),
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    warned = [f"WARNING ({p.config} @ {p.load}): {w}" for p in points for w in p.summary["warnings"]]
+    return "\n".join([*lines, *warned]) + "\n"
+
+
 def ttft_cdf_plot(points: Sequence[RunPoint], path: Path) -> None:
     loads = list(dict.fromkeys(p.load for p in points))
     fig, axes = plt.subplots(1, len(loads), figsize=(6 * len(loads), 4.5), squeeze=False)

@@ -32,6 +32,12 @@ needs_sim_and_gateway = pytest.mark.skipif(
 )
 
 
+def table_rows(printed: str) -> list[list[str]]:
+    """The cells of every table row printed to the terminal."""
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in printed.splitlines()
+            if line.startswith("| ")]  # fmt: skip
+
+
 def stub_scenario(configs: list[dict[str, object]]) -> dict[str, object]:
     return {
         "name": "stub",
@@ -128,7 +134,9 @@ def test_stub_fleet_direct_vs_gateway_reports(tmp_path: Path) -> None:
 def test_quick_overhead_scenario_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["scenario", "overhead", "--quick", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "| direct | C=4 |" in printed and "| gateway_round_robin | C=4 |" in printed
+    rows = table_rows(printed)
+    assert [r[:3] for r in rows[1:]] == [["direct", "C=4", "60/60"], ["gateway_round_robin", "C=4", "60/60"]]
+    assert rows[1][5] == "x1.00 / x1.00"
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["baseline"] == "direct"
     assert [r["config"] for r in report["runs"]] == ["direct", "gateway_round_robin"]
@@ -175,7 +183,8 @@ def test_cli_run_against_running_engines_with_a_sweep(
             argv += ["--target", url]
         assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "| target | 50 req/s | 10/10 |" in out and "| target | 100 req/s | 10/10 |" in out
+    rows = [r[:3] for r in table_rows(out)[1:]]
+    assert rows == [["target", "50 req/s", "10/10"], ["target", "100 req/s", "10/10"]]
     assert (tmp_path / "out" / "ttft_p95_vs_load.png").exists()
     assert (tmp_path / "out" / "ttft_cdf.png").exists()
 
