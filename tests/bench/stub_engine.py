@@ -32,7 +32,7 @@ class StubState:
     itl_ms: float = 2.0
     cache: set[bytes] = field(default_factory=set)
     requests: list[dict[str, Any]] = field(default_factory=list)
-    first_token_at: list[float] = field(default_factory=list)  # perf_counter of each first token sent
+    token_times: list[list[float]] = field(default_factory=list)  # per request: perf_counter per token
 
 
 def _cached_tokens(state: StubState, tokens: list[int]) -> int:
@@ -80,11 +80,12 @@ def build_app(state: StubState) -> web.Application:
         await resp.prepare(request)
         await asyncio.sleep(ttft)
         n = int(body.get("max_tokens") or 16)
+        sent_at: list[float] = []
+        state.token_times.append(sent_at)
         for i in range(n):
             if i:
                 await asyncio.sleep(itl)
-            else:
-                state.first_token_at.append(time.perf_counter())
+            sent_at.append(time.perf_counter())
             await resp.write(_chunk(chat, state.model, " tok"))
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {

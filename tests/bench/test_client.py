@@ -51,10 +51,14 @@ async def test_ttft_itl_usage_and_headers(stub: Stub) -> None:
         r = await send(session, url, req, opts, record(req), t0)
     assert r.ok and r.status == 200 and r.error is None
     assert r.ttft is not None and r.ttft >= 0.08
-    assert len(r.itls) == 4 and all(gap >= 0.015 for gap in r.itls)
+    assert len(r.itls) == 4
     assert r.e2e is not None and r.e2e >= r.ttft + sum(r.itls) - 1e-6
-    # Causality: the client saw the first token no earlier than the server sent it.
-    assert t0 + (r.sent or 0) + r.ttft >= state.first_token_at[0]
+    # Causality, token by token: the client saw each token no earlier than the server sent it
+    # (a gap-by-gap lower bound would flake whenever one chunk is read late and the next on time).
+    seen = t0 + (r.sent or 0) + r.ttft
+    for k, server_sent in enumerate(state.token_times[0]):
+        seen += r.itls[k - 1] if k else 0.0
+        assert seen >= server_sent
     assert r.output_tokens == 5 and r.prompt_tokens == 2 and r.cached_tokens == 0
     assert r.replica == url  # no gateway header: the target is the replica
     sent = state.requests[0]
