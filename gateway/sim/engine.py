@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.sim.cost_model import CostModel, StepShape
-from gateway.sim.kv_cache import BlockPool, block_hashes
+from gateway.sim.kv_cache import BlockPool, block_hashes, chain_hash, root_hash
 from gateway.sim.metrics import EngineMetrics
 from gateway.sim.profiles import Profile
 
@@ -72,6 +72,7 @@ class Request:
         "num_output",
         "num_preemptions",
         "num_registered",
+        "output_ids",
         "prefill_target",
         "priority",
         "prompt_ids",
@@ -79,6 +80,7 @@ class Request:
         "ready_at",
         "remote_kv",
         "remote_kv_loaded",
+        "root",
         "scheduled_at",
         "sink",
         "sort_key",
@@ -98,13 +100,18 @@ class Request:
         remote_kv: bool = False,
         kv_lease: bool = False,
         sink: Sink | None = None,
+        output_ids: Callable[[int, int], list[int]] | None = None,
     ) -> None:
         self.id = req_id
         self.prompt_ids = prompt_ids
         self.prompt_len = len(prompt_ids)
         self.max_tokens = max_tokens
         self.priority = priority
-        self.hashes = block_hashes(prompt_ids, block_size, cache_salt)
+        self.hashes = block_hashes(prompt_ids, block_size, cache_salt)  # grows with output blocks
+        self.root = root_hash(cache_salt)
+        # Token ids of outputs [a, b): lets full blocks of generated tokens enter the prefix cache, as in
+        # vLLM, so that the next turn of a conversation hits on this answer too.
+        self.output_ids = output_ids
         self.remote_kv = remote_kv  # decode leg: the prompt's KV comes from a prefill replica
         self.remote_kv_loaded = False
         self.kv_lease = kv_lease  # prefill leg: keep the blocks for the decode replica to pull
@@ -375,7 +382,6 @@ class Engine:
     def complete(self, sched: dict[Request, int], step_s: float) -> list[Request]:
         """Apply a step that ended at `self.now`; returns the requests that produced a token."""
         bs = self.block_size
-        pool = self.pool
         m = self.metrics
         now = self.now
         outputs: list[Request] = []
@@ -385,12 +391,9 @@ class Engine:
                 continue
             prefilling = req.num_computed < req.prefill_target
             req.num_computed += n
+            if req.num_computed // bs > req.num_registered:
+                self._register(req)
             if prefilling:
-                full = min(req.num_computed, req.prompt_len) // bs
-                for b in range(req.num_registered, full):
-                    parent = req.hashes[b - 1] if b else None
-                    pool.register(req.blocks[b], req.hashes[b], parent, req.prompt_ids[b * bs : (b + 1) * bs])
-                req.num_registered = max(req.num_registered, full)
                 if req.num_computed < req.prefill_target:
                     continue  # more chunks to go
             else:
@@ -408,6 +411,24 @@ class Engine:
             m.itl.observe(step_s, decoded)
         m.generation_tokens += len(outputs)
         return outputs
+
+    def _register(self, req: Request) -> None:
+        """Publish the request's blocks whose every token now has its KV computed."""
+        bs = self.block_size
+        plen = req.prompt_len
+        hashes = req.hashes
+        full = req.num_computed // bs
+        if req.output_ids is None:
+            full = min(full, len(hashes))
+        for b in range(req.num_registered, full):
+            lo, hi = b * bs, (b + 1) * bs
+            tokens = list(req.prompt_ids[lo:hi]) if lo < plen else []
+            if hi > plen:
+                tokens += req.output_ids(max(lo - plen, 0), hi - plen)  # type: ignore[misc]
+            if b == len(hashes):
+                hashes.append(chain_hash(hashes[b - 1] if b else req.root, tokens))
+            self.pool.register(req.blocks[b], hashes[b], hashes[b - 1] if b else None, tokens)
+        req.num_registered = max(req.num_registered, full)
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)

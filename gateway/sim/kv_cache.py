@@ -18,14 +18,22 @@ import xxhash
 BlockEvent = tuple[str, object]
 
 
+def root_hash(salt: str | None = None) -> int:
+    """The parent of a chain's first block."""
+    return xxhash.xxh3_64_intdigest(salt.encode()) if salt else 0
+
+
+def chain_hash(parent: int, block_tokens: Sequence[int]) -> int:
+    return xxhash.xxh3_64_intdigest(array("q", block_tokens).tobytes(), seed=parent)
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
     """Chained hashes of the full blocks of `token_ids`."""
     out: list[int] = []
-    parent = xxhash.xxh3_64_intdigest(salt.encode()) if salt else 0
+    parent = root_hash(salt)
     full = len(token_ids) - len(token_ids) % block_size
     for start in range(0, full, block_size):
-        raw = array("q", token_ids[start : start + block_size]).tobytes()
-        parent = xxhash.xxh3_64_intdigest(raw, seed=parent)
+        parent = chain_hash(parent, token_ids[start : start + block_size])
         out.append(parent)
     return out
 

@@ -8,9 +8,12 @@ from pre-encoded byte pieces because a streaming step writes one chunk per runni
 from __future__ import annotations
 
 import time
+from functools import lru_cache
 from typing import Any
 
 import orjson
+
+from gateway.tokens import get_tokenizer
 
 _WORDS = (
     "the of and to in is that for it as with was on be by at this are from or have an not but which one all "
@@ -48,6 +51,21 @@ def output_seed(prompt_len: int, index: int, seed: int | None) -> int:
 def output_text(seed: int, start: int, end: int) -> str:
     n = len(VOCAB)
     return "".join(VOCAB[(seed + k * _STRIDE) % n] for k in range(start, end))
+
+
+@lru_cache(maxsize=1)
+def vocab_token_ids() -> tuple[int, ...] | None:
+    """The token id of each output word; None when the tokenizer does not see each as one token (the
+    byte-level fallback), since output blocks then cannot be hashed the way a next turn's prompt is."""
+    ids = [get_tokenizer().encode(w) for w in VOCAB]
+    return tuple(i[0] for i in ids) if all(len(i) == 1 for i in ids) else None
+
+
+def output_token_ids(seed: int, start: int, end: int) -> list[int]:
+    ids = vocab_token_ids()
+    assert ids is not None
+    n = len(ids)
+    return [ids[(seed + k * _STRIDE) % n] for k in range(start, end)]
 
 
 def output_json(seed: int, start: int, end: int) -> bytes:

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import orjson
@@ -455,6 +456,7 @@ class Replica:
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         bs = self.engine.block_size
         for i in range(n):
+            seed_i = proto.output_seed(len(prompt_ids), i, seed)
             req = Request(
                 rid if n == 1 else f"{rid}-{i}",
                 prompt_ids,
@@ -465,11 +467,12 @@ class Replica:
                 remote_kv=remote_kv,
                 kv_lease=kv_lease,
                 sink=out,
+                output_ids=partial(proto.output_token_ids, seed_i) if proto.vocab_token_ids() else None,
             )
             if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
                 req.finish_reason = "stop"  # a natural end, as an unbounded request would have
             out.children.append(req)
-            out.seeds.append(proto.output_seed(len(prompt_ids), i, seed))
+            out.seeds.append(seed_i)
             out.sent.append(0)
         created = proto.now_s()
         resp_id = ("chatcmpl-" if chat else "cmpl-") + rid

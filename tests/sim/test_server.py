@@ -295,3 +295,20 @@ async def test_configured_faults_error_rate_and_crash_after() -> None:
         with pytest.raises(httpx.RemoteProtocolError):
             await c.post(f"{url(r)}/v1/chat/completions", json=CHAT)
         assert r.crashed
+
+
+async def test_next_turn_hits_on_the_previous_answer() -> None:
+    async with replica() as r, httpx.AsyncClient() as c:
+        turn1 = [
+            {"role": "system", "content": "Be brief. " * 40},
+            {"role": "user", "content": "Name things."},
+        ]
+        first = (
+            await c.post(f"{url(r)}/v1/chat/completions", json={**CHAT, "messages": turn1, "max_tokens": 48})
+        ).json()
+        answer = first["choices"][0]["message"]["content"]
+        turn2 = [*turn1, {"role": "assistant", "content": answer}, {"role": "user", "content": "More."}]
+        second = (await c.post(f"{url(r)}/v1/chat/completions", json={**CHAT, "messages": turn2})).json()
+        p1 = first["usage"]["prompt_tokens"]
+        # Every full block of prompt + the 47 answer tokens whose KV was computed, like vLLM.
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (p1 + 47) // 16 * 16 > p1
