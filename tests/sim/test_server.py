@@ -253,13 +253,25 @@ async def test_kv_events_over_zmq_match_blocks_stored() -> None:
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "topic": "kv"}
     async with replica(kv_events=cfg) as r, httpx.AsyncClient() as c:
         sub.connect(r.kv_pub.endpoint)  # type: ignore[union-attr]
-        await asyncio.sleep(0.2)  # ZMQ slow joiner: a PUB drops what is sent before the SUB is connected
+        # ZMQ slow joiner: a PUB drops what it sends before the SUB has joined, so probe until one arrives.
+        deadline = time.monotonic() + 10
+        for probe in range(1, 10_000):
+            assert time.monotonic() < deadline, "no KV event ever arrived"
+            await c.post(
+                f"{url(r)}/v1/completions", json={"model": MODEL, "prompt": [probe] * 32, "max_tokens": 1}
+            )
+            try:
+                _, probe_seq, _ = await asyncio.wait_for(sub.recv_multipart(), 0.1)
+                break
+            except TimeoutError:
+                continue
         await c.post(f"{url(r)}/v1/chat/completions", json=CHAT)
         tokens = (await c.post(f"{url(r)}/tokenize", json={"messages": CHAT["messages"]})).json()["tokens"]
         topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 5)
         ts, events, dp_rank = msgpack.unpackb(payload)
         assert ts > 0
-        assert topic == b"kv" and int.from_bytes(seq, "big") == 0 and dp_rank == 0
+        assert topic == b"kv" and dp_rank == 0
+        assert int.from_bytes(seq, "big") == int.from_bytes(probe_seq, "big") + 1  # 8-byte big-endian counter
         stored = [h for ev in events if ev[0] == "BlockStored" for h in ev[1]]
         assert stored == block_hashes(tokens, 16)
         first = next(ev for ev in events if ev[0] == "BlockStored")
