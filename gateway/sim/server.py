@@ -340,7 +340,10 @@ class Replica:
         )
 
     def _max_tokens(self, body: dict[str, Any], prompt_len: int) -> int:
-        limit = min(self.opts.engine.max_model_len, self.engine.pool.num_blocks * self.engine.block_size)
+        ec = self.opts.engine
+        limit = min(ec.max_model_len, self.engine.pool.num_blocks * self.engine.block_size)
+        if not ec.enable_chunked_prefill:
+            limit = min(limit, ec.max_num_batched_tokens)  # a prompt must fit one step's budget
         if prompt_len >= limit:
             raise HTTPError(
                 400,
