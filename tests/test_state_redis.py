@@ -282,3 +282,23 @@ def test_outbox_dedupe_keeps_the_index_identical() -> None:
         deduped.merge("r", list(p)[::-1])
     assert deduped.snapshot("r") == full.snapshot("r")
     assert sum(map(len, dedupe(prompts))) < sum(map(len, prompts)) / 2
+
+
+async def test_redis_down_at_start_then_up(upstreams, gateway) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    (up,) = await upstreams(1)
+    a = await gateway(shared_settings([up.url], "late", redis_url=f"redis://127.0.0.1:{port}/0"))
+    assert not a.runtime.state.connected
+    async with httpx.AsyncClient() as client:
+        await complete(client, a, prompt(1))  # served from local state
+    server = _start_redis(port)
+    try:
+        await _wait_ping(port)
+        b = await gateway(shared_settings([up.url], "late", redis_url=f"redis://127.0.0.1:{port}/0"))
+        await wait_until(lambda: a.runtime.state.connected, timeout=5, what="A to connect")
+        await wait_until(lambda: blocks(b) == blocks(a) > 0, timeout=5, what="B to learn what A knew")
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

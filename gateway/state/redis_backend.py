@@ -93,6 +93,7 @@ class RedisState(StateBackend):
         self.resyncs = 0
         self.peers = 0
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._stream_id = b"0-0"
         self._weights_seen: dict[str, bytes] = {}  # field -> raw value last applied or written
         self._dirty_weights: dict[str, bytes] = {}  # written while Redis was away
@@ -134,6 +135,9 @@ class RedisState(StateBackend):
         self._task = asyncio.create_task(self._run(), name="kvgate-state-sync")
 
     async def stop(self) -> None:
+        # The flag, not only the cancellation: redis-py can turn a cancellation that lands inside
+        # a command into a ConnectionError, which the loop takes for an outage and carries on.
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -141,14 +145,15 @@ class RedisState(StateBackend):
         if self._connected:
             # Leave at once rather than after the TTL: the others stop counting our load now.
             with contextlib.suppress(*_DOWN):
-                pipe = self._redis.pipeline(transaction=True)
-                pipe.delete(self._inflight_key(self.instance))
-                pipe.zrem(self._instances_key, self.instance)
-                await pipe.execute()
+                async with asyncio.timeout(2.0):
+                    pipe = self._redis.pipeline(transaction=True)
+                    pipe.delete(self._inflight_key(self.instance))
+                    pipe.zrem(self._instances_key, self.instance)
+                    await pipe.execute()
         await self._redis.aclose(close_connection_pool=True)
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.cfg.sync_interval_s)
             try:
                 if not self._connected:
@@ -192,8 +197,9 @@ class RedisState(StateBackend):
         ):
             self._stream_id = b"0-0"  # the stream is new or Redis lost it: replay what it holds
         self._dirty_weights.clear()
+        # Whatever was learned while away (or before the first connection) goes out whole.
+        self._snapshot_due = True
         if self._ever_connected:
-            self._snapshot_due = True
             self.resyncs += 1
             log.info("redis state at %s is back: resynchronizing", self.cfg.redis_url)
         self._connected = True
