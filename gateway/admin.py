@@ -253,16 +253,18 @@ class Admin:
         return _json({"removed": replica.name, "inflight_requests": replica.inflight_requests})
 
     async def drain(self, request: web.Request) -> web.Response:
-        return self._set_draining(request, True)
+        return await self._set_draining(request, True)
 
     async def undrain(self, request: web.Request) -> web.Response:
-        return self._set_draining(request, False)
+        return await self._set_draining(request, False)
 
-    def _set_draining(self, request: web.Request, draining: bool) -> web.Response:
+    async def _set_draining(self, request: web.Request, draining: bool) -> web.Response:
         replica = self._replica(request)
         replica.draining = draining
+        who = self.who(request)
         action = "drain" if draining else "undrain"
-        record_change(self.rt, self.who(request), f"pool {replica.pool}: {action} replica {replica.name}")
+        record_change(self.rt, who, f"pool {replica.pool}: {action} replica {replica.name}")
+        await self.rt.state.publish_drain(replica.pool, replica.url, draining, who)
         return _json(_replica_view(replica))
 
     async def reload(self, request: web.Request) -> web.Response:

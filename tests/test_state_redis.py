@@ -156,6 +156,27 @@ async def test_weight_change_on_one_instance_reaches_the_other_within_a_second(
         assert "weights" in audit[-1]["what"]
 
 
+async def test_drain_on_one_instance_drains_everywhere(upstreams, gateway, key_prefix) -> None:
+    ups = await upstreams(2)
+    a = await gateway(shared_settings([u.url for u in ups], key_prefix))
+    b = await gateway(shared_settings([u.url for u in ups], key_prefix))
+    rb = b.runtime.pools["p"].replicas["r0"]
+    async with httpx.AsyncClient() as client:
+        r = await client.post(a.url + "/admin/pools/p/replicas/r0/drain", headers=AUTH)
+        assert r.status_code == 200
+        await wait_until(lambda: rb.draining, timeout=1.0, what="B to drain r0")
+        for _ in range(4):
+            assert (await complete(client, b, "x")).headers["x-kvgate-replica"] == "r1"
+        late = await gateway(shared_settings([u.url for u in ups], key_prefix))
+        await wait_until(
+            lambda: late.runtime.pools["p"].replicas["r0"].draining, timeout=2.0, what="late instance drains"
+        )
+        r = await client.post(b.url + "/admin/pools/p/replicas/r0/undrain", headers=AUTH)
+        assert r.status_code == 200
+        ra = a.runtime.pools["p"].replicas["r0"]
+        await wait_until(lambda: not ra.draining, timeout=1.0, what="A to undrain r0")
+
+
 async def test_fleet_counter_is_exact_under_concurrency(upstreams, gateway, key_prefix) -> None:
     (up,) = await upstreams(1)
     a = await gateway(shared_settings([up.url], key_prefix))

@@ -34,6 +34,7 @@ class StateBackend:
       `Replica.remote_inflight_*` (policies add the two).
     - prefix index: blocks one instance learns reach the other instances' `Pool.prefix_index`.
     - route weights: `publish_weights` after a local change reaches every instance's router.
+    - drain: `publish_drain` after a local change reaches every instance's replica.
     - counters: `incr` is an exact fleet-wide fixed-window counter (rate limits).
     """
 
@@ -62,6 +63,9 @@ class StateBackend:
 
     async def publish_routes(self, who: str) -> None:
         """The routes were reloaded from the config file: their weights become the fleet's."""
+
+    async def publish_drain(self, pool: str, url: str, draining: bool, who: str) -> None:
+        """A replica was drained or undrained here; make every instance do the same."""
 
     async def incr(self, key: str, amount: int, window_s: float) -> int:
         """Add `amount` to counter `key` in the current `window_s`-second window; the window's total.

@@ -7,8 +7,9 @@ One background task per instance syncs every `sync_interval_s`:
   `Replica.remote_inflight_*`. A gateway that dies stops refreshing and its counts expire.
 - prefix index: blocks learned locally are appended to a capped stream; every instance reads the
   stream from where it left off and merges the others' entries into its own index.
-- route weights: a hash, one field per route rule; an admin change writes it at once, the other
-  instances adopt it on their next sync.
+- operator settings: route weights (a hash, one field per route rule) and drained replicas (a
+  hash, one field per pool and URL); an admin change writes it at once, the other instances
+  adopt it on their next sync, and an instance that starts later adopts the fleet's.
 - counters: INCRBY + PEXPIRE in one Lua script, so N gateways never overshoot a shared limit.
 Replicas are identified across instances by (pool, URL), not by their local names.
 
@@ -95,8 +96,10 @@ class RedisState(StateBackend):
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._stream_id = b"0-0"
-        self._weights_seen: dict[str, bytes] = {}  # field -> raw value last applied or written
-        self._dirty_weights: dict[str, bytes] = {}  # written while Redis was away
+        # Operator settings (weights, drain): (hash, field) -> raw value last applied or written,
+        # and those written while Redis was away.
+        self._seen: dict[tuple[str, str], bytes] = {}
+        self._dirty: dict[tuple[str, str], bytes] = {}
         self._outbox: dict[tuple[str, str], list[Sequence[int]]] = {}  # (pool, replica name) -> prompts
         self._outbox_blocks = 0
         self._snapshot_due = False
@@ -118,6 +121,10 @@ class RedisState(StateBackend):
     @property
     def _weights_key(self) -> str:
         return self._key("weights")
+
+    @property
+    def _drain_key(self) -> str:
+        return self._key("drain")
 
     def _inflight_key(self, instance: str) -> str:
         return self._key("inflight", instance)
@@ -185,10 +192,14 @@ class RedisState(StateBackend):
         """(Re)join: push what changed while away, then let the next sync pull the rest."""
         await self._redis.ping()
         pipe = self._redis.pipeline(transaction=True)
-        for field, raw in self._dirty_weights.items():
-            pipe.hset(self._weights_key, field, raw)
-        for field, raw in self._local_weights("config").items():
-            pipe.hsetnx(self._weights_key, field, raw)
+        for (key, field), raw in self._dirty.items():
+            pipe.hset(key, field, raw)
+        for model, rules in self.rt.router.routes.items():
+            for i, rule in enumerate(rules):
+                if len(rule.pools) > 1:  # seed the fleet's weights from this config if it has none
+                    weights = _weights(dict(zip(rule.pools, rule.weights, strict=True)))
+                    raw = orjson.dumps({**weights, "by": "config", "at": time.time()})
+                    pipe.hsetnx(self._weights_key, f"{model}\t{i}", raw)
         pipe.xinfo_stream(self._stream_key)
         results = await pipe.execute(raise_on_error=False)
         last = results[-1]
@@ -196,7 +207,7 @@ class RedisState(StateBackend):
             self._stream_id
         ):
             self._stream_id = b"0-0"  # the stream is new or Redis lost it: replay what it holds
-        self._dirty_weights.clear()
+        self._dirty.clear()
         # Whatever was learned while away (or before the first connection) goes out whole.
         self._snapshot_due = True
         if self._ever_connected:
@@ -226,6 +237,7 @@ class RedisState(StateBackend):
         pipe.zremrangebyscore(self._instances_key, "-inf", now)
         pipe.zrange(self._instances_key, 0, -1)
         pipe.hgetall(self._weights_key)
+        pipe.hgetall(self._drain_key)
         for (pool, url), prompts in batches.items():
             packed = array("Q", [h for p in prompts for h in p]).tobytes()
             lengths = ",".join(str(len(p)) for p in prompts)
@@ -238,6 +250,7 @@ class RedisState(StateBackend):
         instances = [m.decode() for m in results[offset] if m.decode() != self.instance]
         self.peers = len(instances)
         self._apply_weights(results[offset + 1])
+        self._apply_drain(results[offset + 2])
         reads = self._redis.pipeline(transaction=False)
         for other in instances:
             reads.hgetall(self._inflight_key(other))
@@ -323,26 +336,32 @@ class RedisState(StateBackend):
         self._outbox_blocks = 0
         return out
 
-    # -- route weights ----------------------------------------------------------------
-    def _local_weights(self, who: str) -> dict[str, bytes]:
-        out = {}
-        for model, rules in self.rt.router.routes.items():
-            for i, rule in enumerate(rules):
-                if len(rule.pools) > 1:
-                    out[f"{model}\t{i}"] = _weights_value(
-                        dict(zip(rule.pools, rule.weights, strict=True)), who
-                    )
+    # -- operator settings: route weights, drain --------------------------------------
+    def _changed(self, key: str, stored: Mapping[bytes, bytes]) -> list[tuple[str, dict[str, Any]]]:
+        """The fields of a settings hash that changed since last applied or written here."""
+        out = []
+        for raw_field, raw in stored.items():
+            field = raw_field.decode()
+            if self._seen.get((key, field)) != raw:
+                self._seen[(key, field)] = raw
+                out.append((field, orjson.loads(raw)))
         return out
+
+    async def _publish(self, key: str, field: str, value: dict[str, Any], who: str) -> None:
+        raw = orjson.dumps({**value, "by": who, "at": time.time()})
+        self._seen[(key, field)] = raw
+        if self._connected:
+            try:
+                await self._redis.hset(key, field, raw)
+                return
+            except _DOWN as exc:
+                self._down(exc)
+        self._dirty[(key, field)] = raw
 
     def _apply_weights(self, stored: Mapping[bytes, bytes]) -> None:
         router = self.rt.router
-        for raw_field, raw in stored.items():
-            field = raw_field.decode()
-            if self._weights_seen.get(field) == raw:
-                continue
-            self._weights_seen[field] = raw
+        for field, data in self._changed(self._weights_key, stored):
             model, _, index = field.rpartition("\t")
-            data = orjson.loads(raw)
             try:
                 if router.weights(model, int(index)) == data["weights"]:
                     continue
@@ -358,24 +377,33 @@ class RedisState(StateBackend):
                 data["by"],
             )
 
+    def _apply_drain(self, stored: Mapping[bytes, bytes]) -> None:
+        replicas = self._replica_by_url()
+        for field, data in self._changed(self._drain_key, stored):
+            pool, _, url = field.partition("\t")
+            replica = replicas.get((pool, url))
+            if replica is not None and replica.draining != data["draining"]:
+                replica.draining = data["draining"]
+                action = "drain" if data["draining"] else "undrain"
+                log.info(
+                    "pool %s: %s replica %s (shared state, by %s)", pool, action, replica.name, data["by"]
+                )
+
     async def publish_weights(
         self, model: str, rule_index: int, weights: Mapping[str, float], who: str
     ) -> None:
-        field = f"{model}\t{rule_index}"
-        raw = _weights_value(weights, who)
-        self._weights_seen[field] = raw
-        if self._connected:
-            try:
-                await self._redis.hset(self._weights_key, field, raw)
-                return
-            except _DOWN as exc:
-                self._down(exc)
-        self._dirty_weights[field] = raw
+        await self._publish(self._weights_key, f"{model}\t{rule_index}", _weights(weights), who)
 
     async def publish_routes(self, who: str) -> None:
-        for field, raw in self._local_weights(who).items():
-            model, _, index = field.rpartition("\t")
-            await self.publish_weights(model, int(index), orjson.loads(raw)["weights"], who)
+        for model, rules in self.rt.router.routes.items():
+            for i, rule in enumerate(rules):
+                if len(rule.pools) > 1:
+                    await self.publish_weights(
+                        model, i, dict(zip(rule.pools, rule.weights, strict=True)), who
+                    )
+
+    async def publish_drain(self, pool: str, url: str, draining: bool, who: str) -> None:
+        await self._publish(self._drain_key, f"{pool}\t{url}", {"draining": draining}, who)
 
     # -- counters ---------------------------------------------------------------------
     async def incr(self, key: str, amount: int, window_s: float) -> int:
@@ -415,8 +443,8 @@ def dedupe(prompts: list[Sequence[int]]) -> list[Sequence[int]]:
     return out[::-1]
 
 
-def _weights_value(weights: Mapping[str, float], who: str) -> bytes:
-    return orjson.dumps({"weights": {k: float(v) for k, v in weights.items()}, "by": who, "at": time.time()})
+def _weights(weights: Mapping[str, float]) -> dict[str, Any]:
+    return {"weights": {k: float(v) for k, v in weights.items()}}
 
 
 def _stream_id(raw: bytes | str) -> tuple[int, int]:
