@@ -92,6 +92,7 @@ class PrefixAffinity(Policy):
         self._cold_turns = 0
 
     def _queue(self, name: str, now: float) -> _Queue:
+        """The replica's queue estimate, drained up to `now`."""
         q = self._queues.get(name)
         if q is None:
             q = self._queues[name] = _Queue(stamp=now)
@@ -100,17 +101,15 @@ class PrefixAffinity(Policy):
         q.stamp = now
         return q
 
-    def queued_tokens(self, r: ReplicaView, now: float | None = None) -> float:
-        """Uncached prompt tokens believed queued for prefill on `r`."""
-        q = self._queue(r.name, self._clock() if now is None else now)
+    def _queued(self, q: _Queue, r: ReplicaView, fresh: bool) -> float:
         # Finished requests leave the replica's in-flight count: drop as many entries, oldest first.
         excess = len(q.ledger) - r.inflight_requests
-        for _ in range(max(0, excess)):
+        for _ in range(excess):
             rid, n = q.ledger.popitem(last=False)
             q.ledger_tokens -= n
             self._placed.pop(rid, None)
         own = min(q.backlog, q.ledger_tokens)
-        if r.engine_fresh and r.engine.waiting:
+        if fresh and r.engine.waiting:
             # Waiting requests cost what ours in flight there cost on average; any beyond our own
             # count are another gateway's, of unknown size.
             waiting = r.engine.waiting
@@ -120,14 +119,21 @@ class PrefixAffinity(Policy):
             return max(own, engine)
         return own
 
+    def queued_tokens(self, r: ReplicaView, now: float | None = None) -> float:
+        """Uncached prompt tokens believed queued for prefill on `r`."""
+        q = self._queue(r.name, self._clock() if now is None else now)
+        return self._queued(q, r, r.engine_fresh)
+
     def estimate_tokens(self, request: RequestFeatures, c: Candidate, now: float | None = None) -> float:
         """Estimated time to first token of `request` on `c`, in tokens of prefill work."""
         r = c.replica
+        fresh = r.engine_fresh
         in_flight = r.inflight_requests
-        if r.engine_fresh:
+        if fresh:
             in_flight = max(in_flight, r.engine.running + r.engine.waiting)
+        q = self._queue(r.name, self._clock() if now is None else now)
         uncached = max(0, request.prompt_tokens - c.matched_tokens)
-        return self.queued_tokens(r, now) + uncached + self._per_request * in_flight
+        return self._queued(q, r, fresh) + uncached + self._per_request * in_flight
 
     def estimate_s(self, request: RequestFeatures, c: Candidate) -> float:
         """Estimated time to first token of `request` on `c`, in seconds."""
@@ -137,13 +143,37 @@ class PrefixAffinity(Policy):
         if not candidates:
             return []
         now = self._clock()
-        scored = sorted(
-            (self.estimate_tokens(request, c, now), c.replica.inflight_requests, i)
-            for i, c in enumerate(candidates)
+        # estimate_tokens, unrolled: this loop runs once per replica on every request.
+        queue, queued, per_request, prompt = (
+            self._queue,
+            self._queued,
+            self._per_request,
+            request.prompt_tokens,
         )
-        best = scored[0]
         first_matched = candidates[0].matched_tokens
-        if all(c.matched_tokens == first_matched for c in candidates):
+        cold = True
+        scored = []
+        for i, c in enumerate(candidates):
+            r = c.replica
+            q = queue(r.name, now)
+            n = r.inflight_requests
+            in_flight = n
+            fresh = r.engine_fresh
+            if fresh:
+                engine = r.engine
+                in_flight = max(n, engine.running + engine.waiting)
+            if fresh or len(q.ledger) > n:
+                ahead = queued(q, r, fresh)
+            else:
+                ahead = min(q.backlog, q.ledger_tokens)
+            matched = c.matched_tokens
+            if matched != first_matched:
+                cold = False
+            uncached = prompt - matched
+            scored.append((ahead + (uncached if uncached > 0 else 0) + per_request * in_flight, n, i))
+        scored.sort()
+        best = scored[0]
+        if cold:
             # No replica is preferred for its cache: among the near-cheapest, the one that took
             # such a request least recently, so new prefixes spread evenly.
             limit = best[0] + self._spread
@@ -155,9 +185,7 @@ class PrefixAffinity(Policy):
             self._cold_turns += 1
             queues[candidates[best[2]].replica.name].cold_turn = self._cold_turns
         chosen = candidates[best[2]]
-        self._charge(
-            request.request_id, chosen.replica.name, request.prompt_tokens - chosen.matched_tokens, now
-        )
+        self._charge(request.request_id, chosen.replica.name, prompt - chosen.matched_tokens, now)
         return [chosen, *(candidates[s[2]] for s in scored if s is not best)]
 
     def _charge(self, request_id: str, replica: str, tokens: int, now: float) -> None:
