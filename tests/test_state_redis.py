@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 
 from gateway.prefix_index import PrefixIndex
 from gateway.server import RunningGateway
+from gateway.state import Bucket
 from gateway.state.redis_backend import dedupe
 from tests.conftest import free_port, gateway_settings, wait_until
 
@@ -188,6 +189,26 @@ async def test_fleet_counter_is_exact_under_concurrency(upstreams, gateway, key_
     assert await a.runtime.state.incr("tenant-x:tokens", 500, 60) == 500  # keys are separate
 
 
+async def test_fleet_token_buckets_are_exact_and_all_or_nothing(upstreams, gateway, key_prefix) -> None:
+    (up,) = await upstreams(1)
+    a = await gateway(shared_settings([up.url], key_prefix))
+    b = await gateway(shared_settings([up.url], key_prefix))
+    # 10 units, refilled so slowly that nothing comes back during the test.
+    one = [Bucket("t1:requests", 1, 0.001, 10)]
+    waits = await asyncio.gather(*(gw.runtime.state.take(one) for _ in range(15) for gw in (a, b)))
+    assert sum(w == [0.0] for w in waits) == 10
+    assert all(w[0] > 900 for w in waits if w != [0.0])  # about 1000 s until one unit is back
+    # Several buckets: a charge one of them refuses is charged to none.
+    both = [Bucket("t2:requests", 1, 0.001, 100), Bucket("t2:tokens", 40, 0.001, 50)]
+    assert await a.runtime.state.take(both) == [0.0, 0.0]
+    refused = await b.runtime.state.take(both)
+    assert refused[0] == 0.0 and refused[1] > 0
+    assert await b.runtime.state.take([Bucket("t2:requests", 99, 0.001, 100)]) == [0.0]  # 1 + 99 = 100
+    # An oversized charge passes on a full bucket (and drives it negative), as gateway.limits does.
+    assert await a.runtime.state.take([Bucket("t3:tokens", 500, 1.0, 100)]) == [0.0]
+    assert (await b.runtime.state.take([Bucket("t3:tokens", 1, 1.0, 100)]))[0] > 300
+
+
 def _start_redis(port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
@@ -268,6 +289,8 @@ async def test_redis_outage_serves_locally_and_resynchronizes(upstreams, gateway
         assert (await ask(a, prompt(2))).headers["x-kvgate-pool"] == "canary"
         assert (await ask(b, prompt(2))).headers["x-kvgate-pool"] == pool_of_u1  # B cannot know yet
         assert await a.runtime.state.incr("k", 2, 60) == 2  # counters fall back to local
+        assert await a.runtime.state.take([Bucket("k", 1, 1.0, 1)]) == [0.0]
+        assert (await a.runtime.state.take([Bucket("k", 1, 1.0, 1)]))[0] > 0
         status = (await client.get(a.url + "/admin/state", headers=AUTH)).json()
         assert status["connected"] is False and status["last_error"]
 

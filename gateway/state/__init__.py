@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gateway.state.base import StateBackend
+from gateway.state.base import Bucket, StateBackend
 from gateway.state.memory import MemoryState
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
 
-__all__ = ["MemoryState", "StateBackend", "make_state"]
+__all__ = ["Bucket", "MemoryState", "StateBackend", "make_state"]
 
 
 def make_state(runtime: Runtime) -> StateBackend:

@@ -1,12 +1,14 @@
-"""The state backend interface, and the local fixed-window counters every backend falls back on."""
+"""The state backend interface, and the local counters and token buckets every backend falls back on."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gateway.config import StateConfig
+from gateway.limits import TokenBucket
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
@@ -27,6 +29,39 @@ class LocalCounters:
         return count
 
 
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One charge to a token bucket: `capacity` units refilled at `rate` units/s (gateway.limits semantics:
+    a charge above the capacity passes once the bucket is full, and drives it negative)."""
+
+    key: str
+    amount: float
+    rate: float
+    capacity: float
+
+
+class LocalBuckets:
+    """Token buckets in this process (the memory backend, and Redis' fallback when down)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def take(self, charges: Sequence[Bucket]) -> list[float]:
+        buckets = []
+        for c in charges:
+            b = self._buckets.get(c.key)
+            if b is None:
+                b = self._buckets[c.key] = TokenBucket(c.rate, c.capacity, self._clock)
+            b.rate, b.capacity = c.rate, c.capacity  # a config reload may change them
+            buckets.append(b)
+        waits = [b.wait_s(c.amount) for b, c in zip(buckets, charges, strict=True)]
+        if not any(waits):
+            for b, c in zip(buckets, charges, strict=True):
+                b.charge(c.amount)
+        return waits
+
+
 class StateBackend:
     """What a gateway shares with its peers. Subclasses override what they share.
 
@@ -35,7 +70,8 @@ class StateBackend:
     - prefix index: blocks one instance learns reach the other instances' `Pool.prefix_index`.
     - route weights: `publish_weights` after a local change reaches every instance's router.
     - drain: `publish_drain` after a local change reaches every instance's replica.
-    - counters: `incr` is an exact fleet-wide fixed-window counter (rate limits).
+    - rate limits: `take` charges fleet-wide token buckets atomically; `incr` is an exact
+      fleet-wide fixed-window counter.
     """
 
     name: ClassVar[str] = "base"
@@ -44,6 +80,7 @@ class StateBackend:
         self.cfg = cfg
         self.rt = runtime
         self.counters = LocalCounters()
+        self.buckets = LocalBuckets()
 
     @property
     def connected(self) -> bool:
@@ -73,6 +110,11 @@ class StateBackend:
         Fleet-wide and exact with a shared backend (one round trip); local otherwise.
         """
         return self.counters.incr(key, amount, window_s)
+
+    async def take(self, charges: Sequence[Bucket]) -> list[float]:
+        """Charge every bucket at once if each can pay, else none: per bucket, the seconds until the
+        same charge would pass (all 0.0: charged). Fleet-wide and atomic with a shared backend."""
+        return self.buckets.take(charges)
 
     def status(self) -> dict[str, Any]:
         return {"backend": self.name, "connected": self.connected}

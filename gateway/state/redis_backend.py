@@ -10,7 +10,8 @@ One background task per instance syncs every `sync_interval_s`:
 - operator settings: route weights (a hash, one field per route rule) and drained replicas (a
   hash, one field per pool and URL); an admin change writes it at once, the other instances
   adopt it on their next sync, and an instance that starts later adopts the fleet's.
-- counters: INCRBY + PEXPIRE in one Lua script, so N gateways never overshoot a shared limit.
+- rate limits: token buckets and fixed-window counters, each charged in one Lua script, so N
+  gateways never overshoot a shared limit (several buckets are charged all or none).
 Replicas are identified across instances by (pool, URL), not by their local names.
 
 When Redis is unreachable the gateway serves from local state (remote load counts as 0), logs a
@@ -37,7 +38,7 @@ from redis.exceptions import RedisError
 
 from gateway.config import StateConfig
 from gateway.prefix_index import PrefixIndex
-from gateway.state.base import StateBackend
+from gateway.state.base import Bucket, StateBackend
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
@@ -54,6 +55,33 @@ _INCR = """
 local v = redis.call('INCRBY', KEYS[1], ARGV[1])
 if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return v
+"""
+# Token buckets as in gateway.limits, on Redis' clock (one clock for every gateway). KEYS: the
+# buckets; ARGV: amount, rate, capacity per bucket. All pay or none does; returns each one's wait.
+_TAKE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local levels, waits, blocked = {}, {}, false
+for i = 1, #KEYS do
+  local amount, rate, cap = tonumber(ARGV[3*i-2]), tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i])
+  local v = redis.call('HMGET', KEYS[i], 'level', 'stamp')
+  local level, stamp = tonumber(v[1]), tonumber(v[2])
+  if level == nil or stamp == nil then level, stamp = cap, now end
+  level = math.min(cap, level + math.max(0, now - stamp) * rate)
+  levels[i] = level
+  local need = math.min(amount, cap) - level
+  if need > 0 then waits[i] = tostring(need / rate); blocked = true else waits[i] = '0' end
+end
+if not blocked then
+  for i = 1, #KEYS do
+    local amount, rate, cap = tonumber(ARGV[3*i-2]), tonumber(ARGV[3*i-1]), tonumber(ARGV[3*i])
+    local level = levels[i] - amount
+    redis.call('HSET', KEYS[i], 'level', tostring(level), 'stamp', tostring(now))
+    -- A missing bucket is a full one: keep it only until it would have refilled.
+    redis.call('PEXPIRE', KEYS[i], math.ceil(((cap - level) / rate + 1) * 1000))
+  end
+end
+return waits
 """
 _DOWN = (RedisError, OSError, asyncio.TimeoutError)
 
@@ -87,6 +115,7 @@ class RedisState(StateBackend):
         )
         self._redis = aioredis.Redis(connection_pool=pool)
         self._incr = self._redis.register_script(_INCR)
+        self._take = self._redis.register_script(_TAKE)
         self._connected = False
         self._ever_connected = False
         self._warned = False
@@ -418,6 +447,18 @@ class RedisState(StateBackend):
             except _DOWN as exc:
                 self._down(exc)
         return self.counters.incr(key, amount, window_s)
+
+    async def take(self, charges: Sequence[Bucket]) -> list[float]:
+        if self._connected and charges:
+            args: list[float] = []
+            for c in charges:
+                args += [c.amount, c.rate, c.capacity]
+            try:
+                waits = await self._take(keys=[self._key("bucket", c.key) for c in charges], args=args)
+                return [float(w) for w in waits]
+            except _DOWN as exc:
+                self._down(exc)
+        return self.buckets.take(charges)
 
     def status(self) -> dict[str, Any]:
         return {
