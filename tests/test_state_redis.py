@@ -46,7 +46,9 @@ async def key_prefix() -> AsyncIterator[str]:
     await client.aclose()
 
 
-def shared_settings(endpoints: list[str], prefix: str, redis_url: str = REDIS_URL, **extra: Any) -> Any:
+def shared_settings(
+    endpoints: list[str], prefix: str, redis_url: str = REDIS_URL, sync_interval_s: float = 0.05, **extra: Any
+) -> Any:
     return gateway_settings(
         endpoints,
         server={"admin_key": KEY},
@@ -54,7 +56,7 @@ def shared_settings(endpoints: list[str], prefix: str, redis_url: str = REDIS_UR
             "backend": "redis",
             "redis_url": redis_url,
             "key_prefix": prefix,
-            "sync_interval_s": 0.05,
+            "sync_interval_s": sync_interval_s,
             "instance_ttl_s": 1.0,
         },
         **extra,
@@ -95,6 +97,18 @@ async def test_two_instances_send_a_prefix_to_the_same_replica(upstreams, gatewa
     assert second == first
 
 
+async def test_learned_blocks_reach_peers_without_waiting_for_the_sync_interval(
+    upstreams, gateway, key_prefix
+) -> None:
+    (up,) = await upstreams(1)
+    a = await gateway(shared_settings([up.url], key_prefix, sync_interval_s=30))
+    b = await gateway(shared_settings([up.url], key_prefix, sync_interval_s=30))
+    async with httpx.AsyncClient() as client:
+        for g in range(3):
+            await complete(client, a, prompt(g))
+            await wait_until(lambda: blocks(b) == blocks(a), timeout=1.0, what="B to learn at once")
+
+
 async def test_remote_inflight_visible_and_expires_with_a_dead_instance(
     upstreams, gateway, key_prefix
 ) -> None:
@@ -112,7 +126,7 @@ async def test_remote_inflight_visible_and_expires_with_a_dead_instance(
         # A gateway that dies mid-request (its sync stops) stops counting once its TTL runs out.
         slow = asyncio.create_task(complete(client, a, "x" * 400, **{"x-test-mode": "stall:4"}))
         await wait_until(lambda: rb.remote_inflight_requests == 1, timeout=3, what="B to see A's request")
-        task = a.runtime.state._task  # type: ignore[attr-defined]
+        task = a.runtime.state._tasks[0]  # type: ignore[attr-defined]  # its sync loop
         task.cancel()
         await wait_until(lambda: rb.remote_inflight_requests == 0, timeout=3, what="A's counts to expire")
         assert ra.inflight_requests == 1

@@ -1,12 +1,14 @@
 """Redis-shared state for several gateway instances, kept off the request path.
 
-One background task per instance syncs every `sync_interval_s`:
+Per instance, one background task syncs every `sync_interval_s` and another reads the prefix stream:
 - in-flight load: the instance rewrites its own per-replica counts in one MULTI (so readers never
   see half of them) under a per-instance key with a TTL of `instance_ttl_s`; live instances are
   listed in a sorted set scored by expiry. The sum over the other live instances lands in each
   `Replica.remote_inflight_*`. A gateway that dies stops refreshing and its counts expire.
-- prefix index: blocks learned locally are appended to a capped stream; every instance reads the
-  stream from where it left off and merges the others' entries into its own index.
+- prefix index: blocks learned locally are appended to a capped stream within milliseconds of
+  the routing decision (batched, deduplicated); every instance reads the stream with a blocking
+  read from where it left off and merges the others' entries into its own index, so a prefix
+  routed by one gateway is known to the others before its next request typically arrives.
 - operator settings: route weights (a hash, one field per route rule) and drained replicas (a
   hash, one field per pool and URL); an admin change writes it at once, the other instances
   adopt it on their next sync, and an instance that starts later adopts the fleet's.
@@ -15,7 +17,7 @@ One background task per instance syncs every `sync_interval_s`:
 Replicas are identified across instances by (pool, URL), not by their local names.
 
 When Redis is unreachable the gateway serves from local state (remote load counts as 0), logs a
-warning once, and retries each interval. On reconnect it pushes weights changed meanwhile,
+warning once, and retries each interval. On reconnect it pushes settings changed meanwhile,
 republishes its whole prefix index, and rereads the stream (from the start if Redis lost it).
 """
 
@@ -51,6 +53,8 @@ STREAM_MAXLEN = 20_000
 STREAM_IDLE_TTL_MS = 600_000  # a fleet idle this long has nothing worth replaying
 MAX_OUTBOX_BLOCKS = 500_000  # beyond this the outbox is dropped and the next sync sends a snapshot
 READ_BATCH = 1000
+READ_BLOCK_MS = 500  # below the socket timeout
+FLUSH_GAP_S = 0.005  # learned blocks go out this soon after a routing decision, batched
 _INCR = """
 local v = redis.call('INCRBY', KEYS[1], ARGV[1])
 if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -122,8 +126,10 @@ class RedisState(StateBackend):
         self.last_error: str | None = None
         self.resyncs = 0
         self.peers = 0
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._wake = asyncio.Event()  # set when there are learned blocks to send
+        self._stream_generation = 0  # bumped when the read position is reset
         self._stream_id = b"0-0"
         # Operator settings (weights, drain): (hash, field) -> raw value last applied or written,
         # and those written while Redis was away.
@@ -168,16 +174,19 @@ class RedisState(StateBackend):
             await self._connect()
         except _DOWN as exc:
             self._down(exc)
-        self._task = asyncio.create_task(self._run(), name="kvgate-state-sync")
+        self._tasks = [
+            asyncio.create_task(self._run(), name="kvgate-state-sync"),
+            asyncio.create_task(self._read_stream(), name="kvgate-state-prefix-reader"),
+        ]
 
     async def stop(self) -> None:
         # The flag, not only the cancellation: redis-py can turn a cancellation that lands inside
         # a command into a ConnectionError, which the loop takes for an outage and carries on.
         self._stopping = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
         if self._connected:
             # Leave at once rather than after the TTL: the others stop counting our load now.
             with contextlib.suppress(*_DOWN):
@@ -189,16 +198,50 @@ class RedisState(StateBackend):
         await self._redis.aclose(close_connection_pool=True)
 
     async def _run(self) -> None:
+        """A full sync every interval; in between, learned blocks are sent as soon as they come."""
+        loop = asyncio.get_running_loop()
+        next_sync = loop.time() + self.cfg.sync_interval_s
         while not self._stopping:
-            await asyncio.sleep(self.cfg.sync_interval_s)
+            wait = next_sync - loop.time()
+            if wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await self._wake.wait()
+            self._wake.clear()
             try:
-                if not self._connected:
-                    await self._connect()
-                await self._sync()
+                if loop.time() >= next_sync:
+                    next_sync = loop.time() + self.cfg.sync_interval_s
+                    if not self._connected:
+                        await self._connect()
+                    await self._sync()
+                elif self._connected:
+                    await self._send_blocks()
             except _DOWN as exc:
                 self._down(exc)
             except Exception:  # a bug here must not end sharing for good
                 log.exception("state sync failed")
+            await asyncio.sleep(FLUSH_GAP_S)
+
+    async def _read_stream(self) -> None:
+        """Merge the other instances' learned blocks as they arrive (a blocking read)."""
+        while not self._stopping:
+            if not self._connected:
+                await asyncio.sleep(self.cfg.sync_interval_s)
+                continue
+            generation = self._stream_generation
+            try:
+                reply = await self._redis.xread(
+                    {self._stream_key: self._stream_id}, count=READ_BATCH, block=READ_BLOCK_MS
+                )
+            except _DOWN:
+                await asyncio.sleep(self.cfg.sync_interval_s)  # the sync loop notices and reconnects
+                continue
+            except Exception:
+                log.exception("reading shared prefix entries failed")
+                await asyncio.sleep(self.cfg.sync_interval_s)
+                continue
+            if reply and generation == self._stream_generation:
+                self._merge(reply[0][1])
 
     def _down(self, exc: BaseException) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}"
@@ -236,6 +279,7 @@ class RedisState(StateBackend):
             self._stream_id
         ):
             self._stream_id = b"0-0"  # the stream is new or Redis lost it: replay what it holds
+            self._stream_generation += 1
         self._dirty.clear()
         # Whatever was learned while away (or before the first connection) goes out whole.
         self._snapshot_due = True
@@ -253,10 +297,6 @@ class RedisState(StateBackend):
         own = self._own_inflight()
         ttl_ms = int(self.cfg.instance_ttl_s * 1000)
         key = self._inflight_key(self.instance)
-        if self._snapshot_due:
-            self._snapshot_due = False
-            self._queue_snapshot()
-        batches = self._take_outbox()
         pipe = self._redis.pipeline(transaction=True)
         pipe.delete(key)
         if own:
@@ -267,13 +307,7 @@ class RedisState(StateBackend):
         pipe.zrange(self._instances_key, 0, -1)
         pipe.hgetall(self._weights_key)
         pipe.hgetall(self._drain_key)
-        for (pool, url), prompts in batches.items():
-            packed = array("Q", [h for p in prompts for h in p]).tobytes()
-            lengths = ",".join(str(len(p)) for p in prompts)
-            entry = {"i": self.instance, "p": pool, "u": url, "n": lengths, "h": packed}
-            pipe.xadd(self._stream_key, entry, maxlen=STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
-        if batches:
-            pipe.pexpire(self._stream_key, STREAM_IDLE_TTL_MS)
+        self._add_blocks(pipe)
         results = await pipe.execute()
         offset = 3 + 2 * bool(own)  # delete, [hset, pexpire], zadd, zremrangebyscore
         instances = [m.decode() for m in results[offset] if m.decode() != self.instance]
@@ -283,15 +317,27 @@ class RedisState(StateBackend):
         reads = self._redis.pipeline(transaction=False)
         for other in instances:
             reads.hgetall(self._inflight_key(other))
-        reads.xread({self._stream_key: self._stream_id}, count=READ_BATCH)
-        *loads, stream = await reads.execute()
-        self._apply_remote_inflight(loads)
-        while stream:
-            entries = stream[0][1]
-            self._merge(entries)
-            if len(entries) < READ_BATCH:
-                break
-            stream = await self._redis.xread({self._stream_key: self._stream_id}, count=READ_BATCH)
+        self._apply_remote_inflight(await reads.execute())
+
+    def _add_blocks(self, pipe: Any) -> None:
+        """Queue the outbox's blocks (and a due snapshot) as stream entries on `pipe`."""
+        if self._snapshot_due:
+            self._snapshot_due = False
+            self._queue_snapshot()
+        batches = self._take_outbox()
+        for (pool, url), prompts in batches.items():
+            packed = array("Q", [h for p in prompts for h in p]).tobytes()
+            lengths = ",".join(str(len(p)) for p in prompts)
+            entry = {"i": self.instance, "p": pool, "u": url, "n": lengths, "h": packed}
+            pipe.xadd(self._stream_key, entry, maxlen=STREAM_MAXLEN, approximate=True)
+        if batches:
+            pipe.pexpire(self._stream_key, STREAM_IDLE_TTL_MS)
+
+    async def _send_blocks(self) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        self._add_blocks(pipe)
+        if len(pipe):
+            await pipe.execute()
 
     def _replica_by_url(self) -> dict[tuple[str, str], Any]:
         return {(p.name, r.url): r for p in self.rt.pools.values() for r in p.replicas.values()}
@@ -342,6 +388,7 @@ class RedisState(StateBackend):
             return  # everything is republished as a snapshot on reconnect
         self._outbox.setdefault((pool, replica), []).append(block_hashes)
         self._outbox_blocks += len(block_hashes)
+        self._wake.set()
         if self._outbox_blocks > MAX_OUTBOX_BLOCKS:
             self._outbox.clear()
             self._outbox_blocks = 0
