@@ -47,9 +47,11 @@ class PrefixAffinityParams(BaseModel):
         "simulator's speedup); drains the policy's own queue estimate between decisions",
     )
     per_request_tokens: float = Field(
-        8.0,
+        64.0,
         ge=0,
-        description="Decode-load term: tokens of prefill time added per request in flight on the replica",
+        description="Decode-load term: tokens of prefill work each request in flight on a replica is worth "
+        "(its share of every batch step, and the slower decode a newcomer shares); at the default a "
+        "replica must carry ~32 more requests than another before a 2k-token prefix is recomputed there",
     )
     waiting_token_cost: int = Field(
         1024,
