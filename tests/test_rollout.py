@@ -9,7 +9,9 @@ import httpx
 import pytest
 
 from gateway.config import ConfigError, RouteConfig, load_config
+from gateway.request_record import RequestRecord
 from gateway.rollout import BUCKETS, Router, sticky_bucket
+from gateway.variant_stats import VariantStats
 from tests.conftest import gateway_settings
 
 POOLS = {"stable": "m-stable", "canary": "m-canary"}
@@ -152,3 +154,33 @@ async def test_gateway_split_pool_header_and_model_rewrite(upstreams, gateway) -
     assert {p for pools in seen.values() for p in pools} == {"stable", "canary"}
     assert {x.body["model"] for x in s.state.seen} == {"m"}
     assert {x.body["model"] for x in c.state.seen} == {"m-v2"}  # per-pool model rewrite
+
+
+def test_variant_stats_window_percentiles_and_errors() -> None:
+    now = [0.0]
+    stats = VariantStats(window_s=60, max_samples=100, clock=lambda: now[0])
+
+    def record(pool: str, status: int, ttft: float | None, e2e: float, **kw: Any) -> RequestRecord:
+        rec = RequestRecord("r", "chat", started=0.0, model="llama", pool=pool, status=status, **kw)
+        rec.first_byte_at = ttft
+        rec.ended = e2e
+        return rec
+
+    for i in range(1, 101):
+        stats(record("stable", 200, i / 1000, 2 * i / 1000))
+    stats(record("canary", 502, None, 0.5))
+    stats(record("canary", 200, 0.01, 0.02, error_code="upstream_stream_error"))
+    stats(record("canary", 400, None, 0.001))
+    stats(record("canary", 499, None, 0.3, client_disconnected=True))  # nobody to judge it for
+    stats(RequestRecord("x", "chat", model="llama", status=404))  # never reached a pool
+    snap = stats.snapshot()["llama"]
+    assert snap["stable"]["ttft_ms"] == {"p50": 50.0, "p95": 95.0, "p99": 99.0}
+    assert snap["stable"]["e2e_ms"]["p50"] == 100.0
+    assert snap["stable"]["window_error_rate"] == 0.0
+    canary = snap["canary"]
+    assert (canary["requests_total"], canary["errors_total"], canary["client_errors_total"]) == (3, 2, 1)
+    assert canary["window_error_rate"] == pytest.approx(2 / 3)
+    now[0] = 61.0  # the window slides; totals stay
+    snap = stats.snapshot()["llama"]
+    assert snap["stable"]["window_requests"] == 0 and snap["stable"]["ttft_ms"]["p50"] is None
+    assert snap["stable"]["requests_total"] == 100
