@@ -10,7 +10,7 @@ import time
 import httpx
 import yaml
 
-from tests.conftest import PYTHON, free_port, subprocess_env
+from tests.conftest import PYTHON, free_port, subprocess_env, wait_until
 
 
 def test_bad_config_exits_nonzero_naming_the_key(tmp_path):
@@ -78,10 +78,7 @@ async def test_sigterm_lets_inflight_stream_finish_then_exits_zero(upstreams, tm
             async with c.stream(
                 "POST", url + "/v1/completions", json=body, headers={"x-test-mode": "stall:1"}
             ) as r:
-                deadline = time.monotonic() + 5
-                while not up.state.seen:
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.01)
+                await wait_until(lambda: bool(up.state.seen), what="the request to reach the upstream")
                 proc.send_signal(signal.SIGTERM)
                 text = (await r.aread()).decode()
             assert r.status_code == 200 and text.endswith("data: [DONE]\n\n")
