@@ -50,20 +50,12 @@ def record_change(runtime: Runtime, who: str, what: str) -> None:
 
 def add_endpoint(runtime: Runtime, pool: Pool, ep: EndpointConfig) -> Replica:
     """Add an unmanaged replica; health checks and load scraping pick it up."""
-    replica = pool.add_replica(
-        ep.url, name=ep.name, role=ep.role, kind=ep.kind, bootstrap_port=ep.bootstrap_port
-    )
-    adapter = pool.adapter_for(replica)
-    if adapter is not None:
-        runtime.scraper.add(replica.name, replica.url, adapter)
-    return replica
+    return runtime.register(pool, ep.url, ep.name, ep.role, ep.kind, ep.bootstrap_port)
 
 
 def remove_endpoint(runtime: Runtime, pool: Pool, name: str) -> Replica | None:
     """No new requests go to the replica; those already on it hold it and finish."""
-    runtime.scraper.remove(name)
-    runtime.health.forget(name)
-    return pool.remove_replica(name)
+    return runtime.unregister(pool, name)
 
 
 # -- reload -------------------------------------------------------------------------------
@@ -276,15 +268,23 @@ class Admin:
         return _json(result)
 
     async def rollouts(self, request: web.Request) -> web.Response:
+        """Per route: its rules, and each variant (pool) once, with its weight and share in the
+        split (the route's last rule, the one `PUT .../weights` changes by default) and its stats."""
         stats = self.rt.variant_stats.snapshot()
         routes: dict[str, Any] = {}
         for model, rules in self.rt.router.describe().items():
-            for rule in rules:
-                total = sum(p["weight"] for p in rule["pools"])
-                for p in rule["pools"]:
-                    p["share"] = p["weight"] / total if total else 0.0
-                    p["stats"] = stats.get(model, {}).get(p["name"])
-            routes[model] = rules
+            split = {p["name"]: p["weight"] for p in rules[-1]["pools"]}
+            total = sum(split.values())
+            names = dict.fromkeys(p["name"] for rule in rules for p in rule["pools"])
+            variants = {
+                name: {
+                    "weight": split.get(name),
+                    "share": split[name] / total if name in split and total else None,
+                    "stats": stats.get(model, {}).get(name),
+                }
+                for name in names
+            }
+            routes[model] = {"rules": rules, "split_rule": len(rules) - 1, "variants": variants}
         direct = {m: s for m, s in stats.items() if m not in routes}
         return _json({"routes": routes, "direct": direct, "state": self.rt.state.status()})
 

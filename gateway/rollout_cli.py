@@ -3,8 +3,9 @@
     kvgate rollout status  --url http://127.0.0.1:8000 --admin-key K [--json]
     kvgate rollout weights --url ... --admin-key K MODEL POOL=WEIGHT [POOL=WEIGHT ...] [--rule N]
 
-`status` prints each route's variants side by side (weight, share, requests, errors, TTFT and
-e2e percentiles over the gateway's recent window); rollback is `weights MODEL canary=0`.
+`status` prints each route's rules, then its variants side by side: weight and share in the
+route's split (its last rule), requests and errors since start, error rate, TTFT and e2e
+percentiles over the gateway's recent window. Rollback is `weights MODEL canary=0`.
 """
 
 from __future__ import annotations
@@ -61,37 +62,47 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f} ms"
 
 
+def _describe_rule(rule: dict[str, Any]) -> str:
+    parts = []
+    if rule.get("match"):
+        parts.append("match " + ", ".join(f"{k}={v}" for k, v in rule["match"]["headers"].items()))
+    pools = rule["pools"]
+    if len(pools) == 1:
+        parts.append(f"-> {pools[0]['name']}")
+    else:
+        parts.append("split " + " / ".join(f"{p['name']} {p['weight']:g}" for p in pools))
+    if rule.get("sticky"):
+        parts.append(f"sticky {rule['sticky']['key']} salt {rule['sticky']['salt']!r}")
+    return ", ".join(parts)
+
+
 def format_status(data: dict[str, Any]) -> str:
     lines: list[str] = []
-    for model, rules in data["routes"].items():
-        for i, rule in enumerate(rules):
-            how = []
-            if rule.get("match"):
-                how.append("match " + ", ".join(f"{k}={v}" for k, v in rule["match"]["headers"].items()))
-            if rule.get("sticky"):
-                how.append(f"sticky {rule['sticky']['key']} salt {rule['sticky']['salt']!r}")
-            lines.append(f"route {model} rule {i}" + (f" ({'; '.join(how)})" if how else ""))
-            rows = []
-            for p in rule["pools"]:
-                s = p.get("stats") or {}
-                err = s.get("window_error_rate")
-                rows.append(
-                    (
-                        p["name"],
-                        f"{p['weight']:g}",
-                        f"{p['share'] * 100:.1f}%",
-                        str(s.get("requests_total", 0)),
-                        str(s.get("errors_total", 0)),
-                        "-" if err is None else f"{err * 100:.1f}%",
-                        _ms((s.get("ttft_ms") or {}).get("p50")),
-                        _ms((s.get("ttft_ms") or {}).get("p95")),
-                        _ms((s.get("ttft_ms") or {}).get("p99")),
-                        _ms((s.get("e2e_ms") or {}).get("p50")),
-                        _ms((s.get("e2e_ms") or {}).get("p95")),
-                    )
+    for model, route in data["routes"].items():
+        lines.append(f"route {model}")
+        for i, rule in enumerate(route["rules"]):
+            lines.append(f"  rule {i}: {_describe_rule(rule)}")
+        rows = []
+        for name, v in route["variants"].items():
+            s = v.get("stats") or {}
+            err = s.get("window_error_rate")
+            rows.append(
+                (
+                    name,
+                    "-" if v["weight"] is None else f"{v['weight']:g}",
+                    "-" if v["share"] is None else f"{v['share'] * 100:.1f}%",
+                    str(s.get("requests_total", 0)),
+                    str(s.get("errors_total", 0)),
+                    "-" if err is None else f"{err * 100:.1f}%",
+                    _ms((s.get("ttft_ms") or {}).get("p50")),
+                    _ms((s.get("ttft_ms") or {}).get("p95")),
+                    _ms((s.get("ttft_ms") or {}).get("p99")),
+                    _ms((s.get("e2e_ms") or {}).get("p50")),
+                    _ms((s.get("e2e_ms") or {}).get("p95")),
                 )
-            lines += _table(rows)
-            lines.append("")
+            )
+        lines += _table(rows)
+        lines.append("")
     if not data["routes"]:
         lines.append("no routes configured (clients address pools by their model name)")
     state = data.get("state") or {}

@@ -87,9 +87,11 @@ async def test_weight_change_rollback_stats_and_status_cli(upstreams, gateway, c
         assert len(audit) == 1
         assert "route llama rule 1 weights" in audit[0]["what"] and "admin key" in audit[0]["who"]
         doc = (await client.get(gw.url + "/admin/rollouts", headers=AUTH)).json()
-    split = {p["name"]: p for p in doc["routes"]["llama"][1]["pools"]}
-    assert split["stable"]["share"] == 1.0 and split["canary"]["share"] == 0.0
-    stable, canary = split["stable"]["stats"], split["canary"]["stats"]
+    route = doc["routes"]["llama"]
+    assert route["split_rule"] == 1 and len(route["rules"]) == 2
+    variants = route["variants"]
+    assert variants["stable"]["share"] == 1.0 and variants["canary"]["share"] == 0.0
+    stable, canary = variants["stable"]["stats"], variants["canary"]["stats"]
     assert stable["requests_total"] + canary["requests_total"] == 61
     assert canary["errors_total"] == 1 and stable["errors_total"] == 0
     assert stable["ttft_ms"]["p50"] is not None and stable["e2e_ms"]["p95"] >= stable["e2e_ms"]["p50"]
@@ -103,11 +105,12 @@ async def test_weight_change_rollback_stats_and_status_cli(upstreams, gateway, c
     rows = {
         line.split()[0]: line.split()
         for line in out.splitlines()
-        if line.strip().startswith(("stable", "canary"))
+        if line.startswith(("  stable", "  canary"))
     }
     assert rows["stable"][1:3] == ["75", "75.0%"] and rows["canary"][1:3] == ["25", "25.0%"]
     assert int(rows["stable"][3]) == stable["requests_total"] and rows["canary"][4] == "1"
-    assert "route llama rule 1 (sticky header:x-user-id|body:user salt 'rollout-7')" in out
+    assert "  rule 0: match x-canary=1, -> canary\n" in out
+    assert "  rule 1: split stable 75 / canary 25, sticky header:x-user-id|body:user salt 'rollout-7'" in out
     assert await asyncio.to_thread(rollout_main, ["status", "--url", gw.url, "--admin-key", "bad"]) == 1
     assert "HTTP 401" in capsys.readouterr().err
 
