@@ -275,7 +275,7 @@ class Admin:
         for model, rules in self.rt.router.describe().items():
             split = {p["name"]: p["weight"] for p in rules[-1]["pools"]}
             total = sum(split.values())
-            names = dict.fromkeys(p["name"] for rule in rules for p in rule["pools"])
+            names = dict.fromkeys([*split, *(p["name"] for rule in rules for p in rule["pools"])])
             variants = {
                 name: {
                     "weight": split.get(name),

@@ -220,13 +220,7 @@ class Proxy:
         with tr.span("route", {"kvgate.policy": pool.cfg.policy.type}) if tr else NOOP:
             ranked = await pool.rank(features)
         if not ranked:
-            raise GatewayError(
-                503,
-                f"no healthy replica in pool `{pool.name}`",
-                "service_unavailable",
-                "no_healthy_replica",
-                headers={"Retry-After": str(self.settings.scheduler.retry_after_s)},
-            )
+            raise self._no_replica(f"no healthy replica in pool `{pool.name}`")
         retry_cfg = self.settings.retry
         budget = self.rt.retry_budget
         budget.on_request()
@@ -292,12 +286,12 @@ class Proxy:
             raise refused
         if unreachable is not None:
             raise unreachable
-        raise GatewayError(
-            503,
-            f"no replica of pool `{pool.name}` accepted the request",
-            "service_unavailable",
-            "no_healthy_replica",
-            headers={"Retry-After": str(self.settings.scheduler.retry_after_s)},
+        raise self._no_replica(f"no replica of pool `{pool.name}` accepted the request")
+
+    def _no_replica(self, message: str) -> GatewayError:
+        retry_after = str(self.settings.scheduler.retry_after_s)
+        return GatewayError(
+            503, message, "service_unavailable", "no_healthy_replica", headers={"Retry-After": retry_after}
         )
 
     async def _open(self, url: str, plan: DecodePlan, headers: dict[str, str]) -> UpstreamResponse:

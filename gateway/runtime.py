@@ -16,7 +16,7 @@ from gateway.launcher import FleetLauncher, LaunchedReplica
 from gateway.load_scraper import LoadScraper
 from gateway.metrics import GatewayMetrics
 from gateway.pool import Pool
-from gateway.replica import Replica
+from gateway.replica import Replica, Role
 from gateway.request_record import Observer, RequestRecord
 from gateway.retry_budget import RetryBudget
 from gateway.rollout import Router
@@ -36,22 +36,11 @@ class Runtime:
         self.pools: dict[str, Pool] = {}
         for pcfg in settings.pools:
             pool = Pool(pcfg, settings.breaker, settings.scrape)
-            for ep in pcfg.endpoints:
-                pool.add_replica(
-                    ep.url,
-                    name=ep.name,
-                    role=ep.role,
-                    kind=ep.kind,
-                    bootstrap_port=ep.bootstrap_port,
-                    healthy=True,
-                )
             self.pools[pool.name] = pool
         self.scraper = LoadScraper.from_config(settings.scrape, on_update=self._engine_load)
         for pool in self.pools.values():
-            for replica in pool.replicas.values():
-                adapter = pool.adapter_for(replica)
-                if adapter is not None:
-                    self.scraper.add(replica.name, replica.url, adapter)
+            for ep in pool.cfg.endpoints:
+                self.register(pool, ep.url, ep.name, ep.role, ep.kind, ep.bootstrap_port)
         self.launchers = [
             FleetLauncher(
                 pool.name,
@@ -85,28 +74,49 @@ class Runtime:
         self.audit: deque[dict[str, Any]] = deque(maxlen=200)  # recent admin changes
         self.state = make_state(self)
 
+    def register(
+        self,
+        pool: Pool,
+        url: str,
+        name: str | None,
+        role: Role,
+        kind: str,
+        bootstrap_port: int | None,
+        managed: bool = False,
+    ) -> Replica:
+        """Add a replica to a pool and start watching its engine's load."""
+        replica = pool.add_replica(
+            url, name=name, role=role, kind=kind, bootstrap_port=bootstrap_port, managed=managed
+        )
+        adapter = pool.adapter_for(replica)
+        if adapter is not None:
+            self.scraper.add(replica.name, replica.url, adapter)
+        return replica
+
+    def unregister(self, pool: Pool, name: str) -> Replica | None:
+        """Take a replica out of its pool and stop watching it."""
+        self.scraper.remove(name)
+        self.health.forget(name)
+        return pool.remove_replica(name)
+
     def _launched(self, pool: Pool) -> Callable[[LaunchedReplica], None]:
         def on_ready(launched: LaunchedReplica) -> None:
             pool.remove_replica(launched.name)  # a restarted engine comes back with an empty cache
-            replica = pool.add_replica(
+            self.register(
+                pool,
                 launched.url,
-                name=launched.name,
-                role=launched.role,
-                kind=launched.kind,
-                bootstrap_port=launched.bootstrap_port,
+                launched.name,
+                launched.role,
+                launched.kind,
+                launched.bootstrap_port,
                 managed=True,
             )
-            adapter = pool.adapter_for(replica)
-            if adapter is not None:
-                self.scraper.add(replica.name, replica.url, adapter)
 
         return on_ready
 
     def _went_down(self, pool: Pool) -> Callable[[str], None]:
         def on_down(name: str) -> None:
-            self.scraper.remove(name)
-            self.health.forget(name)
-            if pool.remove_replica(name) is not None:
+            if self.unregister(pool, name) is not None:
                 log.warning(
                     "pool %s: managed replica %s went down; the launcher restarts it", pool.name, name
                 )
