@@ -60,6 +60,17 @@ def load_runs(out_dir: Path) -> list[dict[str, Any]]:
     return runs
 
 
+def steady_throughput(records: list[dict[str, Any]], skip_s: float = 10.0) -> float | None:
+    """Completions per second between `skip_s` and the last send: a closed loop's saturation throughput
+    without its ramp-up and its drain (the harness's req/s includes both)."""
+    sent = [r["sent"] for r in records if r["sent"] is not None]
+    if not sent or max(sent) <= skip_s:
+        return None
+    end = max(sent)
+    done = [r["sent"] + r["e2e"] for r in records if r["status"] == 200 and r["e2e"] is not None]
+    return sum(1 for t in done if skip_s <= t <= end) / (end - skip_s)
+
+
 def _groups(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return run.get("by_priority") or run.get("by_kind") or {}
 
@@ -152,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     for meta in metas:
         lines += [f"- {k}: {v}" for k, v in meta.items()] + [""]
     lines += ["## Client view (TTFT in ms, wall clock)", "", *client_table(runs), ""]
+    for run in runs:
+        if run["load"].startswith("C="):
+            rate = steady_throughput(run["records"])
+            lines.append(
+                f"- capacity, {run['config']} @ {run['load']}: {_f(rate, 2)} completions/s (steady state)"
+            )
     lines += ["Unanswered = anything but 200/429/503 (timeouts, connection errors, broken streams).", ""]
     key = "priority" if any(r.get("by_priority") for r in runs) else "length"
     lines += ["## Gateway view (queue wait in ms, from the access log)", "", *queue_table(runs, key), ""]
