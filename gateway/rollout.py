@@ -4,7 +4,9 @@ A client asks for a model name; the first rule of that name's route whose header
 holds picks the pool. A weighted rule assigns a request by `xxh64(salt + key) mod 10000`
 against the cumulative weights, so a key always lands in the same place for given weights
 and raising a canary's weight only moves keys from the other pools to it. A request without
-a sticky key is assigned at random by weight. A pool's own model name always routes to it.
+a sticky key is assigned at random by weight. Keys come from a header (a user or session id) or a
+body field (`user`, or a dotted path like `metadata.session_id`). A pool's own model name
+always routes to it.
 Weights change at runtime (`set_weights`, the admin API, the shared state backend); a
 weight of 0 takes a pool out of its rule at once (rollback).
 """
@@ -57,8 +59,8 @@ class Rule:
 
     def sticky_key(self, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
         for kind, name in self.sticky_sources or ():
-            value = headers.get(name) if kind == "header" else body.get(name)
-            if value:
+            value = headers.get(name) if kind == "header" else _body_field(body, name)
+            if value and isinstance(value, str | int):
                 return str(value)
         return None
 
@@ -85,6 +87,16 @@ class Rule:
             "pools": [{"name": n, "weight": w} for n, w in zip(self.pools, self.weights, strict=True)],
             "sticky": {"key": self.sticky_spec, "salt": self.salt} if self.sticky_spec else None,
         }
+
+
+def _body_field(body: Mapping[str, Any], path: str) -> Any:
+    """`user`, or a dotted path into nested objects such as `metadata.session_id`."""
+    value: Any = body
+    for part in path.split("."):
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(part)
+    return value
 
 
 def sticky_bucket(salt: str, key: str) -> int:

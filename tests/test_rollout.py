@@ -70,10 +70,12 @@ def test_sticky_assignment_is_deterministic_and_salted() -> None:
 
 
 def test_sticky_key_sources_in_order() -> None:
-    router = Router([route(50, 50, key="header:x-session-id|body:user")], POOLS)
+    router = Router([route(50, 50, key="header:x-session-id|body:metadata.session_id|body:user")], POOLS)
     rule = router.routes["llama"][1]
     assert rule.sticky_key({"x-session-id": "s1"}, {"user": "u1"}) == "s1"
-    assert rule.sticky_key({}, {"user": "u1"}) == "u1"
+    assert rule.sticky_key({}, {"user": "u1", "metadata": {"session_id": "m1"}}) == "m1"
+    assert rule.sticky_key({}, {"user": "u1", "metadata": "not an object"}) == "u1"
+    assert rule.sticky_key({}, {"user": {"an": "object"}}) is None  # not a usable key
     assert rule.sticky_key({}, {}) is None
     # Keyed by the body's user, a user always lands in the same pool.
     picks = {router.resolve("llama", {}, {"user": "alice"}) for _ in range(50)}
