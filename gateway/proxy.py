@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -81,6 +81,12 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     declared = request.content_length
     if declared is not None and declared > limit:
         raise _client_error(f"request body exceeds {limit} bytes", "request_too_large", status=413)
+    if declared is not None:
+        try:
+            return await request.content.readexactly(declared) if declared else b""
+        except asyncio.IncompleteReadError:
+            raise _client_error("request body shorter than its Content-Length", "invalid_body") from None
+    # Chunked upload: no declared size, so count as it arrives.
     parts: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_any():
@@ -115,7 +121,8 @@ class Proxy:
 
     # -- entry point ------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        rec = RequestRecord(request.headers.get("x-request-id") or uuid.uuid4().hex, ENDPOINTS[request.path])
+        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
+        rec = RequestRecord(request_id, ENDPOINTS[request.path])
         tr = self.rt.tracing
         root = tr.request(request.method, request.path, request.headers, rec) if tr else None
         try:
