@@ -80,7 +80,7 @@ def blocks(gw: RunningGateway) -> int:
     return int(gw.runtime.pools["p"].prefix_index.stats()["distinct_blocks"])  # type: ignore[call-overload]
 
 
-async def test_two_instances_send_a_prefix_to_the_same_replica(upstreams, gateway, key_prefix) -> None:
+async def test_two_instances_send_a_prefix_to_the_same_replica(key_prefix, upstreams, gateway) -> None:
     ups = await upstreams(4)
     pool = {"policy": {"type": "prefix_affinity"}}
     a = await gateway(shared_settings([u.url for u in ups], key_prefix, pool=pool))
@@ -98,7 +98,7 @@ async def test_two_instances_send_a_prefix_to_the_same_replica(upstreams, gatewa
 
 
 async def test_learned_blocks_reach_peers_without_waiting_for_the_sync_interval(
-    upstreams, gateway, key_prefix
+    key_prefix, upstreams, gateway
 ) -> None:
     (up,) = await upstreams(1)
     a = await gateway(shared_settings([up.url], key_prefix, sync_interval_s=30))
@@ -110,7 +110,7 @@ async def test_learned_blocks_reach_peers_without_waiting_for_the_sync_interval(
 
 
 async def test_remote_inflight_visible_and_expires_with_a_dead_instance(
-    upstreams, gateway, key_prefix
+    key_prefix, upstreams, gateway
 ) -> None:
     (up,) = await upstreams(1)
     a = await gateway(shared_settings([up.url], key_prefix))
@@ -134,7 +134,7 @@ async def test_remote_inflight_visible_and_expires_with_a_dead_instance(
 
 
 async def test_weight_change_on_one_instance_reaches_the_other_within_a_second(
-    upstreams, gateway, key_prefix
+    key_prefix, upstreams, gateway
 ) -> None:
     from tests.test_rollout import rollout_settings
 
@@ -171,7 +171,7 @@ async def test_weight_change_on_one_instance_reaches_the_other_within_a_second(
         assert "weights" in audit[-1]["what"]
 
 
-async def test_drain_on_one_instance_drains_everywhere(upstreams, gateway, key_prefix) -> None:
+async def test_drain_on_one_instance_drains_everywhere(key_prefix, upstreams, gateway) -> None:
     ups = await upstreams(2)
     a = await gateway(shared_settings([u.url for u in ups], key_prefix))
     b = await gateway(shared_settings([u.url for u in ups], key_prefix))
@@ -192,7 +192,7 @@ async def test_drain_on_one_instance_drains_everywhere(upstreams, gateway, key_p
         await wait_until(lambda: not ra.draining, timeout=1.0, what="A to undrain r0")
 
 
-async def test_fleet_counter_is_exact_under_concurrency(upstreams, gateway, key_prefix) -> None:
+async def test_fleet_counter_is_exact_under_concurrency(key_prefix, upstreams, gateway) -> None:
     (up,) = await upstreams(1)
     a = await gateway(shared_settings([up.url], key_prefix))
     b = await gateway(shared_settings([up.url], key_prefix))
@@ -203,7 +203,7 @@ async def test_fleet_counter_is_exact_under_concurrency(upstreams, gateway, key_
     assert await a.runtime.state.incr("tenant-x:tokens", 500, 60) == 500  # keys are separate
 
 
-async def test_fleet_token_buckets_are_exact_and_all_or_nothing(upstreams, gateway, key_prefix) -> None:
+async def test_fleet_token_buckets_are_exact_and_all_or_nothing(key_prefix, upstreams, gateway) -> None:
     (up,) = await upstreams(1)
     a = await gateway(shared_settings([up.url], key_prefix))
     b = await gateway(shared_settings([up.url], key_prefix))
