@@ -154,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", required=True, help="file name stem of the report")
     p.add_argument("--command", default="", help="the command that produced the runs, for the record")
     args = p.parse_args(argv)
-    runs = [run for d in args.out_dirs for run in load_runs(d)]
+    runs = []
+    for d in args.out_dirs:
+        for run in load_runs(d):
+            if len(args.out_dirs) > 1:  # the same config may have run in several of them
+                run["config"] = f"{run['config']} ({d.name})"
+            runs.append(run)
     metas = [json.loads((d / "report.json").read_text())["meta"] for d in args.out_dirs]
     args.results.mkdir(parents=True, exist_ok=True)
     lines = [f"# Scheduling: {args.name}", ""]
