@@ -209,7 +209,9 @@ class PoolConfig(_Strict):
     engines: EngineSpec | None = None
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     priority_scheduling: bool = Field(
-        False, description="The endpoints run priority scheduling: forward each request's priority"
+        False,
+        description="The (unmanaged) endpoints run priority scheduling: forward each request's priority "
+        "(managed fleets: engines.priority_scheduling)",
     )
 
     @model_validator(mode="after")

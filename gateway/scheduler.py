@@ -347,10 +347,10 @@ class Scheduler:
 
     def _priority_adapter(self, pool: Pool) -> EngineAdapter | None:
         cfg = pool.cfg
-        if not (cfg.priority_scheduling or (cfg.engines is not None and cfg.engines.priority_scheduling)):
+        if cfg.engines is not None:  # a managed fleet runs priority scheduling only if launched so
+            return pool.adapter if cfg.engines.priority_scheduling else None
+        if not cfg.priority_scheduling:
             return None
-        if pool.adapter is not None:
-            return pool.adapter
         # One body serves every replica the retries may walk: the pool's first replica sets the direction.
         first = next(iter(pool.replicas.values()), None)
         return pool.adapter_for(first) if first is not None else None

@@ -13,10 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config import PriorityClass, SchedulerConfig
+from gateway.config import BreakerConfig, PoolConfig, PriorityClass, SchedulerConfig, ScrapeConfig
 from gateway.engine_load import EngineLoad
+from gateway.policy import RequestFeatures
+from gateway.pool import Pool
 from gateway.request_record import RequestRecord
-from gateway.scheduler import ClassQueue, Entry, PoolQueue, QueueFull
+from gateway.scheduler import ClassQueue, Entry, PoolQueue, QueueFull, Scheduler
 from gateway.server import RunningGateway
 from tests.conftest import gateway_settings, wait_until
 
@@ -446,3 +448,21 @@ async def test_no_priority_field_without_priority_scheduling(upstreams, gateway)
     async with httpx.AsyncClient() as c:
         await c.post(gw.url + CHAT, content=raw, headers={"x-priority": "interactive"})
     assert up.state.seen[0].raw == raw  # untouched, byte for byte
+
+
+@pytest.mark.parametrize(
+    ("engines", "expected"),
+    [
+        ({"kind": "vllm", "priority_scheduling": True}, -2),
+        ({"kind": "sglang", "priority_scheduling": True}, 2),
+        ({"kind": "sim", "priority_scheduling": True, "sim": {"extra_args": ["--api", "sglang"]}}, 2),
+        ({"kind": "vllm"}, None),  # launched without priority scheduling: vLLM would refuse the field
+    ],
+)
+def test_managed_fleet_priority_direction(engines: dict[str, Any], expected: int | None) -> None:
+    pool = Pool(PoolConfig(name="p", model="m", engines=engines), BreakerConfig(), ScrapeConfig())
+    features = RequestFeatures(request_id="r", model="m", pool="p", endpoint="chat", prompt_tokens=1)
+    features.priority = 2
+    body: dict[str, Any] = {}
+    assert Scheduler(SchedulerConfig()).forward_priority(pool, features, body) is (expected is not None)
+    assert body.get("priority") == expected
