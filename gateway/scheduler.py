@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -44,8 +43,6 @@ from gateway.prompt_window import fit_window
 if TYPE_CHECKING:
     from gateway.pool import Pool
     from gateway.replica import Replica
-
-log = logging.getLogger(__name__)
 
 SHED_REASONS = (
     "queue_full",
