@@ -126,21 +126,21 @@ class ClassQueue:
             self._fifo.pop()
         return self._fifo[-1] if self._fifo else None
 
-    def pop(self, now: float) -> Entry | None:
+    def peek(self, now: float) -> Entry | None:
+        """The entry `pop(now)` would return."""
         head = self.oldest()
-        if head is None:
+        if head is None or now - head.enqueued >= self.aging_s:
+            return head
+        tenant = min((t for t, n in self._live.items() if n > 0), key=lambda t: self._served[t])
+        heap = self._heaps[tenant]
+        while not heap[0][2].live:
+            heapq.heappop(heap)
+        return heap[0][2]
+
+    def pop(self, now: float) -> Entry | None:
+        chosen = self.peek(now)
+        if chosen is None:
             return None
-        if now - head.enqueued >= self.aging_s:
-            chosen = head
-        else:
-            tenant = min(
-                (t for t, n in self._live.items() if n > 0),
-                key=lambda t: self._served[t],
-            )
-            heap = self._heaps[tenant]
-            while not heap[0][2].live:
-                heapq.heappop(heap)
-            chosen = heap[0][2]
         chosen.live = False
         self._forget(chosen)
         served = self._served[chosen.tenant] + chosen.cost
@@ -194,9 +194,14 @@ class PoolQueue:
             self.by_name[class_name].remove(e)
             self.size -= 1
 
-    def next_class(self) -> str | None:
-        """The class the next pop comes from."""
-        return next((q.name for q in self.classes if len(q)), None)
+    def peek(self, now: float) -> tuple[Entry, str] | None:
+        """The entry (and its class) `pop(now)` would return."""
+        for q in self.classes:
+            if len(q):
+                e = q.peek(now)
+                if e is not None:
+                    return e, q.name
+        return None
 
     def pop(self, now: float) -> tuple[Entry, str] | None:
         for q in self.classes:
@@ -460,14 +465,13 @@ class Scheduler:
     def _pump(self, state: _PoolState) -> None:
         """Dispatch queued requests, best first, while the pool has headroom."""
         queue = state.queue
-        while (cls := queue.next_class()) is not None:
-            # Strict priority: when the best class may not go, no lower one may either.
-            if not self._has_room(state, 0, cls):
+        now = self.clock()
+        while (best := queue.peek(now)) is not None:
+            entry, cls = best
+            # Strict priority and order: when the best entry may not go, no other may either.
+            if not self._has_room(state, entry.tokens, cls):
                 return
-            popped = queue.pop(self.clock())
-            if popped is None:
-                return
-            entry, cls = popped
+            queue.pop(now)
             fut = entry.future
             if fut is None or fut.done():  # cancelled or evicted already
                 continue

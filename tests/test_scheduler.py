@@ -287,6 +287,21 @@ async def test_slots_reserved_for_a_higher_class(upstreams, gateway) -> None:
     assert [s.body["messages"][0]["content"] for s in up.state.seen[1:]] == ["i"]
 
 
+async def test_token_budget_admits_what_fits(upstreams, gateway) -> None:
+    (up,) = await upstreams(1)
+    sched = {"max_inflight_requests_per_replica": 10, "max_inflight_tokens_per_replica": 60}
+    gw = await gateway(gateway_settings([up.url], scheduler=sched))
+    async with httpx.AsyncClient(timeout=10) as c:
+        async with _hold(c, gw):
+            big = asyncio.create_task(c.post(gw.url + CHAT, json=_body("word " * 80)))
+            await wait_until(lambda: _queued(gw) == 1, what="big prompt queued")
+            # A small one still fits the token budget and, being the shorter job, goes first.
+            assert (await c.post(gw.url + CHAT, json=_body("small"))).status_code == 200
+            assert _queued(gw) == 1
+        assert (await big).status_code == 200  # alone in flight, it runs even above the budget
+    assert [s.body["messages"][0]["content"] for s in up.state.seen[1:]] == ["small", "word " * 80]
+
+
 async def test_queue_full_is_429_with_retry_after(upstreams, gateway) -> None:
     (up,) = await upstreams(1)
     gw = await gateway(gateway_settings([up.url], scheduler=_sched(max_queue=1)))
