@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -114,6 +115,40 @@ def test_aging_invariant_and_conservation(ops: list[tuple[str, int, str]]) -> No
     rest = _drain(q, now)
     assert sorted(x.seq for x in rest) == sorted(x.seq for x in queued)
     assert len({x.seq for x in served + rest}) == seq
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    jobs=st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(1, 1000)), min_size=1, max_size=80)
+)
+def test_backlogged_tenants_stay_within_one_job_of_each_other(jobs: list[tuple[str, int]]) -> None:
+    q = _class_queue()
+    for seq, (tenant, cost) in enumerate(jobs):
+        q.push(_entry(cost, 0.0, seq, tenant))
+    left = Counter(t for t, _ in jobs)
+    served: Counter[str] = Counter()
+    biggest = max(c for _, c in jobs)
+    while (e := q.pop(0.0)) is not None:
+        served[e.tenant] += e.cost  # type: ignore[index]
+        left[e.tenant] -= 1  # type: ignore[index]
+        backlogged = [t for t in left if left[t] > 0]
+        # Any two tenants that both still wait have been served within one job's tokens of each other.
+        for t in backlogged:
+            for u in backlogged:
+                assert served[t] - served[u] <= biggest
+
+
+def test_removals_and_compaction_keep_order_and_counts() -> None:
+    q = _class_queue()
+    entries = [_entry((i * 7919) % 1000, 0.0, i) for i in range(300)]
+    for e in entries:
+        q.push(e)
+    for e in entries[::4] + entries[1::4] + entries[2::4]:
+        q.remove(e)
+    assert len(q) == 75
+    rest = [e.seq for e in _drain(q, 0.0)]
+    expected = sorted(entries[3::4], key=lambda e: (e.cost, e.seq))
+    assert rest == [e.seq for e in expected]
 
 
 def test_tenants_share_a_class_by_tokens() -> None:
