@@ -518,11 +518,17 @@ class Scheduler:
         load = r.engine
         if load.kv_usage >= cfg.max_kv_usage:
             return False
-        seen = state.seen.get(r.name)
-        if seen is None or seen[0] != load.updated_at:
-            seen = state.seen[r.name] = (load.updated_at, r.inflight_requests)
-        # Requests dispatched since that scrape may sit in the engine's queue too.
-        return load.waiting + max(0, r.inflight_requests - seen[1]) <= cfg.max_waiting_per_replica
+        backlog = load.waiting
+        if backlog:
+            # The engine was full when it reported: what we sent since then queues behind that too.
+            # (An engine with an empty queue is left alone until its next report says otherwise:
+            # counting every dispatch as waiting would cap a large engine's ramp-up at a few requests
+            # per scrape.)
+            seen = state.seen.get(r.name)
+            if seen is None or seen[0] != load.updated_at:
+                seen = state.seen[r.name] = (load.updated_at, r.inflight_requests)
+            backlog += max(0, r.inflight_requests - seen[1])
+        return backlog <= cfg.max_waiting_per_replica
 
     # -- lifecycle and metrics ------------------------------------------------------------------------
     def _count_shed(self, cls: str, reason: str) -> None:

@@ -301,6 +301,29 @@ async def test_engine_figures_gate_admission_and_the_recheck_wakes_the_queue(ups
     assert gw.runtime.scheduler.stats()["queued_total"]["default"] == 2
 
 
+async def test_dispatches_since_a_full_engine_reported_count_as_waiting(upstreams, gateway) -> None:
+    (up,) = await upstreams(1)
+    settings = gateway_settings(
+        [up.url], pool={"endpoints": [{"url": up.url, "name": "r0", "kind": "openai"}]}
+    )
+    gw = await gateway(settings)
+    replica = gw.runtime.pools["p"].replicas["r0"]
+    async with httpx.AsyncClient(timeout=10) as c, contextlib.AsyncExitStack() as holds:
+        # An engine with an empty queue takes a burst: it is not throttled to a few per scrape.
+        replica.engine = EngineLoad(waiting=0, updated_at=time.monotonic())
+        for _ in range(6):
+            await holds.enter_async_context(_hold(c, gw))
+        # A full engine with 2 waiting: admitted while its queue is at most 4, counting what was sent
+        # since it reported (2, 3, 4), so the fourth waits.
+        replica.engine = EngineLoad(waiting=2, updated_at=time.monotonic())
+        for _ in range(3):
+            await holds.enter_async_context(_hold(c, gw))
+        fourth = asyncio.create_task(c.post(gw.url + CHAT, json=_body()))
+        await wait_until(lambda: _queued(gw) == 1, what="queued behind the engine's backlog")
+        fourth.cancel()
+    assert len(up.state.seen) == 9
+
+
 async def test_slots_reserved_for_a_higher_class(upstreams, gateway) -> None:
     (up,) = await upstreams(1)
     classes = [
