@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import yaml
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench.scenario import _slug
 from bench.stats import percentile
+from gateway.config import SchedulerConfig
 
 MIN_PROMPT_TOKENS = 100  # the harness's readiness probes are tiny; workload prompts are not
 LONG_PROMPT_TOKENS = 1000  # the "long" requests of both scheduling workloads are above this
@@ -51,6 +53,8 @@ def load_runs(out_dir: Path) -> list[dict[str, Any]]:
     for run in runs:
         log = out_dir / "logs" / f"{run['config']}-{_slug(run['load'])}-gateway.log"
         run["gateway"] = gateway_requests(log) if log.exists() else []
+        cfg = yaml.safe_load((out_dir / "configs" / f"{run['config']}.yaml").read_text()) or {}
+        run["aging_s"] = (cfg.get("scheduler") or {}).get("aging_s", SchedulerConfig().aging_s)
         run["records"] = [
             json.loads(line)
             for line in (out_dir / "records" / f"{run['config']}-{_slug(run['load'])}.jsonl")
@@ -69,6 +73,53 @@ def steady_throughput(records: list[dict[str, Any]], skip_s: float = 10.0) -> fl
     end = max(sent)
     done = [r["sent"] + r["e2e"] for r in records if r["status"] == 200 and r["e2e"] is not None]
     return sum(1 for t in done if skip_s <= t <= end) / (end - skip_s)
+
+
+def criteria(runs: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets, checked on these runs (only those the runs can answer)."""
+    out = []
+    unanswered = sum(
+        1
+        for run in runs
+        for r in run["records"]
+        if not r["warmup"] and (r["status"] not in ANSWERS or (r["status"] == 200 and r["error"]))
+    )
+    out.append(f"- requests without an answer (not 200/429/503, or a broken stream): {unanswered}")
+    by_config: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_config.setdefault(run["config"], []).append(run)
+    for config, group in by_config.items():
+        p95 = [
+            (run["offered_rps"], run["by_priority"]["interactive"]["ttft_ms"]["p95"])
+            for run in group
+            if run.get("offered_rps") and "interactive" in (run.get("by_priority") or {})
+        ]
+        if len(p95) >= 2:
+            (lo_rate, lo), (hi_rate, hi) = min(p95), max(p95)
+            verdict = "met" if hi <= 2 * lo else "MISSED"
+            out.append(
+                f"- {config}: interactive TTFT p95 {_f(hi)} ms at {hi_rate:g} req/s vs {_f(lo)} ms at "
+                f"{lo_rate:g} req/s = x{hi / lo:.2f} (target <= x2: {verdict})"
+            )
+    fcfs = {run["load"]: run for run in runs if run["config"].startswith("fcfs")}
+    for run in runs:
+        base = fcfs.get(run["load"])
+        if run["config"].startswith("sjf") and base is not None:
+            cut = 1 - run["ttft_ms"]["mean"] / base["ttft_ms"]["mean"]
+            out.append(
+                f"- {run['config']} @ {run['load']}: mean TTFT {_f(run['ttft_ms']['mean'])} ms vs fcfs "
+                f"{_f(base['ttft_ms']['mean'])} ms = {cut * 100:.0f}% lower "
+                f"(target >= 30%: {'met' if cut >= 0.3 else 'MISSED'})"
+            )
+    for run in runs:
+        longs = [r["queue_ms"] for r in run["gateway"] if r["replica"] and r["length"] == "long"]
+        if longs and run.get("by_kind"):
+            p99 = percentile(longs, 99) or 0.0
+            out.append(
+                f"- {run['config']} @ {run['load']}: long requests' queue wait p99 {_f(p99)} ms, max "
+                f"{_f(max(longs))} ms; aging bound {run['aging_s']:g} s"
+            )
+    return out
 
 
 def _groups(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -175,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"- capacity, {run['config']} @ {run['load']}: {_f(rate, 2)} completions/s (steady state)"
             )
     lines += ["Unanswered = anything but 200/429/503 (timeouts, connection errors, broken streams).", ""]
+    lines += ["## Criteria (issue #7)", "", *criteria(runs), ""]
     key = "priority" if any(r.get("by_priority") for r in runs) else "length"
     lines += ["## Gateway view (queue wait in ms, from the access log)", "", *queue_table(runs, key), ""]
     ttft_png = args.results / f"{args.name}_ttft_cdf.png"
