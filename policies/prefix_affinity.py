@@ -7,9 +7,11 @@ prefill work (divide by the prefill throughput for seconds):
   + this prompt's uncached part      prompt_tokens - matched_tokens on that replica
   + a decode-load term               per_request_tokens x requests in flight there
 
-The lowest estimate wins. A warm replica therefore keeps a prefix while its queue is shorter than
-the cost of recomputing the prefix elsewhere, and a hot prefix spills onto a second replica exactly
-when that is faster: affinity degrades smoothly under load instead of flipping to shortest-queue.
+The lowest estimate wins, after a surcharge of `duplicate_weight` per prefix token a candidate would
+recompute although another candidate holds it: a second copy costs KV space that evicts other
+prefixes later. A warm replica therefore keeps a prefix while its queue is shorter than the cost of
+recomputing the prefix elsewhere, and a hot prefix spills onto a second replica when that is
+clearly faster: affinity degrades smoothly under load instead of flipping to shortest-queue.
 
 Load comes from two sources. The policy's own queue estimate is charged at decision time with the
 uncached tokens it sends to a replica and drains at `prefill_tokens_per_s` (a request's prefill is
@@ -47,11 +49,16 @@ class PrefixAffinityParams(BaseModel):
         "simulator's speedup); drains the policy's own queue estimate between decisions",
     )
     per_request_tokens: float = Field(
-        64.0,
+        128.0,
         ge=0,
         description="Decode-load term: tokens of prefill work each request in flight on a replica is worth "
-        "(its share of every batch step, and the slower decode a newcomer shares); at the default a "
-        "replica must carry ~32 more requests than another before a 2k-token prefix is recomputed there",
+        "(its share of every batch step, and the slower decode a newcomer shares)",
+    )
+    duplicate_weight: float = Field(
+        0.5,
+        ge=0,
+        description="Extra weight on recomputing prefix tokens another candidate already holds: a second "
+        "copy takes KV space that will evict other prefixes",
     )
     waiting_token_cost: int = Field(
         1024,
@@ -86,6 +93,7 @@ class PrefixAffinity(Policy):
         p: PrefixAffinityParams = params  # type: ignore[assignment]
         self._tps = p.prefill_tokens_per_s
         self._per_request = p.per_request_tokens
+        self._duplicate = p.duplicate_weight
         self._waiting_cost = p.waiting_token_cost
         self._spread = p.cold_spread_tokens
         self._clock = clock
@@ -152,8 +160,9 @@ class PrefixAffinity(Policy):
             self._per_request,
             request.prompt_tokens,
         )
-        first_matched = candidates[0].matched_tokens
-        cold = True
+        deepest = max(c.matched_tokens for c in candidates)
+        cold = deepest == min(c.matched_tokens for c in candidates)
+        duplicate = self._duplicate
         scored = []
         for i, c in enumerate(candidates):
             r = c.replica
@@ -169,10 +178,9 @@ class PrefixAffinity(Policy):
             else:
                 ahead = min(q.backlog, q.ledger_tokens)
             matched = c.matched_tokens
-            if matched != first_matched:
-                cold = False
             uncached = prompt - matched
-            scored.append((ahead + (uncached if uncached > 0 else 0) + per_request * in_flight, n, i))
+            cost = ahead + (uncached if uncached > 0 else 0) + per_request * in_flight
+            scored.append((cost + duplicate * (deepest - matched), n, i))
         scored.sort()
         best = scored[0]
         if cold:

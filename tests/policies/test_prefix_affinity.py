@@ -70,6 +70,17 @@ async def test_engine_waiting_counts_our_own_requests_at_their_size() -> None:
     assert p.queued_tokens(reps[1]) == 3 * (PROMPT - SHARED) + 2 * 1024
 
 
+async def test_duplicate_weight_keeps_a_prefix_on_its_replica_when_a_copy_is_barely_faster() -> None:
+    reps = replicas(2)
+    engine_report(reps[0], waiting=2)  # another gateway's 2 x 1024 tokens queued ahead on the warm one
+    # Time to first token: 2048 queued + 128 + 2 x 128 in flight on r0 against 2176 on r1...
+    ranked = await policy(duplicate_weight=0).rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
+    assert ranked[0].replica.name == "r1"
+    # ...but with the second copy's 2048 tokens weighted 1.5 (3200 on r1), the prefix stays on r0.
+    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
+    assert ranked[0].replica.name == "r0"
+
+
 async def test_stale_engine_figures_are_ignored() -> None:
     reps = replicas(2)
     engine_report(reps[1], waiting=50)
@@ -93,11 +104,12 @@ async def test_own_inflight_work_counted_at_decision_time_spills_a_hot_prefix() 
         p.on_routed(req, first)
         chosen.append(first.name)
         warm.setdefault(first.name, SHARED)  # the replica now holds the prefix too
-    # Each hit queues 128 uncached tokens; a spill costs 2048 more: about 16 hits before spilling.
+    # Each hit queues 128 uncached tokens; a spill recomputes 2048 more, weighted 1.5 for the
+    # second copy: about 24 hits before spilling.
     first_spill = next(i for i, name in enumerate(chosen) if name != "r1")
-    assert 14 <= first_spill <= 18, chosen
+    assert 22 <= first_spill <= 26, chosen
     counts = Counter(chosen)
-    assert counts["r1"] >= 16 and len(counts) >= 2
+    assert counts["r1"] >= 24 and len(counts) >= 2
     # Once the work is done (leases released), the queue is empty again and affinity returns.
     for lease in leases:
         lease.release()
