@@ -14,8 +14,8 @@ Kept for side-by-side comparison with prefix_affinity; it reproduces the rule, n
    at most `max_tree_size` characters. The tree never hears what an engine really cached or evicted.
 
 Defaults are the router's (sglang-router 0.2: cache_threshold 0.3, balance_abs_threshold 64,
-balance_rel_threshold 1.5, eviction every 120 s, max_tree_size 2**26). The router inserts at
-decision time; here insertion happens in `on_routed`, once the request was sent.
+balance_rel_threshold 1.5, eviction every 120 s, max_tree_size 2**26). As in the router, the text
+is inserted at decision time; after a retry, also under the replica that finally took it.
 """
 
 from __future__ import annotations
@@ -187,20 +187,26 @@ class RadixCacheAware(Policy):
         by_load = sorted(candidates, key=lambda c: c.replica.inflight_requests)
         max_load = by_load[-1].replica.inflight_requests
         min_load = by_load[0].replica.inflight_requests
-        if max_load - min_load > p.balance_abs_threshold and max_load > min_load * p.balance_rel_threshold:
-            return by_load
         text = request.text
-        names = [c.replica.name for c in candidates]
-        matched, holder = self.tree.prefix_match(text)
-        if text and matched / len(text) > p.cache_threshold and holder in names:
-            chosen = holder
+        if max_load - min_load > p.balance_abs_threshold and max_load > min_load * p.balance_rel_threshold:
+            first = by_load[0]
         else:
-            chosen = self.tree.smallest_tenant(names)
-        first = candidates[names.index(chosen)]
+            names = [c.replica.name for c in candidates]
+            matched, holder = self.tree.prefix_match(text)
+            if text and matched / len(text) > p.cache_threshold and holder in names:
+                chosen = holder
+            else:
+                chosen = self.tree.smallest_tenant(names)
+            first = candidates[names.index(chosen)]
+        # Like the router, the text goes into the tree at decision time (in both branches), so the
+        # next request sees it even before this one is sent.
+        if text:
+            self.tree.insert(text, first.replica.name)
         return [first, *(c for c in by_load if c is not first)]
 
     def on_routed(self, request: RequestFeatures, replica: ReplicaView) -> None:
-        if request.text:
+        # A retry went past the replica chosen at decision time: the text is also there now.
+        if request.text and self.tree.prefix_match(request.text) != (len(request.text), replica.name):
             self.tree.insert(request.text, replica.name)
 
     def _maybe_evict(self, p: RadixCacheAwareParams) -> None:

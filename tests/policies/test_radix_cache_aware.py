@@ -59,34 +59,47 @@ async def test_low_match_goes_to_the_smallest_tree() -> None:
 
 
 async def test_imbalance_needs_both_thresholds() -> None:
-    p = load_policy("radix_cache_aware")
-    reps = replicas(2)
-    p.on_routed(request(text=SYSTEM), reps[0])
+    def warm_on_r0() -> RadixCacheAware:
+        p = load_policy("radix_cache_aware")
+        assert isinstance(p, RadixCacheAware)
+        p.tree.insert(SYSTEM, "r0")
+        return p
+
     req = request(text=SYSTEM + "q")
     # 300 vs 230: the difference (70) exceeds 64, but 300 < 230 * 1.5: still balanced, cache wins.
+    reps = replicas(2)
     load(reps[0], 300)
     load(reps[1], 230)
-    assert names(await p.rank(req, candidates(reps)))[0] == "r0"
+    assert names(await warm_on_r0().rank(req, candidates(reps)))[0] == "r0"
     # 300 vs 199: 300 > 298.5 and 101 > 64: imbalanced, shortest queue wins over the cache.
-    reps2 = replicas(2)
-    load(reps2[0], 300)
-    load(reps2[1], 199)
-    assert names(await p.rank(req, candidates(reps2)))[0] == "r1"
+    reps = replicas(2)
+    load(reps[0], 300)
+    load(reps[1], 199)
+    assert names(await warm_on_r0().rank(req, candidates(reps)))[0] == "r1"
     # 60 vs 0: infinitely unequal in ratio but within the absolute threshold: balanced.
-    reps3 = replicas(2)
-    load(reps3[0], 60)
-    assert names(await p.rank(req, candidates(reps3)))[0] == "r0"
+    reps = replicas(2)
+    load(reps[0], 60)
+    assert names(await warm_on_r0().rank(req, candidates(reps)))[0] == "r0"
 
 
 async def test_imbalanced_branch_still_inserts_under_the_chosen_replica() -> None:
     p = load_policy("radix_cache_aware")
     reps = replicas(2)
     load(reps[0], 100)
-    req = request(text=SYSTEM)
-    chosen = (await p.rank(req, candidates(reps)))[0].replica
+    chosen = (await p.rank(request(text=SYSTEM), candidates(reps)))[0].replica
     assert chosen.name == "r1"
-    p.on_routed(req, chosen)
     assert p.tree.prefix_match(SYSTEM) == (len(SYSTEM), "r1")
+
+
+async def test_text_is_inserted_at_decision_time() -> None:
+    """A burst of new prefixes: each decision already sees the previous ones (smallest tree)."""
+    p = load_policy("radix_cache_aware")
+    reps = replicas(3)
+    firsts = [(await p.rank(request(text=f"{k} " + SYSTEM), candidates(reps)))[0].replica.name for k in "abc"]
+    assert sorted(firsts) == ["r0", "r1", "r2"]
+    # A retry sent the last one elsewhere: the tree learns that replica holds it too.
+    p.on_routed(request(text="c " + SYSTEM), reps[0])
+    assert p.tree.size["r0"] > len(SYSTEM) + 2
 
 
 def test_tree_splits_edges_and_tracks_sizes() -> None:
