@@ -23,13 +23,14 @@ those beyond our own count at `waiting_token_cost`. The larger of the two estima
 neither double counts our own requests nor misses anyone else's.
 
 Requests no replica has an advantage for (no hit anywhere, or the same hit everywhere) go to the
-replica, among those within `cold_spread_tokens` of the best, that took such a request least
-recently (llm-d's no-hit-LRU), so new prefixes spread evenly instead of piling onto whichever
-replica looked idle first.
+replica, among those within `cold_spread_tokens` of the best, that received the least traffic
+lately (requests, decaying with `traffic_window_s`): a new prefix brings future requests with it,
+so it goes where there is most room for them, and prefixes end up spread by load, not by count.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -69,7 +70,10 @@ class PrefixAffinityParams(BaseModel):
         1024.0,
         ge=0,
         description="Requests without a preferred replica may go to any replica this close to the best; "
-        "the one that took such a request least recently wins",
+        "the one with the least recent traffic wins",
+    )
+    traffic_window_s: float = Field(
+        60.0, gt=0, description="Time constant of the recent-traffic figure new prefixes are placed by"
     )
 
 
@@ -81,7 +85,8 @@ class _Queue:
     ledger_tokens: int = 0
     backlog: float = 0.0  # uncached tokens not yet prefilled, as of `stamp`
     stamp: float = 0.0
-    cold_turn: int = -1  # when it last took a request without a preference
+    traffic: float = 0.0  # requests sent there, decaying, as of `traffic_at`
+    traffic_at: float = 0.0
 
 
 class PrefixAffinity(Policy):
@@ -99,7 +104,7 @@ class PrefixAffinity(Policy):
         self._clock = clock
         self._queues: dict[str, _Queue] = {}
         self._placed: dict[str, tuple[str, int]] = {}  # request id -> (replica charged, tokens)
-        self._cold_turns = 0
+        self._window = p.traffic_window_s
 
     def _queue(self, name: str, now: float) -> _Queue:
         """The replica's queue estimate, drained up to `now`."""
@@ -184,19 +189,20 @@ class PrefixAffinity(Policy):
         scored.sort()
         best = scored[0]
         if cold:
-            # No replica is preferred for its cache: among the near-cheapest, the one that took
-            # such a request least recently, so new prefixes spread evenly.
+            # No replica is preferred for its cache: among the near-cheapest, the one with the
+            # least recent traffic, where the requests this prefix brings later have most room.
             limit = best[0] + self._spread
             queues = self._queues
             best = min(
                 (s for s in scored if s[0] <= limit),
-                key=lambda s: (queues[candidates[s[2]].replica.name].cold_turn, s[0]),
+                key=lambda s: (self.traffic(queues[candidates[s[2]].replica.name], now), s[0]),
             )
-            self._cold_turns += 1
-            queues[candidates[best[2]].replica.name].cold_turn = self._cold_turns
         chosen = candidates[best[2]]
         self._charge(request.request_id, chosen.replica.name, prompt - chosen.matched_tokens, now)
         return [chosen, *(candidates[s[2]] for s in scored if s is not best)]
+
+    def traffic(self, q: _Queue, now: float) -> float:
+        return q.traffic * math.exp((q.traffic_at - now) / self._window)
 
     def _charge(self, request_id: str, replica: str, tokens: int, now: float) -> None:
         placed = self._placed.get(request_id)
@@ -206,6 +212,9 @@ class PrefixAffinity(Policy):
                 old.ledger_tokens -= placed[1]
             old.backlog = max(0.0, old.backlog - placed[1])
         q = self._queue(replica, now)
+        if placed is None:
+            q.traffic = self.traffic(q, now) + 1.0
+            q.traffic_at = now
         q.ledger[request_id] = tokens
         q.ledger_tokens += tokens
         q.backlog += tokens

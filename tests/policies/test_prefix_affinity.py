@@ -148,6 +148,19 @@ async def test_cold_requests_spread_evenly() -> None:
     assert Counter(chosen) == {"r0": 3, "r1": 3, "r2": 3, "r3": 3}
 
 
+async def test_new_prefixes_go_where_recent_traffic_was_lightest() -> None:
+    p = policy()
+    reps = replicas(3)
+    for _ in range(6):  # a popular prefix keeps r0 busy (each request done before the next)
+        req = request(PROMPT)
+        assert (await p.rank(req, candidates(reps, {"r0": SHARED})))[0].replica.name == "r0"
+    for _ in range(2):  # a less popular one on r1
+        await p.rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+    new_homes = [(await p.rank(request(PROMPT), candidates(reps)))[0].replica.name for _ in range(4)]
+    # Idle now, all three cost the same: new prefixes fill r2, then r1, before r0 takes one.
+    assert new_homes[:2] == ["r2", "r2"] and "r0" not in new_homes
+
+
 async def test_cold_requests_avoid_a_busy_replica() -> None:
     p = policy()
     reps = replicas(3)
