@@ -67,7 +67,7 @@ class PrefixAffinityParams(BaseModel):
         description="Uncached tokens assumed per request waiting in the engine beyond the policy's own",
     )
     cold_spread_tokens: float = Field(
-        1024.0,
+        2048.0,
         ge=0,
         description="Requests without a preferred replica may go to any replica this close to the best; "
         "the one with the least recent traffic wins",
