@@ -23,9 +23,9 @@ those beyond our own count at `waiting_token_cost`. The larger of the two estima
 neither double counts our own requests nor misses anyone else's.
 
 Requests no replica has an advantage for (no hit anywhere, or the same hit everywhere) go to the
-replica, among those within `cold_spread_tokens` of the best, that received the least traffic
-lately (requests, decaying with `traffic_window_s`): a new prefix brings future requests with it,
-so it goes where there is most room for them, and prefixes end up spread by load, not by count.
+replica, among those within `cold_spread_tokens` of the best, that was given the fewest such
+requests lately (a count decaying with `placement_window_s`): new prefixes are dealt out evenly,
+and a replica skipped while it was busy is given the next ones.
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ class PrefixAffinityParams(BaseModel):
         2048.0,
         ge=0,
         description="Requests without a preferred replica may go to any replica this close to the best; "
-        "the one with the least recent traffic wins",
+        "the one given the fewest such requests lately wins",
     )
-    traffic_window_s: float = Field(
-        60.0, gt=0, description="Time constant of the recent-traffic figure new prefixes are placed by"
+    placement_window_s: float = Field(
+        600.0, gt=0, description="Time constant of the count of new prefixes given to each replica"
     )
 
 
@@ -85,8 +85,8 @@ class _Queue:
     ledger_tokens: int = 0
     backlog: float = 0.0  # uncached tokens not yet prefilled, as of `stamp`
     stamp: float = 0.0
-    traffic: float = 0.0  # requests sent there, decaying, as of `traffic_at`
-    traffic_at: float = 0.0
+    placements: float = 0.0  # requests without a preference given to it, decaying, as of `placed_at`
+    placed_at: float = 0.0
 
 
 class PrefixAffinity(Policy):
@@ -104,7 +104,7 @@ class PrefixAffinity(Policy):
         self._clock = clock
         self._queues: dict[str, _Queue] = {}
         self._placed: dict[str, tuple[str, int]] = {}  # request id -> (replica charged, tokens)
-        self._window = p.traffic_window_s
+        self._window = p.placement_window_s
 
     def _queue(self, name: str, now: float) -> _Queue:
         """The replica's queue estimate, drained up to `now`."""
@@ -189,20 +189,23 @@ class PrefixAffinity(Policy):
         scored.sort()
         best = scored[0]
         if cold:
-            # No replica is preferred for its cache: among the near-cheapest, the one with the
-            # least recent traffic, where the requests this prefix brings later have most room.
+            # No replica is preferred for its cache: among the near-cheapest, the one given the
+            # fewest such requests lately, so new prefixes are dealt out evenly.
             limit = best[0] + self._spread
             queues = self._queues
             best = min(
                 (s for s in scored if s[0] <= limit),
-                key=lambda s: (self.traffic(queues[candidates[s[2]].replica.name], now), s[0]),
+                key=lambda s: (self.placements(queues[candidates[s[2]].replica.name], now), s[0]),
             )
+            q = queues[candidates[best[2]].replica.name]
+            q.placements = self.placements(q, now) + 1.0
+            q.placed_at = now
         chosen = candidates[best[2]]
         self._charge(request.request_id, chosen.replica.name, prompt - chosen.matched_tokens, now)
         return [chosen, *(candidates[s[2]] for s in scored if s is not best)]
 
-    def traffic(self, q: _Queue, now: float) -> float:
-        return q.traffic * math.exp((q.traffic_at - now) / self._window)
+    def placements(self, q: _Queue, now: float) -> float:
+        return q.placements * math.exp((q.placed_at - now) / self._window)
 
     def _charge(self, request_id: str, replica: str, tokens: int, now: float) -> None:
         placed = self._placed.get(request_id)
@@ -212,9 +215,6 @@ class PrefixAffinity(Policy):
                 old.ledger_tokens -= placed[1]
             old.backlog = max(0.0, old.backlog - placed[1])
         q = self._queue(replica, now)
-        if placed is None:
-            q.traffic = self.traffic(q, now) + 1.0
-            q.traffic_at = now
         q.ledger[request_id] = tokens
         q.ledger_tokens += tokens
         q.backlog += tokens

@@ -148,17 +148,17 @@ async def test_cold_requests_spread_evenly() -> None:
     assert Counter(chosen) == {"r0": 3, "r1": 3, "r2": 3, "r3": 3}
 
 
-async def test_new_prefixes_go_where_recent_traffic_was_lightest() -> None:
-    p = policy()
+async def test_a_replica_skipped_while_busy_gets_the_next_new_prefixes() -> None:
+    clock = Clock()
+    p = policy(clock, per_request_tokens=0)
     reps = replicas(3)
-    for _ in range(6):  # a popular prefix keeps r0 busy (each request done before the next)
-        req = request(PROMPT)
-        assert (await p.rank(req, candidates(reps, {"r0": SHARED})))[0].replica.name == "r0"
-    for _ in range(2):  # a less popular one on r1
-        await p.rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
-    new_homes = [(await p.rank(request(PROMPT), candidates(reps)))[0].replica.name for _ in range(4)]
-    # Idle now, all three cost the same: new prefixes fill r2, then r1, before r0 takes one.
-    assert new_homes[:2] == ["r2", "r2"] and "r0" not in new_homes
+    engine_report(reps[0], waiting=10)  # another gateway keeps r0 busy: new prefixes avoid it
+    firsts = [(await p.rank(request(PROMPT), candidates(reps)))[0].replica.name for _ in range(4)]
+    assert Counter(firsts) == {"r1": 2, "r2": 2}
+    engine_report(reps[0], waiting=0)
+    clock.now += 10.0  # r1 and r2 have since prefilled what they were sent
+    firsts = [(await p.rank(request(PROMPT), candidates(reps)))[0].replica.name for _ in range(2)]
+    assert firsts == ["r0", "r0"]  # catches up: round-robin alone would have given r1 or r2 one
 
 
 async def test_cold_requests_avoid_a_busy_replica() -> None:
