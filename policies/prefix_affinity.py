@@ -159,19 +159,20 @@ class PrefixAffinity(Policy):
             return []
         now = self._clock()
         # estimate_tokens, unrolled: this loop runs once per replica on every request.
-        queue, queued, per_request, prompt = (
-            self._queue,
-            self._queued,
-            self._per_request,
-            request.prompt_tokens,
-        )
-        deepest = max(c.matched_tokens for c in candidates)
-        cold = deepest == min(c.matched_tokens for c in candidates)
-        duplicate = self._duplicate
+        queues, queued, tps = self._queues, self._queued, self._tps
+        per_request, duplicate, prompt = self._per_request, self._duplicate, request.prompt_tokens
+        matches = [c.matched_tokens for c in candidates]
+        deepest = max(matches)
+        cold = deepest == min(matches)
         scored = []
         for i, c in enumerate(candidates):
             r = c.replica
-            q = queue(r.name, now)
+            q = queues.get(r.name)
+            if q is None:
+                q = self._queue(r.name, now)
+            elif q.backlog:
+                q.backlog = max(0.0, q.backlog - (now - q.stamp) * tps)
+                q.stamp = now
             n = r.inflight_requests
             in_flight = n
             fresh = r.engine_fresh
@@ -182,10 +183,9 @@ class PrefixAffinity(Policy):
                 ahead = queued(q, r, fresh)
             else:
                 ahead = min(q.backlog, q.ledger_tokens)
-            matched = c.matched_tokens
-            uncached = prompt - matched
+            uncached = prompt - matches[i]
             cost = ahead + (uncached if uncached > 0 else 0) + per_request * in_flight
-            scored.append((cost + duplicate * (deepest - matched), n, i))
+            scored.append((cost + duplicate * (deepest - matches[i]), n, i))
         scored.sort()
         best = scored[0]
         if cold:
