@@ -249,6 +249,9 @@ class Proxy:
                 if not replica.breaker.try_acquire():
                     continue
                 lease = replica.lease(features.prompt_tokens)
+                # Learn at decision time, not when the answer comes: concurrent requests with the
+                # same new prefix must see where the first one went.
+                pool.learn(features, replica)
                 up = tr.upstream(replica, attempt, headers) if tr else None
                 try:
                     try:
@@ -276,7 +279,6 @@ class Proxy:
                         replica.breaker.record_failure()
                     else:
                         replica.breaker.record_success()
-                    pool.learn(features, replica)
                     rec.replica = replica.name
                     rec.matched_tokens = candidate.matched_tokens
                     rec.route_reason = (
