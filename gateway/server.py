@@ -43,6 +43,10 @@ class RunningGateway:
             await self.runtime.stop()
 
 
+class ListenError(Exception):
+    """The gateway's address cannot be bound (in use, not local, no permission)."""
+
+
 async def start_gateway(
     settings: Settings, config_path: str | None = None, server_overrides: dict[str, Any] | None = None
 ) -> RunningGateway:
@@ -50,17 +54,23 @@ async def start_gateway(
     runtime = Runtime(settings)
     runtime.config_path = config_path
     runtime.server_overrides = dict(server_overrides or {})
-    await runtime.start()
     runner = web.AppRunner(
         build_app(runtime),
         handler_cancellation=True,  # a client that leaves cancels its handler and so the upstream call
         access_log=None,
         shutdown_timeout=settings.server.grace_period_s,
     )
+    # Listen first: a taken port must fail before any engine is launched.
+    await runner.setup()
     try:
-        await runner.setup()
         site = web.TCPSite(runner, settings.server.host, settings.server.port, backlog=4096)
         await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        where = f"{settings.server.host}:{settings.server.port}"
+        raise ListenError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+    try:
+        await runtime.start()
     except BaseException:
         await runner.cleanup()
         await runtime.stop()
@@ -109,6 +119,12 @@ def run(
 ) -> int:
     try:
         import uvloop
+
+        runner: Any = uvloop.run
     except ImportError:
-        return asyncio.run(serve(settings, config_path, server_overrides))
-    return uvloop.run(serve(settings, config_path, server_overrides))
+        runner = asyncio.run
+    try:
+        return runner(serve(settings, config_path, server_overrides))
+    except ListenError as exc:
+        log.error("%s", exc)
+        return 1

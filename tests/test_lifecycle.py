@@ -95,3 +95,30 @@ async def test_sigterm_lets_inflight_stream_finish_then_exits_zero(upstreams, tm
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_taken_port_fails_with_one_line_before_launching_engines(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        logs = tmp_path / "engine-logs"
+        cfg = tmp_path / "gw.yaml"
+        engines = {"kind": "sim", "replicas": 1, "log_dir": str(logs), "sim": {"profile": "tiny"}}
+        cfg.write_text(
+            yaml.safe_dump(
+                {"server": {"port": port}, "pools": [{"name": "p", "model": "m", "engines": engines}]}
+            )
+        )
+        out = subprocess.run(
+            [PYTHON, "-m", "gateway", "serve", "--config", str(cfg)],
+            capture_output=True,
+            text=True,
+            env=subprocess_env(),
+            timeout=30,
+        )
+    assert out.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
+    assert not logs.exists() or not any(logs.iterdir())
