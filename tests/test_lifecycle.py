@@ -13,26 +13,21 @@ import yaml
 from tests.conftest import PYTHON, free_port, subprocess_env, wait_until
 
 
+def kvgate(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the CLI as a real process (it must exit by itself)."""
+    return subprocess.run(
+        [PYTHON, "-m", "gateway", *args], capture_output=True, text=True, env=subprocess_env(), timeout=30
+    )
+
+
 def test_bad_config_exits_nonzero_naming_the_key(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(yaml.safe_dump({"pools": [{"name": "p", "model": "m", "engines": {"replicas": 0}}]}))
-    out = subprocess.run(
-        [PYTHON, "-m", "gateway", "serve", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=30,
-    )
+    out = kvgate("serve", "--config", str(cfg))
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "pools.0.engines.replicas" in lines[0]
-    check = subprocess.run(
-        [PYTHON, "-m", "gateway", "check-config", str(cfg)],
-        capture_output=True,
-        text=True,
-        env=subprocess_env(),
-        timeout=30,
-    )
+    check = kvgate("check-config", str(cfg))
     assert check.returncode == 2 and "pools.0.engines.replicas" in check.stderr
 
 
@@ -112,13 +107,7 @@ def test_taken_port_fails_with_one_line_before_launching_engines(tmp_path):
                 {"server": {"port": port}, "pools": [{"name": "p", "model": "m", "engines": engines}]}
             )
         )
-        out = subprocess.run(
-            [PYTHON, "-m", "gateway", "serve", "--config", str(cfg)],
-            capture_output=True,
-            text=True,
-            env=subprocess_env(),
-            timeout=30,
-        )
+        out = kvgate("serve", "--config", str(cfg))
     assert out.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
     assert not logs.exists() or not any(logs.iterdir())
