@@ -24,7 +24,7 @@ from statistics import median
 import aiohttp
 
 from bench.overhead import cpu_seconds
-from gateway.sim.engine import Engine, EngineConfig, Request
+from gateway.sim.engine import Engine, EngineConfig, Request, run_collecting_gaps
 from gateway.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,20 +123,8 @@ def decode_run(profile: str, prompt_len: int, dtype: str, conc: int) -> tuple[fl
     request, and aggregate output tokens/s."""
     e = new_engine(profile, dtype)
     rng = random.Random(conc)
-    last: dict[str, float] = {}
-    gaps: list[float] = []
-
-    def on_output(outs: list[Request]) -> None:
-        for r in outs:
-            if r.id in last:
-                gaps.append(e.now - last[r.id])
-            last[r.id] = e.now
-
-    e.on_output = on_output
     reqs = [Request(f"d{i}", tokens(prompt_len, rng), 128, block_size=e.block_size) for i in range(conc)]
-    for r in reqs:
-        e.add_request(r)
-    e.run_until_idle()
+    gaps = run_collecting_gaps(e, reqs)
     tpot = median((r.finished_at - r.first_token_at) / 127 for r in reqs)  # type: ignore[operator]
     span = max(r.finished_at for r in reqs) - min(r.arrival for r in reqs)  # type: ignore[type-var]
     return median(gaps) * 1e3, tpot * 1e3, conc * 128 / span

@@ -501,6 +501,25 @@ class Engine:
         }
 
 
+def run_collecting_gaps(engine: Engine, requests: list[Request]) -> list[float]:
+    """Run `requests` together on a virtual-clock engine until idle; the gaps (seconds) between each
+    request's consecutive outputs, i.e. the simulated inter-token latencies, for calibration and tests."""
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+
+    def on_output(outs: list[Request]) -> None:
+        for r in outs:
+            if r.id in last:
+                gaps.append(engine.now - last[r.id])
+            last[r.id] = engine.now
+
+    engine.on_output = on_output
+    for r in requests:
+        engine.add_request(r)
+    engine.run_until_idle()
+    return gaps
+
+
 class RealtimeRunner:
     """Paces an engine's steps on the event loop's clock: simulated seconds = wall seconds * speedup.
 

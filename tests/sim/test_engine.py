@@ -7,7 +7,7 @@ import random
 from statistics import median
 
 from gateway.sim.cost_model import CostModel, StepShape
-from gateway.sim.engine import Engine, Request
+from gateway.sim.engine import Engine, Request, run_collecting_gaps
 from gateway.sim.kv_cache import block_hashes
 from gateway.sim.profiles import get_profile
 from tests.sim.conftest import engine
@@ -83,19 +83,9 @@ def test_fp8_doubles_num_gpu_blocks() -> None:
 
 def _median_gap(batch: int, prompt_len: int, kv_cache_dtype: str = "auto") -> float:
     e = engine(kv_cache_dtype=kv_cache_dtype)
-    last: dict[str, float] = {}
-    gaps: list[float] = []
-
-    def on_output(outs: list[Request]) -> None:
-        for r in outs:
-            if r.id in last:
-                gaps.append(e.now - last[r.id])
-            last[r.id] = e.now
-
-    e.on_output = on_output
-    for i in range(batch):
-        e.add_request(Request(f"d{i}", prompt(prompt_len, i), 32, block_size=BS))
-    e.run_until_idle()
+    gaps = run_collecting_gaps(
+        e, [Request(f"d{i}", prompt(prompt_len, i), 32, block_size=BS) for i in range(batch)]
+    )
     return median(gaps)
 
 
