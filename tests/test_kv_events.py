@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgpack
@@ -13,6 +13,7 @@ import zmq
 
 from gateway.kv_events import KVEventIndexer, KVEventSubscriber, TokenBlockHasher
 from gateway.prefix_index import PrefixIndex
+from tests.conftest import wait_until
 
 BS = 4
 TOKENS = list(range(100, 120))  # five full blocks
@@ -55,13 +56,6 @@ async def wired() -> AsyncIterator[tuple[Publisher, KVEventSubscriber, PrefixInd
         pub.sock.close(0)
 
 
-async def until(cond: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
-
-
 def stored(hashes: list[Any], parent: Any, tokens: list[int], medium: str | None = "GPU") -> list[Any]:
     return ["BlockStored", hashes, parent, tokens, BS, None, medium]
 
@@ -84,13 +78,14 @@ async def test_stored_removed_cleared_over_zmq(
             }
         ]
     )
-    await until(lambda: index.match(query, ["r1"])["r1"] == 5, "five stored blocks")
+    await wait_until(lambda: index.match(query, ["r1"])["r1"] == 5, timeout=10, what="five stored blocks")
 
     pub.send([["BlockRemoved", [b"e1"], "GPU"]])
-    await until(lambda: index.match(query, ["r1"])["r1"] == 1, "removal of the second block")
+    second_removed = lambda: index.match(query, ["r1"])["r1"] == 1  # noqa: E731
+    await wait_until(second_removed, timeout=10, what="removal of the second block")
 
     pub.send([["AllBlocksCleared"]])
-    await until(lambda: index.match(query, ["r1"])["r1"] == 0, "clear")
+    await wait_until(lambda: index.match(query, ["r1"])["r1"] == 0, timeout=10, what="clear")
     assert sub.indexer.stats.stored == 5 and sub.indexer.stats.removed == 1
     assert sub.stats.gaps == 0
 
@@ -104,7 +99,7 @@ async def test_orphans_other_media_and_bad_batches_are_skipped(
     pub.send([stored([b"c0"], None, TOKENS[:4], medium="CPU")])
     pub.send([], payload=b"\xc1 not msgpack")
     pub.send([stored([9], None, TOKENS[:4])])  # integer engine hashes (older vLLM) work too
-    await until(lambda: index.match(query, ["r1"])["r1"] == 1, "the valid block")
+    await wait_until(lambda: index.match(query, ["r1"])["r1"] == 1, timeout=10, what="the valid block")
     stats = sub.indexer.stats
     assert (stats.orphans, stats.foreign_media, sub.stats.decode_errors) == (1, 1, 1)
 
@@ -115,10 +110,10 @@ async def test_sequence_gap_is_counted_and_restart_clears(
     pub, sub, index = wired
     query = TokenBlockHasher(BS, "m").hashes(TOKENS)
     pub.send([stored([1], None, TOKENS[:4])], seq=pub.seq + 3)
-    await until(lambda: index.match(query, ["r1"])["r1"] == 1, "stored block")
+    await wait_until(lambda: index.match(query, ["r1"])["r1"] == 1, timeout=10, what="stored block")
     assert sub.stats.gaps == 3
     pub.send([], seq=0)  # the engine restarted: its sequence and its cache start over
-    await until(lambda: sub.stats.last_seq == 0, "restart batch")
+    await wait_until(lambda: sub.stats.last_seq == 0, timeout=10, what="restart batch")
     assert index.match(query, ["r1"])["r1"] == 0
 
 
@@ -170,7 +165,7 @@ async def test_the_simulators_publisher_is_understood() -> None:
             pub.publish(events)  # re-sent until the SUB has joined; storing twice is harmless
             await asyncio.sleep(0.01)
         pub.publish([("removed", [engine[3]])])
-        await until(lambda: index.match(query, ["sim"])["sim"] == 3, "removal")
+        await wait_until(lambda: index.match(query, ["sim"])["sim"] == 3, timeout=10, what="removal")
     finally:
         await sub.stop()
         pub.close()

@@ -11,8 +11,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -22,6 +20,7 @@ from gateway.config import EngineSpec, Settings
 from gateway.engines import adapter_for_spec, get_adapter
 from gateway.launcher import FleetLauncher, LaunchedReplica, LaunchError, dry_run
 from gateway.load_scraper import LoadScraper
+from tests.conftest import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -33,14 +32,6 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-async def until(predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        await asyncio.sleep(0.02)
 
 
 class Recorder:
@@ -99,8 +90,8 @@ async def test_three_simulators_crash_restart_and_clean_stop(
         first = {r.name: r for r in replicas}
 
         os.kill(first["pool-1"].pid, signal.SIGKILL)
-        await until(lambda: rec.down == ["pool-1"])
-        await until(lambda: len(rec.ready) == 4, timeout_s=30)
+        await wait_until(lambda: rec.down == ["pool-1"], timeout=15.0)
+        await wait_until(lambda: len(rec.ready) == 4, timeout=30)
         back = rec.ready[-1]
         assert back.name == "pool-1" and back.url == first["pool-1"].url
         assert back.pid != first["pool-1"].pid
@@ -206,7 +197,7 @@ async def test_engines_die_when_the_gateway_is_killed(tmp_path: Path) -> None:
         assert len(pids) == 2 and all(alive(p) for p in pids)
         gateway.kill()  # no chance to stop its engines
         gateway.wait()
-        await until(lambda: not any(alive(p) for p in pids), timeout_s=10)
+        await wait_until(lambda: not any(alive(p) for p in pids), timeout=10)
     finally:
         gateway.kill()
         gateway.wait()
@@ -258,7 +249,7 @@ async def test_restart_backoff_doubles_up_to_the_cap(
     launcher = FleetLauncher("loop", spec, "tiny", lambda r: None, lambda n: None)
     await launcher.start()
     try:
-        await until(lambda: launcher.status()["loop-0"].restarts >= 5)
+        await wait_until(lambda: launcher.status()["loop-0"].restarts >= 5, timeout=15.0)
     finally:
         await launcher.stop()
     delays = [

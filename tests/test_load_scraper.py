@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -13,6 +12,7 @@ from aiohttp import web
 from gateway.engine_load import EngineLoad
 from gateway.engines import get_adapter
 from gateway.load_scraper import LoadScraper
+from tests.conftest import wait_until
 
 
 def vllm_metrics(running: int, waiting: int, usage: float, blocks: str = "52478") -> str:
@@ -68,13 +68,6 @@ async def engines() -> AsyncIterator[Callable[[str], asyncio.Future[FakeEngine]]
         await runner.cleanup()
 
 
-async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.01)
-
-
 async def test_scrapes_and_tracks_changes(engines) -> None:
     engine = await engines(vllm_metrics(3, 1, 0.25))
     updates: list[tuple[str, EngineLoad]] = []
@@ -83,13 +76,13 @@ async def test_scrapes_and_tracks_changes(engines) -> None:
     assert not scraper.get("r0").is_fresh(60)
     await scraper.start()
     try:
-        await until(lambda: scraper.get("r0").running == 3)
+        await wait_until(lambda: scraper.get("r0").running == 3)
         load = scraper.get("r0")
         assert (load.waiting, load.kv_usage, load.kv_capacity_tokens) == (1, 0.25, 52478 * 16)
         assert load.is_fresh(1.0)
         assert updates and updates[0][0] == "r0"
         engine.body = vllm_metrics(9, 4, 0.8)
-        await until(lambda: scraper.get("r0").waiting == 4)
+        await wait_until(lambda: scraper.get("r0").waiting == 4)
         assert scraper.loads["r0"].running == 9
     finally:
         await scraper.stop()
@@ -101,18 +94,18 @@ async def test_failed_scrapes_keep_the_old_figure_and_its_age(engines) -> None:
     scraper.add("r0", engine.url, get_adapter("vllm"))
     await scraper.start()
     try:
-        await until(lambda: scraper.get("r0").running == 5)
+        await wait_until(lambda: scraper.get("r0").running == 5)
         engine.status = 500
         hits = engine.hits
-        await until(lambda: engine.hits >= hits + 3)  # several failed scrapes later
+        await wait_until(lambda: engine.hits >= hits + 3)  # several failed scrapes later
         stale = scraper.get("r0")
         seen_at = stale.updated_at
         assert stale.running == 5
-        await until(lambda: engine.hits >= hits + 5)
+        await wait_until(lambda: engine.hits >= hits + 5)
         assert scraper.get("r0").updated_at == seen_at
         assert not scraper.get("r0").is_fresh(3.0, now=seen_at + 3.5)
         engine.status = 200
-        await until(lambda: scraper.get("r0").updated_at > seen_at)
+        await wait_until(lambda: scraper.get("r0").updated_at > seen_at)
     finally:
         await scraper.stop()
 
@@ -126,10 +119,10 @@ async def test_a_hanging_engine_does_not_delay_the_others(engines) -> None:
     scraper.add("healthy", healthy.url, get_adapter("vllm"))
     await scraper.start()
     try:
-        await until(lambda: stuck.hits >= 1 and "healthy" in scraper.loads)
+        await wait_until(lambda: stuck.hits >= 1 and "healthy" in scraper.loads)
         first = scraper.loads["healthy"].updated_at
         # Several fresh figures from the healthy engine while the stuck scrape still waits.
-        await until(lambda: healthy.hits >= 5)
+        await wait_until(lambda: healthy.hits >= 5)
         assert scraper.loads["healthy"].updated_at > first
         assert "stuck" not in scraper.loads and stuck.hits == 1
     finally:
@@ -143,10 +136,10 @@ async def test_timeout_then_recovery(engines) -> None:
     scraper.add("r0", engine.url, get_adapter("vllm"))
     await scraper.start()
     try:
-        await until(lambda: engine.hits >= 3)  # each hung request timed out, then retried
+        await wait_until(lambda: engine.hits >= 3)  # each hung request timed out, then retried
         assert "r0" not in scraper.loads
         engine.hang = False
-        await until(lambda: scraper.get("r0").running == 1)
+        await wait_until(lambda: scraper.get("r0").running == 1)
     finally:
         await scraper.stop()
 
@@ -159,14 +152,14 @@ async def test_remove_and_capacity_carry_over(engines) -> None:
     try:
         scraper.add("r0", engine.url, get_adapter("vllm"))
         scraper.add("control", control.url, get_adapter("vllm"))
-        await until(lambda: scraper.get("r0").num_gpu_blocks == 52478)
+        await wait_until(lambda: scraper.get("r0").num_gpu_blocks == 52478)
         engine.body = vllm_metrics(7, 0, 0.3, blocks="None")
-        await until(lambda: scraper.get("r0").running == 7)
+        await wait_until(lambda: scraper.get("r0").running == 7)
         assert scraper.get("r0").num_gpu_blocks == 52478
         scraper.remove("r0")
         assert "r0" not in scraper.loads
         hits, control_hits = engine.hits, control.hits
-        await until(lambda: control.hits >= control_hits + 4)  # several intervals later
+        await wait_until(lambda: control.hits >= control_hits + 4)  # several intervals later
         assert engine.hits <= hits + 1 and "r0" not in scraper.loads
     finally:
         await scraper.stop()
@@ -178,7 +171,7 @@ async def test_sglang_v1_loads(engines) -> None:
     scraper.add("s0", engine.url, get_adapter("sglang"))
     await scraper.start()
     try:
-        await until(lambda: scraper.get("s0").waiting == 6)
+        await wait_until(lambda: scraper.get("s0").waiting == 6)
         assert scraper.get("s0").kv_usage == 0.7
     finally:
         await scraper.stop()
