@@ -152,6 +152,9 @@ class EndpointConfig(_Strict):
     role: Literal["mixed", "prefill", "decode"] = "mixed"
     kind: Literal["vllm", "sglang", "sim", "openai"] = "vllm"
     bootstrap_port: int | None = Field(None, description="SGLang prefill bootstrap port")
+    kv_events: str | None = Field(
+        None, description="The engine's KV event publisher (ZMQ), e.g. tcp://10.0.0.5:5557, for precise mode"
+    )
 
     @field_validator("url")
     @classmethod
@@ -191,6 +194,14 @@ class PrefixConfig(_Strict):
     )
     default_blocks_per_replica: int = Field(65536, gt=0)
     speculative_ttl_s: float = Field(2.0, gt=0)
+    mode: Literal["approximate", "precise"] = Field(
+        "approximate",
+        description="approximate: text blocks learned from routing decisions; precise: the engine's "
+        "token ids (POST /tokenize) matched against its KV events",
+    )
+    engine_block_size: int | None = Field(
+        None, gt=0, description="Precise mode: tokens per engine KV block (unset: engines.block_size or 16)"
+    )
 
 
 class PDConfig(_Strict):
@@ -218,7 +229,19 @@ class PoolConfig(_Strict):
     def _has_replicas(self) -> PoolConfig:
         if self.engines is None and not self.endpoints:
             raise ValueError("needs `engines` (managed) or `endpoints` (unmanaged)")
+        if self.prefix.mode == "precise" and not (
+            (self.engines is not None and self.engines.kv_events) or any(e.kv_events for e in self.endpoints)
+        ):
+            raise ValueError(
+                "prefix.mode precise needs KV events: set engines.kv_events: true or endpoints[].kv_events"
+            )
         return self
+
+    @property
+    def engine_block_size(self) -> int:
+        """Tokens per engine KV block, as precise mode hashes them (vLLM's and the simulator's default 16)."""
+        engines_bs = self.engines.block_size if self.engines is not None else None
+        return self.prefix.engine_block_size or engines_bs or 16
 
 
 class HeaderMatch(_Strict):

@@ -27,7 +27,6 @@ blocks are chained from a root seeded by `lora_id`; only GPU-resident blocks (`m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from array import array
 from collections import OrderedDict
@@ -230,7 +229,10 @@ class KVEventSubscriber:
         self._task: asyncio.Task[None] | None = None
         self._socket: Any = None
 
-    async def start(self) -> None:
+    def start(self) -> None:
+        """Connect and start consuming on the running event loop; a second call does nothing."""
+        if self._task is not None:
+            return
         import zmq
         import zmq.asyncio
 
@@ -238,13 +240,12 @@ class KVEventSubscriber:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         self._socket.connect(self.endpoint)
-        self._task = asyncio.create_task(self._run(), name=f"kv-events:{self.replica}")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events:{self.replica}")
 
-    async def stop(self) -> None:
+    def close(self) -> None:
+        """Stop consuming. Synchronous, so a replica can be dropped from any callback."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
             self._task = None
         if self._socket is not None:
             self._socket.close(0)

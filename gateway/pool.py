@@ -11,6 +11,7 @@ from gateway.breaker import CircuitBreaker
 from gateway.config import BreakerConfig, PoolConfig, ScrapeConfig
 from gateway.engines import EngineAdapter, adapter_for_spec, get_adapter
 from gateway.policy import Candidate, Policy, RequestFeatures, load_policy
+from gateway.precise_prefix import PrecisePrefix
 from gateway.prefix_hash import PrefixHasher, prompt_text
 from gateway.prefix_index import PrefixIndex
 from gateway.replica import Replica, Role
@@ -38,9 +39,20 @@ class Pool:
         self.policy = policy or load_policy(cfg.policy.type, cfg.policy.args)
         self.prefill_policy = load_policy(cfg.pd.prefill_policy.type, cfg.pd.prefill_policy.args)
         self.hasher = PrefixHasher(block_chars=cfg.prefix.block_chars)
-        self.prefix_index = PrefixIndex(
-            default_capacity=cfg.prefix.max_blocks_per_replica or cfg.prefix.default_blocks_per_replica,
-            speculative_ttl_s=cfg.prefix.speculative_ttl_s,
+        # Precise mode matches engine token blocks against the engines' KV events; its index
+        # replaces the one learned from text blocks.
+        self.precise = (
+            PrecisePrefix(cfg.prefix, self.upstream_model, cfg.engine_block_size)
+            if cfg.prefix.mode == "precise"
+            else None
+        )
+        self.prefix_index = (
+            self.precise.index
+            if self.precise is not None
+            else PrefixIndex(
+                default_capacity=cfg.prefix.max_blocks_per_replica or cfg.prefix.default_blocks_per_replica,
+                speculative_ttl_s=cfg.prefix.speculative_ttl_s,
+            )
         )
         self._names = itertools.count()
         # Prompt characters and tokens seen: the index is sized in blocks of characters, the engine
@@ -103,6 +115,8 @@ class Pool:
         replica = self.replicas.pop(name, None)
         if replica is not None:
             self.prefix_index.remove_replica(name)
+            if self.precise is not None:
+                self.precise.detach(name)
             log.info("pool %s: replica %s removed", self.name, name)
         return replica
 
@@ -170,7 +184,10 @@ class Pool:
     def learn(self, features: RequestFeatures, replica: Replica, role: str = "decode") -> None:
         """The request went to `replica`: it will hold the prompt's blocks once prefilled."""
         if features.block_hashes:
-            self.prefix_index.record(replica.name, features.block_hashes)
+            # In precise mode the engine's events confirm; until then the decision is a guess.
+            self.prefix_index.record(
+                replica.name, features.block_hashes, speculative=self.precise is not None
+            )
         (self.prefill_policy if role == "prefill" else self.policy).on_routed(features, replica)
 
     def tokens_per_block(self) -> float:
@@ -193,6 +210,8 @@ class Pool:
     def set_kv_capacity(self, replica: Replica) -> None:
         """Size the replica's index budget from the engine's KV capacity, when it is known."""
         cap = replica.kv_capacity_tokens
-        if cap and self.cfg.prefix.max_blocks_per_replica is None:
+        if cap and self.precise is not None:
+            self.precise.set_capacity(replica.name, cap)
+        elif cap and self.cfg.prefix.max_blocks_per_replica is None:
             self._sized_tokens_per_block = tokens_per_block = max(1.0, self.tokens_per_block())
             self.prefix_index.set_capacity(replica.name, max(1, int(cap / tokens_per_block)))

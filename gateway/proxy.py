@@ -183,6 +183,9 @@ class Proxy:
         if trimmed is not None:  # the window policy dropped the oldest turns
             features, changed = trimmed, True
         changed = scheduler.forward_priority(pool, features, body) or changed
+        if pool.precise is not None and pool.policy.uses_prefix_match:
+            with tr.span("tokenize") if tr else NOOP:
+                await pool.precise.annotate(features, body, pool.serving("decode"), self.rt.upstream)
         out = orjson.dumps(body) if changed else raw
         rec.stream = features.stream
         rec.prompt_tokens = features.prompt_tokens

@@ -40,7 +40,9 @@ class Runtime:
         self.scraper = LoadScraper.from_config(settings.scrape, on_update=self._engine_load)
         for pool in self.pools.values():
             for ep in pool.cfg.endpoints:
-                self.register(pool, ep.url, ep.name, ep.role, ep.kind, ep.bootstrap_port)
+                self.register(
+                    pool, ep.url, ep.name, ep.role, ep.kind, ep.bootstrap_port, kv_events=ep.kv_events
+                )
         self.launchers = [
             FleetLauncher(
                 pool.name,
@@ -83,14 +85,17 @@ class Runtime:
         kind: str,
         bootstrap_port: int | None,
         managed: bool = False,
+        kv_events: str | None = None,
     ) -> Replica:
-        """Add a replica to a pool and start watching its engine's load."""
+        """Add a replica to a pool and start watching its engine's load (and KV events)."""
         replica = pool.add_replica(
             url, name=name, role=role, kind=kind, bootstrap_port=bootstrap_port, managed=managed
         )
         adapter = pool.adapter_for(replica)
         if adapter is not None:
             self.scraper.add(replica.name, replica.url, adapter)
+        if pool.precise is not None and kv_events:
+            pool.precise.attach(replica.name, kv_events)
         return replica
 
     def unregister(self, pool: Pool, name: str) -> Replica | None:
@@ -110,6 +115,7 @@ class Runtime:
                 launched.kind,
                 launched.bootstrap_port,
                 managed=True,
+                kv_events=launched.kv_events_endpoint,
             )
 
         return on_ready
@@ -152,6 +158,9 @@ class Runtime:
         await self.state.start()
         self.health.start()
         await self.scraper.start()
+        for pool in self.pools.values():
+            if pool.precise is not None:
+                pool.precise.start()
         for launcher in self.launchers:
             await launcher.start()
 
@@ -163,6 +172,9 @@ class Runtime:
         await self.scheduler.close()
         for launcher in self.launchers:
             await launcher.stop()
+        for pool in self.pools.values():
+            if pool.precise is not None:
+                pool.precise.close()
         await self.upstream.close()
         if self.tracing is not None:
             await self.tracing.shutdown()

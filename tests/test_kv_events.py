@@ -42,7 +42,7 @@ async def wired() -> AsyncIterator[tuple[Publisher, KVEventSubscriber, PrefixInd
     pub = Publisher()
     index = PrefixIndex()
     sub = KVEventSubscriber(pub.endpoint, "r1", KVEventIndexer(index, TokenBlockHasher(BS, "m")), "kv-events")
-    await sub.start()
+    sub.start()
     # ZMQ drops what a PUB sends before the SUB has joined: send no-op batches until one arrives.
     deadline = time.monotonic() + 10
     while sub.stats.batches == 0:
@@ -52,7 +52,7 @@ async def wired() -> AsyncIterator[tuple[Publisher, KVEventSubscriber, PrefixInd
     try:
         yield pub, sub, index
     finally:
-        await sub.stop()
+        sub.close()
         pub.sock.close(0)
 
 
@@ -151,7 +151,7 @@ async def test_the_simulators_publisher_is_understood() -> None:
     sub = KVEventSubscriber(
         pub.endpoint, "sim", KVEventIndexer(index, TokenBlockHasher(BS, "m")), "kv-events"
     )
-    await sub.start()
+    sub.start()
     try:
         engine = block_hashes(TOKENS, BS)
         query = TokenBlockHasher(BS, "m").hashes(TOKENS)
@@ -167,5 +167,5 @@ async def test_the_simulators_publisher_is_understood() -> None:
         pub.publish([("removed", [engine[3]])])
         await wait_until(lambda: index.match(query, ["sim"])["sim"] == 3, timeout=10, what="removal")
     finally:
-        await sub.stop()
+        sub.close()
         pub.close()

@@ -1,0 +1,153 @@
+"""Precise prefix mode for one pool: the engine's own token ids, matched against what its KV
+events say each replica really caches.
+
+Approximate mode (the default) hashes blocks of prompt text and learns from its own routing
+decisions. Precise mode instead asks an engine of the pool to tokenize the prompt (`POST
+/tokenize`, which vLLM and the simulator answer with the chat template applied), hashes full
+blocks of those token ids with `TokenBlockHasher`, and looks them up in an index that the
+replicas' KV events keep (`KVEventIndexer`): blocks appear when an engine stores them and go
+when it evicts them. A routing decision is recorded as speculative, covering the lag until the
+engine's events confirm it.
+
+The price is one loopback round trip to an engine per request, and prompts the engine cannot
+tokenize (the Responses API; a `/tokenize` failure) are routed without prefix information,
+never failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.kv_events import KVEventIndexer, KVEventSubscriber, TokenBlockHasher
+from gateway.prefix_index import PrefixIndex
+from gateway.upstream import UpstreamError
+
+if TYPE_CHECKING:
+    from gateway.config import PrefixConfig
+    from gateway.policy import RequestFeatures
+    from gateway.replica import Replica
+    from gateway.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+_JSON = {"Content-Type": "application/json"}
+# The request fields that decide the engine's token ids (chat template input).
+_CHAT_FIELDS = ("messages", "tools", "tool_choice", "chat_template_kwargs", "add_generation_prompt")
+
+
+def tokenize_body(body: Mapping[str, Any], endpoint: str, model: str) -> dict[str, Any] | None:
+    """The `/tokenize` request for a request body, or None when the engine has no such form."""
+    if endpoint == "chat" and isinstance(body.get("messages"), list):
+        return {"model": model, **{k: body[k] for k in _CHAT_FIELDS if k in body}}
+    if endpoint == "completions" and isinstance(body.get("prompt"), str):
+        return {"model": model, "prompt": body["prompt"]}
+    return None
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class PrecisePrefix:
+    def __init__(self, cfg: PrefixConfig, model: str, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.hasher = TokenBlockHasher(self.block_size, model)
+        self.index = PrefixIndex(
+            default_capacity=cfg.max_blocks_per_replica or cfg.default_blocks_per_replica,
+            speculative_ttl_s=cfg.speculative_ttl_s,
+        )
+        self.indexer = KVEventIndexer(self.index, self.hasher)
+        self.subscribers: dict[str, KVEventSubscriber] = {}
+        self.tokenize_failures = 0
+        self._next = 0
+
+    # -- replicas' event streams ---------------------------------------------------------
+    def attach(self, replica: str, endpoint: str) -> None:
+        """Follow a replica's KV events. Its index starts empty: a (re)started engine is cold."""
+        self.detach(replica)
+        sub = self.subscribers[replica] = KVEventSubscriber(endpoint, replica, self.indexer, "kv-events")
+        if _loop_running():
+            sub.start()
+
+    def detach(self, replica: str) -> None:
+        sub = self.subscribers.pop(replica, None)
+        if sub is not None:
+            sub.close()
+        self.indexer.clear(replica)
+        self.index.remove_replica(replica)
+
+    def start(self) -> None:
+        """Start every subscriber not yet running (needs the running event loop)."""
+        for sub in self.subscribers.values():
+            sub.start()
+
+    def close(self) -> None:
+        for sub in self.subscribers.values():
+            sub.close()
+
+    # -- per request -----------------------------------------------------------------------
+    async def annotate(
+        self,
+        features: RequestFeatures,
+        body: Mapping[str, Any],
+        replicas: Sequence[Replica],
+        upstream: Upstream,
+    ) -> None:
+        """Replace the request's text-block features by engine token-block ones, in place.
+
+        On any failure the request keeps no block hashes at all: text-block hashes live in
+        another hash space and would only match by accident."""
+        request = tokenize_body(body, features.endpoint, self.model)
+        ids = await self._tokenize(request, replicas, upstream) if request is not None and replicas else None
+        if ids is None:
+            features.block_hashes, features.block_tokens = (), ()
+            return
+        hashes = self.hasher.hashes(ids)
+        features.block_hashes = hashes
+        features.block_tokens = [self.block_size] * len(hashes)
+        features.prompt_tokens = len(ids)  # the engine's own count beats the gateway's estimate
+
+    async def _tokenize(
+        self, request: dict[str, Any], replicas: Sequence[Replica], upstream: Upstream
+    ) -> list[int] | None:
+        self._next = (self._next + 1) % len(replicas)
+        replica = replicas[self._next]
+        try:
+            resp = await upstream.open("POST", replica.url + "/tokenize", orjson.dumps(request), _JSON)
+            try:
+                raw = await upstream.read(resp)
+            finally:
+                resp.release()
+        except UpstreamError as exc:
+            return self._failed(replica, str(exc))
+        if resp.status != 200:
+            return self._failed(replica, f"status {resp.status}")
+        try:
+            ids = orjson.loads(raw)["tokens"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return self._failed(replica, "answer without a `tokens` list")
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            return self._failed(replica, "answer without a `tokens` list")
+        return ids
+
+    def _failed(self, replica: Replica, why: str) -> None:
+        self.tokenize_failures += 1
+        log.debug("precise prefix: %s could not tokenize: %s", replica.name, why)
+        return None
+
+    def learn(self, replica: str, block_hashes: Sequence[int]) -> None:
+        """Routed there: speculatively warm until the engine's events confirm or the entry expires."""
+        self.index.record(replica, block_hashes, speculative=True)
+
+    def set_capacity(self, replica: str, kv_capacity_tokens: int) -> None:
+        self.index.set_capacity(replica, max(1, kv_capacity_tokens // self.block_size))

@@ -1,0 +1,121 @@
+"""Precise prefix mode end to end: a gateway launches simulated engines with KV events on,
+tokenizes through them, routes to the replica whose events say it holds the prompt, and forgets
+a replica's blocks the moment the engine drops them."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from gateway.config import ConfigError, load_config
+from gateway.kv_events import TokenBlockHasher
+from tests.conftest import gateway_settings, wait_until
+
+SYSTEM = "You answer questions about the tides of the North Sea, briefly and exactly. " * 40
+
+
+def _chat(question: str) -> dict[str, object]:
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 2,
+    }
+
+
+async def _engine_ids(url: str, body: dict[str, object]) -> list[int]:
+    async with httpx.AsyncClient() as c:
+        r = await c.post(url + "/tokenize", json=body)
+        r.raise_for_status()
+        return r.json()["tokens"]
+
+
+async def test_routes_by_the_engines_events_and_forgets_what_it_drops(gateway, tmp_path) -> None:
+    engines = {
+        "kind": "sim",
+        "replicas": 2,
+        "kv_events": True,
+        "startup_timeout_s": 30,
+        "log_dir": str(tmp_path / "logs"),
+        "sim": {"profile": "tiny", "speedup": 20},
+    }
+    pool_cfg = {
+        "endpoints": [],
+        "engines": engines,
+        "policy": {"type": "prefix_affinity"},
+        "prefix": {"mode": "precise", "speculative_ttl_s": 0.2},
+    }
+    gw = await gateway(gateway_settings([], pool=pool_cfg))
+    pool = gw.runtime.pools["p"]
+    precise = pool.precise
+    assert precise is not None
+    await wait_until(lambda: len(pool.replicas) == 2, timeout=30, what="two managed replicas")
+    await wait_until(lambda: len(precise.subscribers) == 2, timeout=5, what="two KV event subscribers")
+
+    async with httpx.AsyncClient(timeout=30) as c:
+        first = await c.post(gw.url + "/v1/chat/completions", json=_chat("When is high tide at Texel?"))
+        assert first.status_code == 200, first.text
+        holder = first.headers["x-kvgate-replica"]
+        url = pool.replicas[holder].url
+        hashes = TokenBlockHasher(16, "m").hashes(
+            await _engine_ids(url, _chat("When is high tide at Texel?"))
+        )
+        assert len(hashes) > 40
+
+        # Confirmed by the engine's events, not only remembered from the decision: the
+        # speculative entry expires after 0.2 s, the stored blocks stay.
+        await wait_until(
+            lambda: (
+                precise.indexer.stats.stored >= len(hashes)
+                and precise.index.stats()["replicas"][holder]["speculative"] == 0
+            ),
+            timeout=10,
+            what="BlockStored events to confirm the decision",
+        )
+        other = next(n for n in pool.replicas if n != holder)
+        assert precise.index.match(hashes, [holder, other]) == {holder: len(hashes), other: 0}
+
+        for question in ("And at Den Helder?", "How high does the spring tide rise?", "When is low tide?"):
+            r = await c.post(gw.url + "/v1/chat/completions", json=_chat(question))
+            assert r.status_code == 200
+            assert r.headers["x-kvgate-replica"] == holder
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 40 * 16
+        assert precise.tokenize_failures == 0
+
+        # The engine drops its cache (AllBlocksCleared): the gateway's view follows at once.
+        flushed = await c.post(url + "/flush_cache")
+        assert flushed.status_code == 200
+        await wait_until(
+            lambda: precise.index.match(hashes, [holder])[holder] == 0, timeout=10, what="the flush event"
+        )
+
+
+async def test_an_engine_that_cannot_tokenize_is_routed_without_prefix_information(
+    upstreams, gateway
+) -> None:
+    (up,) = await upstreams(1)  # a plain OpenAI-compatible server: no /tokenize
+    settings = gateway_settings(
+        [up.url],
+        pool={
+            "policy": {"type": "prefix_affinity"},
+            "prefix": {"mode": "precise"},
+            "endpoints": [{"url": up.url, "name": "r0", "kv_events": "tcp://127.0.0.1:9"}],
+        },
+    )
+    gw = await gateway(settings)
+    precise = gw.runtime.pools["p"].precise
+    assert precise is not None
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=_chat("hello"))
+    assert r.status_code == 200, r.text
+    assert precise.tokenize_failures == 1
+    assert precise.index.stats()["distinct_blocks"] == 0
+
+
+def test_precise_mode_without_kv_events_is_a_config_error() -> None:
+    data = {
+        "pools": [
+            {"name": "p", "model": "m", "prefix": {"mode": "precise"}, "endpoints": [{"url": "http://h:1"}]}
+        ]
+    }
+    with pytest.raises(ConfigError, match="precise needs KV events"):
+        load_config(None, data)
