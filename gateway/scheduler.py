@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.config import PriorityClass, SchedulerConfig, TenantConfig
 from gateway.engines.base import EngineAdapter
+from gateway.errors import GatewayError
 from gateway.limits import Clock, Limits, ShedError
 from gateway.policy import RequestFeatures
 from gateway.prompt_window import fit_window
@@ -326,8 +327,16 @@ class Scheduler:
             del body["priority"]
             changed = True
             name = name or body_priority
-        if name not in self._levels:
+        if name is None:
             name = self.cfg.default_class
+        elif name not in self._levels:
+            # A typo must not silently demote (or promote) a request: say which classes exist.
+            raise GatewayError(
+                400,
+                f"unknown priority class {name!r} in x-priority; expected one of: {', '.join(self._levels)}",
+                "invalid_request_error",
+                "invalid_priority",
+            )
         tenant = self.tenants.get(features.tenant) if features.tenant else None
         if tenant and tenant.max_priority and self._levels[name] > self._levels[tenant.max_priority]:
             name = tenant.max_priority

@@ -539,3 +539,19 @@ def test_managed_fleet_priority_direction(engines: dict[str, Any], expected: int
     body: dict[str, Any] = {}
     assert Scheduler(SchedulerConfig()).forward_priority(pool, features, body) is (expected is not None)
     assert body.get("priority") == expected
+
+
+async def test_unknown_priority_class_is_a_clear_400_and_the_gateway_keeps_serving(
+    upstreams, gateway
+) -> None:
+    (up,) = await upstreams(1)
+    gw = await gateway(gateway_settings([up.url]))
+    async with httpx.AsyncClient() as c:
+        r = await c.post(gw.url + CHAT, json=_body(), headers={"x-priority": "urgent"})
+        assert r.status_code == 400
+        error = r.json()["error"]
+        assert error["code"] == "invalid_priority"
+        assert "'urgent'" in error["message"] and "interactive" in error["message"]
+        assert not up.state.seen  # never forwarded
+        ok = await c.post(gw.url + CHAT, json=_body(), headers={"x-priority": "batch"})
+        assert ok.status_code == 200
