@@ -4,7 +4,8 @@ fairness, bounded queues that answer 429/503 instead of timing out, and per-tena
 A request is dispatched at once when its pool has headroom and nobody is queued (the fast path: no
 queue, no task switch). Otherwise it waits in its pool's queue until a ticket is released, a periodic
 re-check finds headroom (engine figures change with every scrape), its queue timeout expires (503), a
-higher-class request evicts it from a full queue (429), or its client goes away (entry removed at once).
+higher-class request evicts it from a full queue (429), its client goes away (entry removed at once), or
+the gateway shuts down (503 shortly before the grace period ends, so the client can retry elsewhere).
 
 Order of dispatch from a pool's queue:
 1. strict priority between classes (higher `level` first); a lower class only runs when every higher
@@ -52,6 +53,7 @@ SHED_REASONS = (
     "rate_limit_requests",
     "rate_limit_tokens",
     "prompt_too_large",
+    "shutting_down",
 )
 
 
@@ -287,6 +289,7 @@ class Scheduler:
         self.waits: dict[str, _WaitStats] = {c: _WaitStats() for c in self._levels}
         self.priority_lowered = 0
         self.prompts_trimmed = 0
+        self._closing: str | None = None  # set at shutdown: nothing queues any more
 
     # -- per request, before queueing ----------------------------------------------------------------
     def fit_prompt(
@@ -389,6 +392,9 @@ class Scheduler:
             self.admitted[cls] += 1
             self.waits[cls].add(0.0)
             return self._grant(state, features.prompt_tokens)
+        if self._closing is not None:
+            self._count_shed(cls, "shutting_down")
+            raise self._closing_error()
         return await self._wait(state, features)
 
     def _grant(self, state: _PoolState, tokens: int) -> Ticket:
@@ -581,6 +587,24 @@ class Scheduler:
             "priority_lowered": self.priority_lowered,
             "prompts_trimmed": self.prompts_trimmed,
         }
+
+    def shed_queued(self, message: str) -> int:
+        """Answer every queued request, and any that would queue from now on, 503 with Retry-After:
+        at shutdown a client told to retry elsewhere is better off than one whose connection drops."""
+        self._closing = message
+        shed = 0
+        now = self.clock()
+        for state in self._pools.values():
+            while (popped := state.queue.pop(now)) is not None:
+                entry, cls = popped
+                if entry.future is not None and not entry.future.done():
+                    self._count_shed(cls, "shutting_down")
+                    entry.future.set_exception(self._closing_error())
+                    shed += 1
+        return shed
+
+    def _closing_error(self) -> ShedError:
+        return ShedError(503, self._closing or "", "shutting_down", self.cfg.retry_after_s)
 
     async def close(self) -> None:
         tasks = [s.recheck for s in self._pools.values() if s.recheck is not None]

@@ -35,11 +35,19 @@ class RunningGateway:
         return f"http://{self.runtime.settings.server.host}:{self.port}"
 
     async def stop(self) -> None:
-        """Stop listening, let in-flight requests finish within the grace period, release all."""
+        """Stop listening, let in-flight requests finish within the grace period, release all.
+
+        Requests still queued shortly before the grace period ends are answered 503 with
+        Retry-After (they could not finish in time anyway) instead of being dropped with it."""
         self.runtime.draining = True
+        grace = self.runtime.settings.server.grace_period_s
+        shed = asyncio.get_running_loop().call_later(
+            grace - min(1.0, grace / 10), self.runtime.scheduler.shed_queued, "the gateway is shutting down"
+        )
         try:
             await self.runner.cleanup()
         finally:
+            shed.cancel()
             await self.runtime.stop()
 
 

@@ -555,3 +555,17 @@ async def test_unknown_priority_class_is_a_clear_400_and_the_gateway_keeps_servi
         assert not up.state.seen  # never forwarded
         ok = await c.post(gw.url + CHAT, json=_body(), headers={"x-priority": "batch"})
         assert ok.status_code == 200
+
+
+async def test_shutdown_answers_queued_requests_503_instead_of_dropping_them(upstreams, gateway) -> None:
+    (up,) = await upstreams(1)
+    gw = await gateway(gateway_settings([up.url], scheduler=_sched(), server={"grace_period_s": 1}))
+    async with httpx.AsyncClient(timeout=10) as c:
+        async with _hold(c, gw):  # the only slot stays busy past the grace period
+            queued = asyncio.create_task(c.post(gw.url + CHAT, json=_body("q")))
+            await wait_until(lambda: _queued(gw) == 1, what="a queued request")
+            stopping = asyncio.create_task(gw.stop())
+            _assert_shed(await queued, 503, "shutting_down")
+            await stopping
+    assert gw.runtime.scheduler.stats()["shed"]["default"]["shutting_down"] == 1
+    assert [s.body["messages"][0]["content"] for s in up.state.seen] == ["x"]  # only the held one went up
