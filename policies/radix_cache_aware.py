@@ -7,23 +7,30 @@ Kept for side-by-side comparison with prefix_affinity; it reproduces the rule, n
    replica wins (and the text is still inserted under it).
 2. Otherwise the request text is matched against one character-level radix tree whose nodes are
    tagged with the replicas ("tenants") that were sent text through them. If the matched share of
-   the text is above `cache_threshold`, the replica holding the deepest match wins (the most
-   recently used one when several do); else the replica with the smallest tree (fewest characters),
-   the one with the most cache room as the router sees it.
+   the text is above `cache_threshold`, the replica holding the deepest match wins; else the
+   replica with the smallest tree (fewest characters), the one with the most cache room as the
+   router sees it. When several replicas hold the deepest match the router takes the first tenant
+   of that node's hash map: neither the most recent nor the least loaded, but a fixed arbitrary
+   one per node, modelled here by a per-node hash order. The match refreshes that tenant's access
+   time along the path, as the router's does.
 3. Every `eviction_interval_s` each tenant's least recently used leaves are evicted until it holds
    at most `max_tree_size` characters. The tree never hears what an engine really cached or evicted.
 
-Defaults are the router's (sglang-router 0.2: cache_threshold 0.3, balance_abs_threshold 64,
-balance_rel_threshold 1.5, eviction every 120 s, max_tree_size 2**26). As in the router, the text
-is inserted at decision time; after a retry, also under the replica that finally took it.
+Defaults are the router's command line (sglang-router 0.2: cache_threshold 0.3,
+balance_abs_threshold 64, balance_rel_threshold 1.5, eviction every 120 s, max_tree_size 2**26;
+later versions evict every 60 s). As in the router, the text is inserted at decision time; after a
+retry, also under the replica that finally took it. Unlike the router, a tenant that is not a
+candidate (unhealthy) is never chosen: the router would fall back to its first healthy worker.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Callable, Sequence
 
+import xxhash
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.policy import Candidate, Policy, ReplicaView, RequestFeatures
@@ -41,13 +48,20 @@ class RadixCacheAwareParams(BaseModel):
 
 
 class _Node:
-    __slots__ = ("children", "parent", "tenants", "text")
+    __slots__ = ("children", "parent", "seed", "tenants", "text")
 
-    def __init__(self, text: str, parent: _Node | None) -> None:
+    def __init__(self, text: str, parent: _Node | None, seed: int) -> None:
         self.text = text
         self.parent = parent
         self.children: dict[str, _Node] = {}  # first character of the child's text -> child
         self.tenants: dict[str, float] = {}  # tenant -> last access time
+        # The router's per-node tenant map iterates in an order fixed by that map's own hasher; a
+        # split copies the map, hasher included, into the upper half.
+        self.seed = seed
+
+    def first_tenant(self) -> str:
+        seed = self.seed
+        return min(self.tenants, key=lambda t: xxhash.xxh64_intdigest(t.encode(), seed))
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -66,7 +80,8 @@ class RadixTree:
     """A multi-tenant character radix tree with per-tenant sizes and LRU leaf eviction."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.root = _Node("", None)
+        self._seeds = itertools.count()
+        self.root = _Node("", None, next(self._seeds))
         self.size: dict[str, int] = {}  # tenant -> characters it holds
         self._clock = clock
 
@@ -83,7 +98,7 @@ class RadixTree:
         while pos < len(text):
             child = node.children.get(text[pos])
             if child is None:
-                leaf = _Node(text[pos:], node)
+                leaf = _Node(text[pos:], node, next(self._seeds))
                 node.children[text[pos]] = leaf
                 self._touch(leaf, tenant, now)
                 return
@@ -98,7 +113,7 @@ class RadixTree:
         """Cut `child`'s edge after n characters; returns the new upper half (same tenants)."""
         parent = child.parent
         assert parent is not None
-        upper = _Node(child.text[:n], parent)
+        upper = _Node(child.text[:n], parent, child.seed)
         upper.tenants = dict(child.tenants)
         parent.children[upper.text[0]] = upper
         child.text = child.text[n:]
@@ -107,7 +122,8 @@ class RadixTree:
         return upper
 
     def prefix_match(self, text: str) -> tuple[int, str | None]:
-        """(matched characters, the most recently used tenant holding the deepest matched node)."""
+        """(matched characters, the first tenant of the deepest matched node); like the router's,
+        the match counts as an access by that tenant on the whole path."""
         node = self.root
         pos = 0
         while pos < len(text):
@@ -121,7 +137,27 @@ class RadixTree:
                 break
         if not node.tenants:
             return 0, None
-        return pos, max(node.tenants.items(), key=lambda kv: kv[1])[0]
+        tenant = node.first_tenant()
+        now = self._clock()
+        hit: _Node | None = node
+        while hit is not None:
+            hit.tenants[tenant] = now
+            hit = hit.parent
+        return pos, tenant
+
+    def holds(self, text: str, tenant: str) -> bool:
+        """Whether `tenant` was given all of `text` (a lookup that, unlike a match, touches nothing)."""
+        node = self.root
+        pos = 0
+        while pos < len(text):
+            child = node.children.get(text[pos])
+            if child is None:
+                return False
+            if not text.startswith(child.text, pos):  # differs inside the edge, or ends there
+                return child.text.startswith(text[pos:]) and tenant in child.tenants
+            node = child
+            pos += len(child.text)
+        return tenant in node.tenants
 
     def smallest_tenant(self, tenants: Sequence[str]) -> str:
         return min(tenants, key=lambda t: self.size.get(t, 0))
@@ -206,7 +242,7 @@ class RadixCacheAware(Policy):
 
     def on_routed(self, request: RequestFeatures, replica: ReplicaView) -> None:
         # A retry went past the replica chosen at decision time: the text is also there now.
-        if request.text and self.tree.prefix_match(request.text) != (len(request.text), replica.name):
+        if request.text and not self.tree.holds(request.text, replica.name):
             self.tree.insert(request.text, replica.name)
 
     def _maybe_evict(self, p: RadixCacheAwareParams) -> None:

@@ -139,3 +139,45 @@ async def test_eviction_runs_on_its_interval() -> None:
     clock.now = 121
     await p.rank(request(text="x"), candidates(reps))
     assert p.tree.size["r0"] == 0
+
+
+def test_a_shared_node_answers_with_a_fixed_tenant_not_the_latest() -> None:
+    """Like the router's per-node hash map: which holder wins is fixed per node, arbitrary across
+    nodes, and does not follow whoever was sent the text last."""
+    tree = RadixTree()
+    firsts = set()
+    for k in range(16):
+        text = f"prompt {k}: " + SYSTEM
+        tree.insert(text, "r0")
+        tree.insert(text, "r1")
+        _, first = tree.prefix_match(text)
+        other = "r1" if first == "r0" else "r0"
+        tree.insert(text, other)  # now the most recent holder
+        assert tree.prefix_match(text) == (len(text), first)
+        firsts.add(first)
+    assert firsts == {"r0", "r1"}
+
+
+def test_a_match_refreshes_the_matched_tenants_path() -> None:
+    clock = Clock()
+    tree = RadixTree(clock)
+    tree.insert("a" * 30, "r0")
+    clock.now = 1.0
+    tree.insert("b" * 30, "r0")
+    clock.now = 2.0
+    assert tree.prefix_match("a" * 30 + "?") == (30, "r0")  # "a..." is now the most recent
+    tree.evict(30)
+    assert tree.prefix_match("a" * 30) == (30, "r0")
+    assert tree.prefix_match("b" * 30)[0] == 0
+
+
+def test_holds_checks_the_whole_text_without_touching() -> None:
+    clock = Clock()
+    tree = RadixTree(clock)
+    tree.insert("abcdef", "r0")
+    tree.insert("abcxyz", "r1")
+    assert tree.holds("abcdef", "r0") and tree.holds("abcd", "r0") and tree.holds("abc", "r1")
+    assert not tree.holds("abcdef", "r1") and not tree.holds("abcdefg", "r0") and not tree.holds("q", "r0")
+    clock.now = 5.0
+    tree.holds("abcdef", "r0")
+    assert tree.root.tenants["r0"] == 0.0
