@@ -54,6 +54,7 @@ class FleetSpec:
     args: list[str] = field(default_factory=list)  # extra simulator flags (vLLM's names)
     groups: list[FleetGroup] | None = None  # instead of replicas/args: e.g. a PD split
     module: str = "gateway.sim"  # `python -m <module> --model --port --replicas --profile --speedup`
+    kv_events: bool = False  # publish KV events (vLLM's ZMQ format), named on each endpoint
     startup_timeout_s: float = 60.0
 
     def fleet_groups(self) -> list[FleetGroup]:
@@ -221,7 +222,14 @@ class Fleet:
     def start(self) -> Fleet:
         try:
             for i, group in enumerate(self.spec.fleet_groups()):
-                base = procs.free_port_range(group.replicas)
+                n = group.replicas
+                base = procs.free_port_range(2 * n if self.spec.kv_events else n)
+                urls = [f"http://{procs.HOST}:{base + k}" for k in range(n)]
+                # Publishers take the n ports after the HTTP ones: the simulator offsets each
+                # replica's port by its index, as vLLM does per rank.
+                kv = [f"tcp://{procs.HOST}:{base + n + k}" for k in range(n)] if self.spec.kv_events else []
+                config = {"enable_kv_cache_events": True, "endpoint": kv[0]} if kv else None
+                events = ["--kv-events-config", json.dumps(config)] if config else []
                 argv = procs.python_module(
                     self.spec.module,
                     "--model", self.spec.model,
@@ -229,14 +237,17 @@ class Fleet:
                     "--replicas", str(group.replicas),
                     "--profile", self.spec.profile,
                     "--speedup", str(self.spec.speedup),
+                    *events,
                     *group.args,
                 )  # fmt: skip
                 child = procs.Child(
                     f"fleet {i} ({group.role})", argv, self.log_dir / f"{self.tag}-fleet{i}.log"
                 )
                 self.children.append(child.start())
-                urls = [f"http://{procs.HOST}:{base + k}" for k in range(group.replicas)]
-                self.endpoints += [{"url": u, "role": group.role, "kind": "sim"} for u in urls]
+                self.endpoints += [
+                    {"url": u, "role": group.role, "kind": "sim", **({"kv_events": kv[k]} if kv else {})}
+                    for k, u in enumerate(urls)
+                ]
                 child.wait_ready([f"{u}/health" for u in urls], self.spec.startup_timeout_s)
         except BaseException:
             self.stop()

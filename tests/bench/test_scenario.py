@@ -241,3 +241,37 @@ def test_a_failing_config_is_reported_and_the_others_still_run(
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert [r["config"] for r in report["runs"]] == ["direct"]
     assert "broken @ 40 req/s" in report["meta"]["FAILED"]
+
+
+@needs_sim_and_gateway
+async def test_a_fleet_with_kv_events_names_each_replicas_own_publisher(tmp_path: Path) -> None:
+    import httpx
+
+    from bench.scenario import Fleet
+    from gateway.kv_events import KVEventIndexer, KVEventSubscriber, TokenBlockHasher
+    from gateway.prefix_index import PrefixIndex
+
+    spec = FleetSpec(replicas=2, model="m", profile="tiny", speedup=20, kv_events=True)
+    with Fleet(spec, tmp_path, "kv").start() as fleet:
+        publishers = [e["kv_events"] for e in fleet.endpoints]
+        assert len(set(publishers)) == 2
+        index = PrefixIndex()
+        indexer = KVEventIndexer(index, TokenBlockHasher(16, "m"))
+        subs = [KVEventSubscriber(p, f"r{i}", indexer, "kv-events") for i, p in enumerate(publishers)]
+        for sub in subs:
+            sub.start()
+        try:
+            async with httpx.AsyncClient(timeout=10) as c:
+                # New prompts until the events flow: a SUB socket misses what was sent before it joined.
+                for attempt in range(200):
+                    prompt = f"attempt {attempt}: " + "the tide tables of the North Sea " * 20
+                    body = {"model": "m", "prompt": prompt, "max_tokens": 1}
+                    r = await c.post(fleet.urls[1] + "/v1/completions", json=body)
+                    assert r.status_code == 200
+                    if indexer.stats.stored:
+                        break
+            held = {name: s["blocks"] for name, s in index.stats()["replicas"].items()}
+            assert held.get("r1", 0) > 0 and held.get("r0", 0) == 0, held
+        finally:
+            for sub in subs:
+                sub.close()
