@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from gateway.config import TenantConfig
 from gateway.errors import GatewayError
@@ -60,45 +61,83 @@ class TokenBucket:
         self.level -= amount
 
 
-class TenantLimiter:
-    """The buckets of one tenant: requests per second (burst: one second's worth) and tokens per
-    minute (burst: one minute's worth)."""
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """One charge to a token bucket: `capacity` units refilled at `rate` units/s (TokenBucket semantics:
+    a charge above the capacity passes once the bucket is full, and drives it negative)."""
 
-    def __init__(self, cfg: TenantConfig, clock: Clock = time.monotonic) -> None:
-        self.requests = (
-            TokenBucket(cfg.requests_per_s, max(1.0, cfg.requests_per_s), clock)
-            if cfg.requests_per_s
-            else None
-        )
-        self.tokens = (
-            TokenBucket(cfg.tokens_per_min / 60.0, float(cfg.tokens_per_min), clock)
-            if cfg.tokens_per_min
-            else None
-        )
+    key: str
+    amount: float
+    rate: float
+    capacity: float
 
-    def check(self, tokens: int) -> None:
-        """Charge one request of `tokens`, or raise a 429 ShedError saying how long to wait."""
-        req_wait = self.requests.wait_s(1) if self.requests else 0.0
-        tok_wait = self.tokens.wait_s(tokens) if self.tokens else 0.0
-        if req_wait > 0 or tok_wait > 0:
-            if req_wait >= tok_wait:
-                raise ShedError(429, "tenant request rate limit exceeded", "rate_limit_requests", req_wait)
-            raise ShedError(429, "tenant token rate limit exceeded", "rate_limit_tokens", tok_wait)
-        if self.requests:
-            self.requests.charge(1)
-        if self.tokens:
-            self.tokens.charge(tokens)
+
+Take = Callable[[Sequence[Bucket]], Awaitable[list[float]]]
+
+
+class LocalBuckets:
+    """Token buckets in this process (the memory state backend, and Redis' fallback when down)."""
+
+    def __init__(self, clock: Clock = time.monotonic) -> None:
+        self._clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def take(self, charges: Sequence[Bucket]) -> list[float]:
+        """Charge every bucket if each can pay, else none; per bucket, the seconds until it could."""
+        buckets = []
+        for c in charges:
+            b = self._buckets.get(c.key)
+            if b is None:
+                b = self._buckets[c.key] = TokenBucket(c.rate, c.capacity, self._clock)
+            b.rate, b.capacity = c.rate, c.capacity  # a config reload may change them
+            buckets.append(b)
+        waits = [b.wait_s(c.amount) for b, c in zip(buckets, charges, strict=True)]
+        if not any(waits):
+            for b, c in zip(buckets, charges, strict=True):
+                b.charge(c.amount)
+        return waits
 
 
 class Limits:
-    """Rate limiters of every tenant that has a limit configured."""
+    """The rate limits of every tenant that has one: requests per second (burst: one second's worth)
+    and tokens per minute (burst: one minute's worth).
 
-    def __init__(self, tenants: Iterable[TenantConfig], clock: Clock = time.monotonic) -> None:
-        self._by_tenant = {
-            t.name: TenantLimiter(t, clock) for t in tenants if t.requests_per_s or t.tokens_per_min
-        }
+    Charged through `take`, the state backend's buckets: in this process with the memory backend,
+    fleet-wide and atomic with Redis, so N gateways together allow a tenant its limit, not N times it.
+    """
 
-    def check(self, tenant: str | None, tokens: int) -> None:
-        limiter = self._by_tenant.get(tenant) if tenant is not None else None
-        if limiter is not None:
-            limiter.check(tokens)
+    def __init__(
+        self, tenants: Iterable[TenantConfig], take: Take | None = None, clock: Clock = time.monotonic
+    ) -> None:
+        self._limited = {t.name: t for t in tenants if t.requests_per_s or t.tokens_per_min}
+        self._take = take or _local(LocalBuckets(clock))
+
+    async def check(self, tenant: str | None, tokens: int) -> None:
+        """Charge one request of `tokens`, or raise a 429 ShedError saying how long to wait."""
+        cfg = self._limited.get(tenant) if tenant is not None else None
+        if cfg is None:
+            return
+        charges, reasons = [], []
+        if cfg.requests_per_s:
+            charges.append(
+                Bucket(f"tenant:{cfg.name}:requests", 1, cfg.requests_per_s, max(1.0, cfg.requests_per_s))
+            )
+            reasons.append(("rate_limit_requests", "tenant request rate limit exceeded"))
+        if cfg.tokens_per_min:
+            charges.append(
+                Bucket(
+                    f"tenant:{cfg.name}:tokens", tokens, cfg.tokens_per_min / 60.0, float(cfg.tokens_per_min)
+                )
+            )
+            reasons.append(("rate_limit_tokens", "tenant token rate limit exceeded"))
+        waits = await self._take(charges)
+        wait, (reason, message) = max(zip(waits, reasons, strict=True), key=lambda w: w[0])
+        if wait > 0:
+            raise ShedError(429, message, reason, wait)
+
+
+def _local(buckets: LocalBuckets) -> Take:
+    async def take(charges: Sequence[Bucket]) -> list[float]:
+        return buckets.take(charges)
+
+    return take

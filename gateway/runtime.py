@@ -57,7 +57,9 @@ class Runtime:
         ]
         self.router = Router(settings.routes, {p.name: p.model for p in self.pools.values()})
         self.upstream = Upstream(settings.upstream)
-        self.scheduler = Scheduler(settings.scheduler, settings.tenants)
+        # Rate limits are charged through the state backend (created last: it wraps the pools'
+        # indexes), so with Redis they hold across every gateway instance.
+        self.scheduler = Scheduler(settings.scheduler, settings.tenants, take=lambda c: self.state.take(c))
         self.retry_budget = RetryBudget(settings.retry.budget_ratio)
         self.health = HealthChecker(settings.health, self.all_replicas)
         self.draining = False

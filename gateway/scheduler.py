@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.config import PriorityClass, SchedulerConfig, TenantConfig
 from gateway.engines.base import EngineAdapter
 from gateway.errors import GatewayError
-from gateway.limits import Clock, Limits, ShedError
+from gateway.limits import Clock, Limits, ShedError, Take
 from gateway.policy import RequestFeatures
 from gateway.prompt_window import fit_window
 
@@ -269,11 +269,12 @@ class Scheduler:
         cfg: SchedulerConfig,
         tenants: Iterable[TenantConfig] = (),
         clock: Clock = time.monotonic,
+        take: Take | None = None,
     ) -> None:
         self.cfg = cfg
         self.clock = clock
         self.tenants = {t.name: t for t in tenants}
-        self.limits = Limits(self.tenants.values(), clock)
+        self.limits = Limits(self.tenants.values(), take, clock)
         self._levels = {c.name: c.level for c in cfg.classes}
         # Per replica, the in-flight slots a class must leave free for the classes above it.
         self._reserve_above = {
@@ -379,7 +380,7 @@ class Scheduler:
         """Charge the tenant's rate limits (429), then dispatch now or queue; see the module docstring."""
         cls = features.priority_class
         try:
-            self.limits.check(features.tenant, features.prompt_tokens + self._expected_output(features))
+            await self.limits.check(features.tenant, features.prompt_tokens + self._expected_output(features))
         except ShedError as exc:
             self._count_shed(cls, exc.shed_reason)
             raise

@@ -27,30 +27,29 @@ def test_bucket_refills_at_its_rate_up_to_capacity() -> None:
     assert b.wait_s(100) == 0.0
 
 
-def test_requests_per_second_with_retry_after() -> None:
+async def test_requests_per_second_with_retry_after() -> None:
     clock = Clock()
-    limits = Limits([TenantConfig(name="t", api_key="k", requests_per_s=2)], clock)
-    limits.check("t", 1)
-    limits.check("t", 1)
+    limits = Limits([TenantConfig(name="t", api_key="k", requests_per_s=2)], clock=clock)
+    await limits.check("t", 1)
+    await limits.check("t", 1)
     with pytest.raises(ShedError) as exc:
-        limits.check("t", 1)
+        await limits.check("t", 1)
     assert exc.value.status == 429 and exc.value.shed_reason == "rate_limit_requests"
     assert exc.value.headers == {"Retry-After": "1"}
     clock.now += 0.5
-    limits.check("t", 1)
-    limits.check(None, 1)  # anonymous and unlimited tenants pass
-    limits.check("other", 1)
+    await limits.check("t", 1)
+    await limits.check(None, 1)  # anonymous and unlimited tenants pass
+    await limits.check("other", 1)
 
 
-def test_tokens_per_minute_and_no_charge_on_refusal() -> None:
+async def test_tokens_per_minute_and_no_charge_on_refusal() -> None:
     clock = Clock()
-    limits = Limits([TenantConfig(name="t", api_key="k", requests_per_s=1, tokens_per_min=600)], clock)
-    limits.check("t", 500)
+    limits = Limits([TenantConfig(name="t", api_key="k", requests_per_s=1, tokens_per_min=600)], clock=clock)
+    await limits.check("t", 500)
     clock.now += 1.0  # +1 request, +10 tokens
     with pytest.raises(ShedError) as exc:
-        limits.check("t", 500)
+        await limits.check("t", 500)
     assert exc.value.shed_reason == "rate_limit_tokens"
     assert exc.value.headers["Retry-After"] == str(39)  # (500 - 110) tokens at 10/s, rounded up
-    # The refused request took nothing: the request bucket still has its token.
-    assert limits._by_tenant["t"].requests.wait_s(1) == 0.0  # type: ignore[union-attr]
-    limits.check("t", 100)
+    # The refused request took nothing: the request bucket still has its token, so this passes.
+    await limits.check("t", 100)

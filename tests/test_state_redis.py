@@ -223,6 +223,24 @@ async def test_fleet_token_buckets_are_exact_and_all_or_nothing(key_prefix, upst
     assert (await b.runtime.state.take([Bucket("t3:tokens", 1, 1.0, 100)]))[0] > 300
 
 
+async def test_tenant_rate_limits_hold_across_gateways(key_prefix, upstreams, gateway) -> None:
+    (up,) = await upstreams(1)
+    # One request per 100 s: the first gateway's request spends the tenant's whole allowance.
+    tenants = [{"name": "acme", "api_key": "sk-acme", "requests_per_s": 0.01}]
+    a = await gateway(shared_settings([up.url], key_prefix, tenants=tenants))
+    b = await gateway(shared_settings([up.url], key_prefix, tenants=tenants))
+    tenant = {"authorization": "Bearer sk-acme"}
+    async with httpx.AsyncClient() as client:
+        await complete(client, a, "hello", **tenant)
+        r = await client.post(
+            b.url + "/v1/completions", json={"model": "m", "prompt": "hello"}, headers=tenant
+        )
+    assert r.status_code == 429, r.text
+    assert r.json()["error"]["code"] == "rate_limit_requests"
+    assert int(r.headers["retry-after"]) > 90
+    assert len(up.state.seen) == 1
+
+
 def _start_redis(port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],

@@ -1,14 +1,13 @@
-"""The state backend interface, and the local counters and token buckets every backend falls back on."""
+"""The state backend interface, and the local counters every backend falls back on."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gateway.config import StateConfig
-from gateway.limits import TokenBucket
+from gateway.limits import Bucket, LocalBuckets
 
 if TYPE_CHECKING:
     from gateway.runtime import Runtime
@@ -27,39 +26,6 @@ class LocalCounters:
         count = count + amount if current == window else amount
         self._counts[(key, window_s)] = (window, count)
         return count
-
-
-@dataclass(frozen=True, slots=True)
-class Bucket:
-    """One charge to a token bucket: `capacity` units refilled at `rate` units/s (gateway.limits semantics:
-    a charge above the capacity passes once the bucket is full, and drives it negative)."""
-
-    key: str
-    amount: float
-    rate: float
-    capacity: float
-
-
-class LocalBuckets:
-    """Token buckets in this process (the memory backend, and Redis' fallback when down)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._buckets: dict[str, TokenBucket] = {}
-
-    def take(self, charges: Sequence[Bucket]) -> list[float]:
-        buckets = []
-        for c in charges:
-            b = self._buckets.get(c.key)
-            if b is None:
-                b = self._buckets[c.key] = TokenBucket(c.rate, c.capacity, self._clock)
-            b.rate, b.capacity = c.rate, c.capacity  # a config reload may change them
-            buckets.append(b)
-        waits = [b.wait_s(c.amount) for b, c in zip(buckets, charges, strict=True)]
-        if not any(waits):
-            for b, c in zip(buckets, charges, strict=True):
-                b.charge(c.amount)
-        return waits
 
 
 class StateBackend:
