@@ -3,7 +3,8 @@
 Block hashes are chained (see gateway.prefix_hash), so a replica's useful match is its number of
 LEADING blocks: the walk stops at the first block it lacks. Each replica is given a bit, and each
 hash maps to a bitmask of the replicas holding it, so one walk step is a dict lookup and an integer
-AND whatever the number of replicas; the walk ends as soon as no candidate is left.
+AND whatever the number of replicas; the walk ends as soon as no candidate is left. It runs as
+C-level iteration, with no Python code per block (expired speculative entries are purged first).
 
 Memory is bounded per replica by an LRU (capacity in blocks, set from the engine's KV capacity
 with `set_capacity`). `record` touches a prompt's blocks from last to first, so that, as in vLLM's
@@ -24,6 +25,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat, takewhile
+from operator import and_, or_
 
 from gateway.config import PrefixConfig
 
@@ -34,7 +37,6 @@ class _Replica:
     capacity: int
     lru: OrderedDict[int, None] = field(default_factory=OrderedDict)  # oldest first
     speculative: dict[int, float] = field(default_factory=dict)  # hash -> expiry
-    expiries: deque[tuple[float, int]] = field(default_factory=deque)  # in time order (fixed TTL)
 
 
 class PrefixIndex:
@@ -54,7 +56,10 @@ class PrefixIndex:
         self._masks: dict[str, int] = {}  # replica id -> 1 << bit
         self._free_bits: list[int] = []
         self._confirmed: dict[int, int] = {}  # hash -> bitmask of replicas
-        self._speculative: dict[int, int] = {}  # hash -> bitmask, expiry checked per replica
+        self._speculative: dict[int, int] = {}  # hash -> bitmask, expiry kept per replica
+        # Every replica's speculative entries in time order (the TTL is fixed): expired ones are
+        # purged before a walk, so the walk can trust both maps without checking a clock per block.
+        self._expiries: deque[tuple[float, _Replica, int]] = deque()
 
     @classmethod
     def from_config(cls, cfg: PrefixConfig, clock: Callable[[], float] = time.monotonic) -> PrefixIndex:
@@ -103,8 +108,7 @@ class PrefixIndex:
         for h in state.lru:
             self._unset(h, ~(1 << state.bit))
         state.lru.clear()
-        state.speculative.clear()
-        state.expiries.clear()
+        state.speculative.clear()  # its queued expiries are stale now, and skipped
 
     # --- learning -------------------------------------------------------------------------
 
@@ -112,7 +116,7 @@ class PrefixIndex:
         """`replica` now holds these blocks; they become its most recently used, head last."""
         state = self._replica(replica)
         now = self._clock()
-        self._expire(state, now)
+        self._expire(now)
         bit = 1 << state.bit
         lru = state.lru
         confirmed = self._confirmed
@@ -127,7 +131,7 @@ class PrefixIndex:
                 if not confirmed.get(h, 0) & bit:
                     spec[h] = spec.get(h, 0) | bit
                     state.speculative[h] = expiry
-                    state.expiries.append((expiry, h))
+                    self._expiries.append((expiry, state, h))
         else:
             for h in reversed(block_hashes):
                 if h in lru:
@@ -182,16 +186,15 @@ class PrefixIndex:
             state.speculative.pop(h, None)
             self._unset(h, keep)
 
-    def _expire(self, state: _Replica, now: float) -> None:
-        expiries = state.expiries
-        keep = ~(1 << state.bit)
+    def _expire(self, now: float) -> None:
+        expiries = self._expiries
         while expiries and expiries[0][0] <= now:
-            expiry, h = expiries.popleft()
+            expiry, state, h = expiries.popleft()
             # Skip stale queue entries: the block was since refreshed, confirmed or dropped.
             if state.speculative.get(h) == expiry:
                 del state.speculative[h]
                 del state.lru[h]
-                self._unset_speculative(h, keep)
+                self._unset_speculative(h, ~(1 << state.bit))
 
     # --- queries --------------------------------------------------------------------------
 
@@ -202,36 +205,23 @@ class PrefixIndex:
         want = sum(filter(None, map(self._masks.get, result)))
         if not want or not block_hashes:
             return result
-        confirmed = self._confirmed
-        speculative = self._speculative
-        now: float | None = None
-        alive = want
-        depth = 0
-        for h in block_hashes:
-            held = confirmed.get(h, 0)
-            spec = speculative.get(h, 0) & alive & ~held
-            if spec:
-                if now is None:
-                    now = self._clock()
-                held |= self._live(h, spec, now)
-            nxt = alive & held
-            if nxt != alive:
-                self._assign(result, alive & ~nxt, depth)
-                if not nxt:
-                    return result
-                alive = nxt
-            depth += 1
-        self._assign(result, alive, depth)
+        held = map(self._confirmed.get, block_hashes, repeat(0))
+        if self._speculative:
+            self._expire(self._clock())
+            held = map(or_, held, map(self._speculative.get, block_hashes, repeat(0)))
+        # alive[k] is the mask of the replicas holding the first k blocks. The cumulative AND runs
+        # in C and stops, lazily, at the first block no replica holds: no Python code per block.
+        alive = list(takewhile(bool, accumulate(held, and_, initial=want)))
+        # Masks only shrink along the walk, so equal ones are contiguous: one step per change.
+        changes = iter(dict.fromkeys(alive))
+        before = next(changes)
+        at = 0
+        for mask in changes:
+            at = alive.index(mask, at)
+            self._assign(result, before & ~mask, at - 1)
+            before = mask
+        self._assign(result, before, len(alive) - 1)
         return result
-
-    def _live(self, h: int, mask: int, now: float) -> int:
-        live = 0
-        while mask:
-            low = mask & -mask
-            mask ^= low
-            if self._replicas[self._names[low.bit_length() - 1]].speculative.get(h, 0.0) > now:
-                live |= low
-        return live
 
     def _assign(self, result: dict[str, int], mask: int, depth: int) -> None:
         if not depth:
@@ -249,14 +239,13 @@ class PrefixIndex:
         state = self._replicas.get(replica)
         if state is None:
             return []
-        self._expire(state, self._clock())
+        self._expire(self._clock())
         return list(state.lru)
 
     def stats(self) -> dict[str, object]:
-        now = self._clock()
+        self._expire(self._clock())
         per_replica: dict[str, dict[str, int]] = {}
         for name, state in self._replicas.items():
-            self._expire(state, now)
             per_replica[name] = {
                 "blocks": len(state.lru),
                 "speculative": len(state.speculative),
