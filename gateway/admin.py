@@ -48,16 +48,6 @@ def record_change(runtime: Runtime, who: str, what: str) -> None:
     runtime.audit.append({"at": time.time(), "who": who, "what": what})
 
 
-def add_endpoint(runtime: Runtime, pool: Pool, ep: EndpointConfig) -> Replica:
-    """Add an unmanaged replica; health checks and load scraping pick it up."""
-    return runtime.register(pool, ep.url, ep.name, ep.role, ep.kind, ep.bootstrap_port)
-
-
-def remove_endpoint(runtime: Runtime, pool: Pool, name: str) -> Replica | None:
-    """No new requests go to the replica; those already on it hold it and finish."""
-    return runtime.unregister(pool, name)
-
-
 # -- reload -------------------------------------------------------------------------------
 def _live_differences(old: Settings, new: Settings) -> list[str]:
     """Keys whose change needs a restart (everything but routes and unmanaged pool endpoints)."""
@@ -114,10 +104,10 @@ def apply_settings(runtime: Runtime, new: Settings, who: str) -> dict[str, Any]:
     for name, remove, add in plan:
         pool = runtime.pools[name]
         for rname in remove:
-            remove_endpoint(runtime, pool, rname)
+            runtime.unregister(pool, rname)
             changes.append(f"pool {name}: removed replica {rname}")
         for ep in add:
-            r = add_endpoint(runtime, pool, ep)
+            r = runtime.add_endpoint(pool, ep)
             changes.append(f"pool {name}: added replica {r.name} at {r.url}")
         pool.cfg = new.pool(name)
     if router.describe() != runtime.router.describe():
@@ -223,12 +213,12 @@ class Admin:
         if any(r.url == ep.url for r in pool.replicas.values()):
             raise _bad(f"pool {pool.name!r} already has {ep.url}", "replica_exists", 409)
         try:
-            replica = add_endpoint(self.rt, pool, ep)
+            replica = self.rt.add_endpoint(pool, ep)
         except ValueError as exc:
             raise _bad(str(exc), "replica_exists", 409) from None
-        record_change(
-            self.rt, self.who(request), f"pool {pool.name}: added replica {replica.name} at {replica.url}"
-        )
+        who = self.who(request)
+        record_change(self.rt, who, f"pool {pool.name}: added replica {replica.name} at {replica.url}")
+        await self.rt.state.publish_endpoint(pool.name, ep.url, ep.model_dump(), who)
         return _json(_replica_view(replica), status=201)
 
     async def remove_replica(self, request: web.Request) -> web.Response:
@@ -240,8 +230,10 @@ class Admin:
                 "replica_managed",
                 409,
             )
-        remove_endpoint(self.rt, pool, replica.name)
-        record_change(self.rt, self.who(request), f"pool {pool.name}: removed replica {replica.name}")
+        self.rt.unregister(pool, replica.name)
+        who = self.who(request)
+        record_change(self.rt, who, f"pool {pool.name}: removed replica {replica.name}")
+        await self.rt.state.publish_endpoint(pool.name, replica.url, None, who)
         return _json({"removed": replica.name, "inflight_requests": replica.inflight_requests})
 
     async def drain(self, request: web.Request) -> web.Response:

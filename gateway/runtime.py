@@ -9,7 +9,7 @@ from typing import Any
 
 from gateway.access_log import access_log
 from gateway.auth import Auth
-from gateway.config import Settings
+from gateway.config import EndpointConfig, Settings
 from gateway.engine_load import EngineLoad
 from gateway.health import HealthChecker
 from gateway.launcher import FleetLauncher, LaunchedReplica
@@ -40,9 +40,7 @@ class Runtime:
         self.scraper = LoadScraper.from_config(settings.scrape, on_update=self._engine_load)
         for pool in self.pools.values():
             for ep in pool.cfg.endpoints:
-                self.register(
-                    pool, ep.url, ep.name, ep.role, ep.kind, ep.bootstrap_port, kv_events=ep.kv_events
-                )
+                self.add_endpoint(pool, ep)
         self.launchers = [
             FleetLauncher(
                 pool.name,
@@ -99,6 +97,12 @@ class Runtime:
         if pool.precise is not None and kv_events:
             pool.precise.attach(replica.name, kv_events)
         return replica
+
+    def add_endpoint(self, pool: Pool, ep: EndpointConfig) -> Replica:
+        """Add an unmanaged replica (config file, admin API, a peer gateway through shared state)."""
+        return self.register(
+            pool, ep.url, ep.name, ep.role, ep.kind, ep.bootstrap_port, kv_events=ep.kv_events
+        )
 
     def unregister(self, pool: Pool, name: str) -> Replica | None:
         """Take a replica out of its pool and stop watching it."""

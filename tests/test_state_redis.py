@@ -192,6 +192,38 @@ async def test_drain_on_one_instance_drains_everywhere(key_prefix, upstreams, ga
         await wait_until(lambda: not ra.draining, timeout=1.0, what="A to undrain r0")
 
 
+async def test_endpoints_added_or_removed_on_one_instance_change_every_instance(
+    key_prefix, upstreams, gateway
+) -> None:
+    first, added = await upstreams(2)
+    a = await gateway(shared_settings([first.url], key_prefix))
+    b = await gateway(shared_settings([first.url], key_prefix))
+    pool_b = b.runtime.pools["p"]
+    async with httpx.AsyncClient() as client:
+        body = {"url": added.url, "name": "extra", "kind": "openai"}
+        r = await client.post(a.url + "/admin/pools/p/replicas", json=body, headers=AUTH)
+        assert r.status_code == 201, r.text
+        await wait_until(lambda: "extra" in pool_b.replicas, timeout=1.0, what="B to add the replica")
+        assert pool_b.replicas["extra"].url == added.url and pool_b.replicas["extra"].kind == "openai"
+        # B routes to it: drain the original there, and its requests reach the added engine.
+        r = await client.post(b.url + "/admin/pools/p/replicas/r0/drain", headers=AUTH)
+        assert r.status_code == 200
+        assert (await complete(client, b, "x")).headers["x-kvgate-replica"] == "extra"
+        assert len(added.state.seen) == 1
+        # A late instance adopts the fleet's replicas, not only its file's.
+        late = await gateway(shared_settings([first.url], key_prefix))
+        pool_late = late.runtime.pools["p"]
+        await wait_until(lambda: "extra" in pool_late.replicas, timeout=2.0, what="the late instance")
+        r = await client.delete(b.url + "/admin/pools/p/replicas/extra", headers=AUTH)
+        assert r.status_code == 200
+        pool_a = a.runtime.pools["p"]
+        await wait_until(
+            lambda: "extra" not in pool_a.replicas and "extra" not in pool_late.replicas,
+            timeout=1.0,
+            what="A and the late instance to remove it",
+        )
+
+
 async def test_fleet_counter_is_exact_under_concurrency(key_prefix, upstreams, gateway) -> None:
     (up,) = await upstreams(1)
     a = await gateway(shared_settings([up.url], key_prefix))

@@ -36,6 +36,7 @@ class StateBackend:
     - prefix index: blocks one instance learns reach the other instances' `Pool.prefix_index`.
     - route weights: `publish_weights` after a local change reaches every instance's router.
     - drain: `publish_drain` after a local change reaches every instance's replica.
+    - endpoints: `publish_endpoint` after an admin API add or remove makes every instance do it.
     - rate limits: `take` charges fleet-wide token buckets atomically; `incr` is an exact
       fleet-wide fixed-window counter.
     """
@@ -69,6 +70,10 @@ class StateBackend:
 
     async def publish_drain(self, pool: str, url: str, draining: bool, who: str) -> None:
         """A replica was drained or undrained here; make every instance do the same."""
+
+    async def publish_endpoint(self, pool: str, url: str, endpoint: dict[str, Any] | None, who: str) -> None:
+        """An unmanaged replica was added here (its EndpointConfig fields) or removed (None); make every
+        instance do the same."""
 
     async def incr(self, key: str, amount: int, window_s: float) -> int:
         """Add `amount` to counter `key` in the current `window_s`-second window; the window's total.

@@ -38,7 +38,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.config import StateConfig
+from gateway.config import EndpointConfig, StateConfig
 from gateway.prefix_index import PrefixIndex
 from gateway.state.base import Bucket, StateBackend
 
@@ -160,6 +160,10 @@ class RedisState(StateBackend):
     @property
     def _drain_key(self) -> str:
         return self._key("drain")
+
+    @property
+    def _endpoints_key(self) -> str:
+        return self._key("endpoints")
 
     def _inflight_key(self, instance: str) -> str:
         return self._key("inflight", instance)
@@ -306,6 +310,7 @@ class RedisState(StateBackend):
         pipe.zremrangebyscore(self._instances_key, "-inf", now)
         pipe.zrange(self._instances_key, 0, -1)
         pipe.hgetall(self._weights_key)
+        pipe.hgetall(self._endpoints_key)
         pipe.hgetall(self._drain_key)
         self._add_blocks(pipe)
         results = await pipe.execute()
@@ -313,7 +318,8 @@ class RedisState(StateBackend):
         instances = [m.decode() for m in results[offset] if m.decode() != self.instance]
         self.peers = len(instances)
         self._apply_weights(results[offset + 1])
-        self._apply_drain(results[offset + 2])
+        self._apply_endpoints(results[offset + 2])  # before drain: a drain may name an added replica
+        self._apply_drain(results[offset + 3])
         reads = self._redis.pipeline(transaction=False)
         for other in instances:
             reads.hgetall(self._inflight_key(other))
@@ -412,7 +418,7 @@ class RedisState(StateBackend):
         self._outbox_blocks = 0
         return out
 
-    # -- operator settings: route weights, drain --------------------------------------
+    # -- operator settings: route weights, endpoints, drain ----------------------------
     def _changed(self, key: str, stored: Mapping[bytes, bytes]) -> list[tuple[str, dict[str, Any]]]:
         """The fields of a settings hash that changed since last applied or written here."""
         out = []
@@ -453,6 +459,35 @@ class RedisState(StateBackend):
                 data["by"],
             )
 
+    def _apply_endpoints(self, stored: Mapping[bytes, bytes]) -> None:
+        for field, data in self._changed(self._endpoints_key, stored):
+            pool_name, _, url = field.partition("\t")
+            pool = self.rt.pools.get(pool_name)
+            if pool is None:
+                continue
+            present = next((r for r in pool.replicas.values() if r.url == url), None)
+            endpoint = data["endpoint"]
+            try:
+                if endpoint is not None and present is None:
+                    replica = self.rt.add_endpoint(pool, EndpointConfig(**endpoint))
+                    log.info(
+                        "pool %s: added replica %s at %s (shared state, by %s)",
+                        pool_name,
+                        replica.name,
+                        url,
+                        data["by"],
+                    )
+                elif endpoint is None and present is not None and not present.managed:
+                    self.rt.unregister(pool, present.name)
+                    log.info(
+                        "pool %s: removed replica %s (shared state, by %s)",
+                        pool_name,
+                        present.name,
+                        data["by"],
+                    )
+            except ValueError as exc:  # e.g. its name is taken here by another replica
+                log.warning("shared endpoint %s of pool %s not applied: %s", url, pool_name, exc)
+
     def _apply_drain(self, stored: Mapping[bytes, bytes]) -> None:
         replicas = self._replica_by_url()
         for field, data in self._changed(self._drain_key, stored):
@@ -480,6 +515,9 @@ class RedisState(StateBackend):
 
     async def publish_drain(self, pool: str, url: str, draining: bool, who: str) -> None:
         await self._publish(self._drain_key, f"{pool}\t{url}", {"draining": draining}, who)
+
+    async def publish_endpoint(self, pool: str, url: str, endpoint: dict[str, Any] | None, who: str) -> None:
+        await self._publish(self._endpoints_key, f"{pool}\t{url}", {"endpoint": endpoint}, who)
 
     # -- counters ---------------------------------------------------------------------
     async def incr(self, key: str, amount: int, window_s: float) -> int:
