@@ -12,7 +12,7 @@ from gateway.config import BreakerConfig, PoolConfig, ScrapeConfig
 from gateway.engines import EngineAdapter, adapter_for_spec, get_adapter
 from gateway.policy import Candidate, Policy, RequestFeatures, load_policy
 from gateway.precise_prefix import PrecisePrefix
-from gateway.prefix_hash import PrefixHasher, prompt_text
+from gateway.prefix_hash import PrefixHasher, prompt_pieces
 from gateway.prefix_index import PrefixIndex
 from gateway.replica import Replica, Role
 
@@ -141,9 +141,10 @@ class Pool:
         request_id: str,
         headers: Mapping[str, str],
     ) -> RequestFeatures:
-        text = prompt_text(body, endpoint)
+        pieces = prompt_pieces(body, endpoint)
+        text = "".join(pieces)
         salt = body.get("cache_salt")
-        pf = self.hasher.features(self.upstream_model, salt if isinstance(salt, str) else None, text)
+        pf = self.hasher.features(self.upstream_model, salt if isinstance(salt, str) else None, text, pieces)
         self._learn_token_size(len(text), pf.prompt_tokens)
         max_tokens = (
             body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")

@@ -11,13 +11,18 @@ Per-block token counts are cached by block hash, so a prompt whose prefix was se
 tokenizes its new blocks, its last full block and its partial tail. Blocks are counted between
 word starts near the block edges, which keeps the sum within about 0.2% of a whole-text count on
 prose, code and JSON (a raw-edge cut overcounts by 5-10%).
+
+`prompt_pieces` gives the same text cut at message boundaries. A piece that comes back at the same
+place in a chain (a system prompt, an earlier turn of a conversation) is cached whole, keyed by the
+chain state and the partial block carried into it: its block hashes and token counts cost one
+lookup instead of a pass over its blocks, and are the same as computed afresh.
 """
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -95,12 +100,12 @@ def _first_prompt(prompt: Any) -> str:
     return ""
 
 
-def prompt_text(body: Mapping[str, Any], endpoint: Endpoint) -> str:
-    """The request's prompt as the engine caches it, in order. Unknown shapes degrade to ''."""
+def prompt_pieces(body: Mapping[str, Any], endpoint: Endpoint) -> list[str]:
+    """The request's prompt as the engine caches it, in order, one piece per tool list or message."""
     if not isinstance(body, Mapping):
-        return ""
+        return []
     if endpoint == "completions":
-        return _first_prompt(body.get("prompt"))
+        return [_first_prompt(body.get("prompt"))]
     out: list[str] = []
     tools = body.get("tools")
     if tools:
@@ -113,11 +118,16 @@ def prompt_text(body: Mapping[str, Any], endpoint: Endpoint) -> str:
             out.append(f"<|user|>{items}\n")
         elif isinstance(items, list):
             out.extend(message_text(m) for m in items)
-        return "".join(out)
+        return out
     messages = body.get("messages")
     if isinstance(messages, list):
         out.extend(message_text(m) for m in messages)
-    return "".join(out)
+    return out
+
+
+def prompt_text(body: Mapping[str, Any], endpoint: Endpoint) -> str:
+    """`prompt_pieces` joined. Unknown shapes degrade to ''."""
+    return "".join(prompt_pieces(body, endpoint))
 
 
 @dataclass(slots=True)
@@ -128,19 +138,36 @@ class PrefixFeatures:
 
 
 class PrefixHasher:
-    """Chained block hashes and token counts of prompt text; keeps a bounded LRU of block token counts.
+    """Chained block hashes and token counts of prompt text.
 
-    Not thread-safe: meant for the gateway's event loop.
+    Two bounded LRUs keep the work of repeated text: token counts of blocks, by block hash, and
+    whole pieces of a prompt (a system prompt, an earlier turn), by their place in the chain, so a
+    piece seen before costs one lookup instead of a loop over its blocks. Not thread-safe: meant
+    for the gateway's event loop.
     """
 
-    def __init__(self, block_chars: int = 64, token_cache_size: int = 200_000) -> None:
+    def __init__(
+        self,
+        block_chars: int = 64,
+        token_cache_size: int = 200_000,
+        piece_cache_blocks: int = 65_536,
+        piece_min_blocks: int = 8,
+    ) -> None:
         if block_chars < 1:
             raise ValueError("block_chars must be positive")
         if token_cache_size < 1:
             raise ValueError("token_cache_size must be positive")
+        if piece_cache_blocks < 1 or piece_min_blocks < 2:
+            raise ValueError("piece_cache_blocks must be positive and piece_min_blocks at least 2")
         self.block_chars = block_chars
         self.token_cache_size = token_cache_size
+        self.piece_cache_blocks = piece_cache_blocks
+        self.piece_min_blocks = piece_min_blocks
         self._block_tokens: OrderedDict[int, int] = OrderedDict()
+        # (chain state, partial block carried into the piece, piece) -> the hashes of the blocks
+        # that end in the piece, and the token counts of all of them but the last.
+        self._pieces: OrderedDict[tuple[int, str, str], tuple[list[int], list[int]]] = OrderedDict()
+        self._piece_blocks = 0
         self._seeds: dict[tuple[str, str | None], int] = {}
         self._count = get_tokenizer().count
 
@@ -155,21 +182,21 @@ class PrefixHasher:
 
     def block_hashes(self, model: str, cache_salt: str | None, text: str) -> list[int]:
         """Only the chained hashes (no token counts)."""
-        return self._hash_blocks(self.seed(model, cache_salt), text)
+        return self._hash_blocks(self.seed(model, cache_salt), text, 0, len(text) // self.block_chars)
 
-    def _hash_blocks(self, seed: int, text: str) -> list[int]:
+    def _hash_blocks(self, h: int, text: str, first: int, last: int) -> list[int]:
+        """Hashes of blocks first..last-1 of `text`, chained on from `h` (block first-1's hash)."""
         bc = self.block_chars
-        full = len(text) // bc
-        data = text.encode("utf-8", "surrogatepass")
+        chunk = text[first * bc : last * bc]
         hashes: list[int] = []
-        h = seed
-        if len(data) == len(text):  # ASCII: byte offsets are character offsets, slice the bytes
-            for start in range(0, full * bc, bc):
+        if chunk.isascii():  # byte offsets are character offsets: encode once, slice the bytes
+            data = chunk.encode()
+            for start in range(0, len(data), bc):
                 h = _xxh64(data[start : start + bc], h)
                 hashes.append(h)
         else:
-            for start in range(0, full * bc, bc):
-                h = _xxh64(text[start : start + bc].encode("utf-8", "surrogatepass"), h)
+            for start in range(0, len(chunk), bc):
+                h = _xxh64(chunk[start : start + bc].encode("utf-8", "surrogatepass"), h)
                 hashes.append(h)
         return hashes
 
@@ -187,30 +214,82 @@ class PrefixHasher:
             j = text.find(" ", j + 1, end)
         return start if j == -1 else j
 
-    def features(self, model: str, cache_salt: str | None, text: str) -> PrefixFeatures:
-        hashes = self._hash_blocks(self.seed(model, cache_salt), text)
-        n = len(hashes)
-        if not n:
-            return PrefixFeatures(block_hashes=hashes, block_tokens=[], prompt_tokens=self._count(text))
+    def _count_blocks(self, text: str, hashes: list[int], tokens: list[int], upto: int) -> None:
+        """Append the token counts of blocks len(tokens)..upto-1 (the hash of block upto is known).
+
+        Block i's segment runs from its cut to block i+1's cut, so it is fixed by the chained hash
+        of block i+1: that hash is its cache key."""
         cache = self._block_tokens
-        tokens: list[int] = []
-        # Block i's segment runs from its cut to block i+1's cut, so it is fixed by the chained
-        # hash of block i+1: that hash is its cache key. The last full block's segment reaches into
-        # the tail and is counted afresh, with the tail.
-        for i in range(n - 1):
+        cut_at, cut = -1, 0  # the last cut found, reused as the next block's start
+        for i in range(len(tokens), upto):
             key = hashes[i + 1]
             count = cache.get(key)
             if count is None:
-                count = cache[key] = self._count(text[self._cut(text, i) : self._cut(text, i + 1)])
+                start = cut if cut_at == i else self._cut(text, i)
+                cut_at, cut = i + 1, self._cut(text, i + 1)
+                count = cache[key] = self._count(text[start:cut])
                 if len(cache) > self.token_cache_size:
                     cache.popitem(last=False)
             else:
                 cache.move_to_end(key)
             tokens.append(count)
+
+    def features(
+        self, model: str, cache_salt: str | None, text: str, pieces: Sequence[str] = ()
+    ) -> PrefixFeatures:
+        """Block hashes and token counts of `text`.
+
+        `pieces`, if given, are `text` cut where its content may repeat (as `prompt_pieces` cuts it,
+        one per message): a piece in which `piece_min_blocks` or more blocks end is served from the
+        piece cache when it was seen before at the same place in a chain."""
+        bc = self.block_chars
+        n = len(text) // bc
+        if not n:
+            return PrefixFeatures(block_hashes=[], block_tokens=[], prompt_tokens=self._count(text))
+        seed = self.seed(model, cache_salt)
+        hashes: list[int] = []
+        tokens: list[int] = []
+        if pieces:
+            if sum(map(len, pieces)) != len(text):
+                raise ValueError("pieces must join to text")
+            self._recall_pieces(seed, text, pieces, hashes, tokens)
+        hashes += self._hash_blocks(hashes[-1] if hashes else seed, text, len(hashes), n)
+        # The last full block's segment reaches into the tail: it is counted afresh, with the tail.
+        self._count_blocks(text, hashes, tokens, n - 1)
         last = self._cut(text, n)
         tokens.append(self._count(text[self._cut(text, n - 1) : last]))
         tail = self._count(text[last:]) if last < len(text) else 0
         return PrefixFeatures(block_hashes=hashes, block_tokens=tokens, prompt_tokens=sum(tokens) + tail)
+
+    def _recall_pieces(
+        self, seed: int, text: str, pieces: Sequence[str], hashes: list[int], tokens: list[int]
+    ) -> None:
+        """Extend `hashes` (and `tokens`, one shorter) through the last long piece of `pieces`."""
+        bc = self.block_chars
+        memo = self._pieces
+        start = 0
+        for piece in pieces:
+            end = start + len(piece)
+            first, last = start // bc, end // bc
+            if last - first >= self.piece_min_blocks:
+                hashes += self._hash_blocks(hashes[-1] if hashes else seed, text, len(hashes), first)
+                # The chain state stands for all text before block `first` (as the token cache's
+                # keys do), the carried start of that block and the piece for the rest.
+                key = (hashes[-1] if hashes else seed, text[first * bc : start], piece)
+                known = memo.get(key)
+                if known is None:
+                    hashes += self._hash_blocks(key[0], text, first, last)
+                    self._count_blocks(text, hashes, tokens, last - 1)
+                    memo[key] = (hashes[first:], tokens[first:])
+                    self._piece_blocks += last - first
+                    while self._piece_blocks > self.piece_cache_blocks:
+                        self._piece_blocks -= len(memo.popitem(last=False)[1][0])
+                else:
+                    memo.move_to_end(key)
+                    hashes += known[0]
+                    self._count_blocks(text, hashes, tokens, first)
+                    tokens += known[1]
+            start = end
 
     def cached_blocks(self) -> int:
         return len(self._block_tokens)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gateway.canonicalize import canonicalize
 from gateway.config import CanonicalizeConfig, CanonicalizeRule
-from gateway.prefix_hash import PrefixHasher, chain_seed, prompt_text
+from gateway.prefix_hash import PrefixHasher, chain_seed, prompt_pieces, prompt_text
 from gateway.tokens import get_tokenizer
 
 BC = 16
@@ -207,3 +207,71 @@ def test_tool_order_shares_blocks_after_canonicalization() -> None:
     a = canonicalize({"tools": [tool("b"), tool("a")], "messages": msgs}, cfg, "chat").body
     b = canonicalize({"tools": [tool("a"), tool("b")], "messages": msgs}, cfg, "chat").body
     assert prompt_text(a, "chat") == prompt_text(b, "chat")
+
+
+# Pieces repeat across prompts (as system prompts and earlier turns do), in varied lengths, with
+# spaces (which move token cuts) and non-ASCII text (which moves byte offsets).
+pieces_pool = st.lists(st.text(alphabet="ab é\n", min_size=0, max_size=70), min_size=1, max_size=5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pool=pieces_pool, data=st.data())
+def test_piece_cache_gives_the_uncached_features(pool: list[str], data: st.DataObject) -> None:
+    # Tiny limits: short pieces are cached and the cache evicts all the time.
+    warm = PrefixHasher(block_chars=8, piece_min_blocks=2, piece_cache_blocks=12)
+    for _ in range(6):
+        pieces = data.draw(st.lists(st.sampled_from(pool), max_size=5))
+        salt = data.draw(st.sampled_from([None, "s"]))
+        text = "".join(pieces)
+        got = warm.features("m", salt, text, pieces)
+        assert got == PrefixHasher(block_chars=8).features("m", salt, text)
+        assert got.block_hashes == warm.block_hashes("m", salt, text)
+    assert sum(len(hashes) for hashes, _ in warm._pieces.values()) <= 12
+
+
+def test_the_partial_block_carried_into_a_piece_is_part_of_its_key() -> None:
+    warm = PrefixHasher(block_chars=8, piece_min_blocks=2)
+    question = "z y x w v u t s r q p o n m"
+    # The same full first block, then carries that differ in one character or in where a space is.
+    for head in ("abcdefgh13", "abcdefgh 3", "abcdefgh1 ", "abcdefgh12"):
+        text = head + question
+        assert warm.features("m", None, text, [head, question]) == PrefixHasher(block_chars=8).features(
+            "m", None, text
+        )
+
+
+def test_a_known_piece_is_not_hashed_again() -> None:
+    hasher = PrefixHasher(block_chars=16)
+    hashed: list[int] = []
+    hash_blocks = hasher._hash_blocks
+
+    def spy(h: int, text: str, first: int, last: int) -> list[int]:
+        hashed.append(last - first)
+        return hash_blocks(h, text, first, last)
+
+    hasher._hash_blocks = spy  # type: ignore[method-assign]
+    system = "<|system|>" + "You are terse. " * 40 + "\n"
+    for question in ("<|user|>What is two plus two?\n", "<|user|>Name a prime.\n"):
+        hashed.clear()
+        hasher.features("m", None, system + question, [system, question])
+    assert len(system) // 16 == 38
+    assert sum(hashed) == len(system + question) // 16 - 38  # only the blocks after the system prompt
+
+
+def test_pieces_must_join_to_the_text() -> None:
+    with pytest.raises(ValueError):
+        PrefixHasher(block_chars=8).features("m", None, "a" * 40, ["a" * 39])
+
+
+def test_prompt_pieces_join_to_prompt_text() -> None:
+    body = {
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+    }
+    assert prompt_pieces(body, "chat") == [
+        '<|tools|>[{"type":"function","function":{"name":"f"}}]\n',
+        "<|system|>s\n",
+        "<|user|>u\n",
+    ]
+    assert "".join(prompt_pieces(body, "chat")) == prompt_text(body, "chat")
+    assert prompt_pieces({"prompt": "abc"}, "completions") == ["abc"]
