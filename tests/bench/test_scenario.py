@@ -21,15 +21,8 @@ from bench.scenario import (
     scenario_from_dict,
 )
 from bench.workloads import make_workload
-from tests.conftest import REPO
 
 STUB = "tests.bench.stub_engine"
-HAVE_GATEWAY = (REPO / "gateway" / "__main__.py").exists()
-HAVE_SIM = (REPO / "gateway" / "sim" / "__main__.py").exists()
-needs_gateway = pytest.mark.skipif(not HAVE_GATEWAY, reason="gateway/__main__.py not written yet")
-needs_sim_and_gateway = pytest.mark.skipif(
-    not (HAVE_GATEWAY and HAVE_SIM), reason="gateway/__main__.py or gateway/sim/__main__.py not written yet"
-)
 
 
 def table_rows(printed: str) -> list[list[str]]:
@@ -100,7 +93,6 @@ def test_fleet_children_are_stopped_and_failures_name_the_log(tmp_path: Path) ->
     assert all(c.proc is not None and c.proc.poll() is not None for c in broken.children)
 
 
-@needs_gateway
 def test_stub_fleet_direct_vs_gateway_reports(tmp_path: Path) -> None:
     scenario = scenario_from_dict(
         stub_scenario(
@@ -130,7 +122,6 @@ def test_stub_fleet_direct_vs_gateway_reports(tmp_path: Path) -> None:
     assert len(list((tmp_path / "records").glob("*.jsonl"))) == 4
 
 
-@needs_sim_and_gateway
 def test_quick_sim_scenario_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The built-in overhead scenario's shape, pinned here so that retuning the YAML cannot break it.
     scenario = {
@@ -225,7 +216,6 @@ def test_cli_reports_unreachable_target(capsys: pytest.CaptureFixture[str]) -> N
     assert "priming request" in capsys.readouterr().err
 
 
-@needs_gateway
 def test_a_failing_config_is_reported_and_the_others_still_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -243,7 +233,6 @@ def test_a_failing_config_is_reported_and_the_others_still_run(
     assert "broken @ 40 req/s" in report["meta"]["FAILED"]
 
 
-@needs_sim_and_gateway
 async def test_a_fleet_with_kv_events_names_each_replicas_own_publisher(tmp_path: Path) -> None:
     import httpx
 
