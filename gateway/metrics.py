@@ -44,6 +44,15 @@ MAX_REASONS_PER_POOL = 32  # route and shed reasons are free-form strings set by
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Label of each IndexerStats counter in kvgate_kv_event_blocks.
+_EVENT_OUTCOMES = (
+    ("stored", "stored"),
+    ("removed", "removed"),
+    ("orphan", "orphans"),
+    ("block_size_mismatch", "block_size_mismatch"),
+    ("foreign_media", "foreign_media"),
+    ("malformed", "malformed"),
+)
 QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -311,6 +320,41 @@ class FleetCollector(Collector):
         self.runtime = runtime
         self.metrics = metrics
 
+    @staticmethod
+    def _precise(rt: Runtime) -> Iterator[Metric]:
+        """Precise prefix mode: what the engines' KV events did to the index, and what was lost."""
+        pools = [(name, p.precise) for name, p in list(rt.pools.items()) if p.precise is not None]
+        if not pools:
+            return
+        blocks = CounterMetricFamily(
+            "kvgate_kv_event_blocks",
+            "Blocks applied from engine KV events (stored, removed) or skipped (orphan: parent unknown, "
+            "block_size_mismatch, foreign_media: not GPU, malformed)",
+            labels=["pool", "outcome"],
+        )
+        batches = CounterMetricFamily(
+            "kvgate_kv_event_batches", "KV event batches received", labels=["pool", "replica"]
+        )
+        lost = CounterMetricFamily(
+            "kvgate_kv_event_batches_lost",
+            "Batches the sequence numbers show were missed",
+            labels=["pool", "replica"],
+        )
+        failures = CounterMetricFamily(
+            "kvgate_precise_tokenize_failures",
+            "Requests routed without prefix information because no engine tokenized them",
+            labels=["pool"],
+        )
+        for name, precise in pools:
+            st = precise.indexer.stats
+            for outcome, attr in _EVENT_OUTCOMES:
+                blocks.add_metric([name, outcome], getattr(st, attr))
+            for replica, sub in list(precise.subscribers.items()):
+                batches.add_metric([name, replica], sub.stats.batches)
+                lost.add_metric([name, replica], sub.stats.gaps)
+            failures.add_metric([name], precise.tokenize_failures)
+        yield from (blocks, batches, lost, failures)
+
     def collect(self) -> Iterator[Metric]:
         rt = self.runtime
         labels = ["pool", "replica", "role", "kind"]
@@ -389,6 +433,7 @@ class FleetCollector(Collector):
                     weights.add_metric([model, str(i), pool_name], weight)
         yield weights
 
+        yield from self._precise(rt)
         yield GaugeMetricFamily("kvgate_draining", "1 while the gateway drains", value=float(rt.draining))
         stats = scheduler_stats(rt)
         if stats:

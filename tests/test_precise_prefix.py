@@ -22,6 +22,11 @@ def _chat(question: str) -> dict[str, object]:
     }
 
 
+def _sample(metrics: str, series: str) -> float:
+    line = next(line for line in metrics.splitlines() if line.startswith(series + " "))
+    return float(line.split()[-1])
+
+
 async def _engine_ids(url: str, body: dict[str, object]) -> list[int]:
     async with httpx.AsyncClient() as c:
         r = await c.post(url + "/tokenize", json=body)
@@ -80,6 +85,11 @@ async def test_routes_by_the_engines_events_and_forgets_what_it_drops(gateway, t
             assert r.headers["x-kvgate-replica"] == holder
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 40 * 16
         assert precise.tokenize_failures == 0
+        metrics = (await c.get(gw.url + "/metrics")).text
+        stored = _sample(metrics, 'kvgate_kv_event_blocks_total{outcome="stored",pool="p"}')
+        assert stored >= len(hashes)
+        assert _sample(metrics, f'kvgate_kv_event_batches_total{{pool="p",replica="{holder}"}}') > 0
+        assert _sample(metrics, 'kvgate_precise_tokenize_failures_total{pool="p"}') == 0
 
         # The engine drops its cache (AllBlocksCleared): the gateway's view follows at once.
         flushed = await c.post(url + "/flush_cache")
