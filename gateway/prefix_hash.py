@@ -13,9 +13,10 @@ word starts near the block edges, which keeps the sum within about 0.2% of a who
 prose, code and JSON (a raw-edge cut overcounts by 5-10%).
 
 `prompt_pieces` gives the same text cut at message boundaries. A piece that comes back at the same
-place in a chain (a system prompt, an earlier turn of a conversation) is cached whole, keyed by the
-chain state and the partial block carried into it: its block hashes and token counts cost one
-lookup instead of a pass over its blocks, and are the same as computed afresh.
+place in a chain (a system prompt, an earlier turn of a conversation) is cached whole from its
+second sighting on, keyed by the chain state and the partial block carried into it: its block
+hashes and token counts then cost one lookup instead of a pass over its blocks, and are the same
+as computed afresh.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ class PrefixHasher:
 
         `pieces`, if given, are `text` cut where its content may repeat (as `prompt_pieces` cuts it,
         one per message): a piece in which `piece_min_blocks` or more blocks end is served from the
-        piece cache when it was seen before at the same place in a chain."""
+        piece cache once it has come back at the same place in a chain."""
         bc = self.block_chars
         n = len(text) // bc
         if not n:
@@ -279,11 +280,15 @@ class PrefixHasher:
                 known = memo.get(key)
                 if known is None:
                     hashes += self._hash_blocks(key[0], text, first, last)
+                    # Kept from its second sighting on (its first block was counted before): most
+                    # pieces of new text, a user's question, never come back.
+                    seen = hashes[first + 1] in self._block_tokens
                     self._count_blocks(text, hashes, tokens, last - 1)
-                    memo[key] = (hashes[first:], tokens[first:])
-                    self._piece_blocks += last - first
-                    while self._piece_blocks > self.piece_cache_blocks:
-                        self._piece_blocks -= len(memo.popitem(last=False)[1][0])
+                    if seen:
+                        memo[key] = (hashes[first:], tokens[first:])
+                        self._piece_blocks += last - first
+                        while self._piece_blocks > self.piece_cache_blocks:
+                            self._piece_blocks -= len(memo.popitem(last=False)[1][0])
                 else:
                     memo.move_to_end(key)
                     hashes += known[0]
@@ -293,3 +298,6 @@ class PrefixHasher:
 
     def cached_blocks(self) -> int:
         return len(self._block_tokens)
+
+    def cached_pieces(self) -> int:
+        return len(self._pieces)

@@ -240,7 +240,7 @@ def test_the_partial_block_carried_into_a_piece_is_part_of_its_key() -> None:
         )
 
 
-def test_a_known_piece_is_not_hashed_again() -> None:
+def test_a_piece_seen_again_is_kept_and_not_hashed_any_more() -> None:
     hasher = PrefixHasher(block_chars=16)
     hashed: list[int] = []
     hash_blocks = hasher._hash_blocks
@@ -251,11 +251,15 @@ def test_a_known_piece_is_not_hashed_again() -> None:
 
     hasher._hash_blocks = spy  # type: ignore[method-assign]
     system = "<|system|>" + "You are terse. " * 40 + "\n"
-    for question in ("<|user|>What is two plus two?\n", "<|user|>Name a prime.\n"):
+    assert len(system) // 16 == 38
+    questions = [f"<|user|>Question {i}: " + "what is it, and why so? " * 8 + "\n" for i in range(3)]
+    kept = []
+    for question in questions:
         hashed.clear()
         hasher.features("m", None, system + question, [system, question])
-    assert len(system) // 16 == 38
-    assert sum(hashed) == len(system + question) // 16 - 38  # only the blocks after the system prompt
+        kept.append(hasher.cached_pieces())
+    assert kept == [0, 1, 1]  # the system prompt from its second sighting, no question ever
+    assert sum(hashed) == len(system + questions[2]) // 16 - 38  # only the blocks after the system prompt
 
 
 def test_pieces_must_join_to_the_text() -> None:
