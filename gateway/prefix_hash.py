@@ -14,9 +14,9 @@ prose, code and JSON (a raw-edge cut overcounts by 5-10%).
 
 `prompt_pieces` gives the same text cut at message boundaries. A piece that comes back at the same
 place in a chain (a system prompt, an earlier turn of a conversation) is cached whole from its
-second sighting on, keyed by the chain state and the partial block carried into it: its block
-hashes and token counts then cost one lookup instead of a pass over its blocks, and are the same
-as computed afresh.
+second sighting on, keyed by the chain state, the partial block carried into it and its 128-bit
+digest: its block hashes and token counts then cost one lookup instead of a pass over its blocks,
+and are the same as computed afresh.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from gateway.tokens import get_tokenizer
 Endpoint = Literal["chat", "completions", "responses"]
 
 _xxh64 = xxhash.xxh64_intdigest
+_xxh128 = xxhash.xxh3_128_intdigest
 
 
 def chain_seed(model: str, cache_salt: str | None) -> int:
@@ -165,9 +166,11 @@ class PrefixHasher:
         self.piece_cache_blocks = piece_cache_blocks
         self.piece_min_blocks = piece_min_blocks
         self._block_tokens: OrderedDict[int, int] = OrderedDict()
-        # (chain state, partial block carried into the piece, piece) -> the hashes of the blocks
-        # that end in the piece, and the token counts of all of them but the last.
-        self._pieces: OrderedDict[tuple[int, str, str], tuple[list[int], list[int]]] = OrderedDict()
+        # (chain state, partial block carried into the piece, 128-bit digest of the piece) -> the
+        # hashes of the blocks that end in the piece, and the token counts of all of them but the
+        # last. The digest is cheaper to take than str's hash (and to compare than the piece), and
+        # keeps the cache from holding request text.
+        self._pieces: OrderedDict[tuple[int, str, int], tuple[list[int], list[int]]] = OrderedDict()
         self._piece_blocks = 0
         self._seeds: dict[tuple[str, str | None], int] = {}
         self._count = get_tokenizer().count
@@ -275,8 +278,9 @@ class PrefixHasher:
             if last - first >= self.piece_min_blocks:
                 hashes += self._hash_blocks(hashes[-1] if hashes else seed, text, len(hashes), first)
                 # The chain state stands for all text before block `first` (as the token cache's
-                # keys do), the carried start of that block and the piece for the rest.
-                key = (hashes[-1] if hashes else seed, text[first * bc : start], piece)
+                # keys do), the carried start of that block and the piece's digest for the rest.
+                digest = _xxh128(piece.encode("utf-8", "surrogatepass"))
+                key = (hashes[-1] if hashes else seed, text[first * bc : start], digest)
                 known = memo.get(key)
                 if known is None:
                     hashes += self._hash_blocks(key[0], text, first, last)
