@@ -52,6 +52,7 @@ class Pool:
             else PrefixIndex(
                 default_capacity=cfg.prefix.max_blocks_per_replica or cfg.prefix.default_blocks_per_replica,
                 speculative_ttl_s=cfg.prefix.speculative_ttl_s,
+                prefix_closed=True,  # `learn` records whole prompts' chains, and nothing is discarded
             )
         )
         self._names = itertools.count()

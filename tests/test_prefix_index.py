@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from itertools import accumulate
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -207,3 +208,54 @@ def test_matches_reference_model(
         for r in "abc":
             assert index.snapshot(r) == ref.snapshot(r)
             assert len(index.snapshot(r)) <= capacity
+
+
+def chain(tokens: list[int]) -> list[int]:
+    """Chained block hashes of a prompt of one-token blocks, as PrefixHasher chains them."""
+    return list(accumulate(tokens, lambda h, t: hash((h, t)), initial=7))[1:]
+
+
+prompts = st.lists(st.integers(0, 2), max_size=14)  # few tokens: prompts share prefixes all the time
+closed_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["record", "record", "record", "capacity", "clear", "remove"]),
+        st.sampled_from(["a", "b", "c", "d"]),
+        prompts,
+        st.integers(1, 12),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=closed_ops, probes=st.lists(prompts, min_size=1, max_size=4), capacity=st.integers(1, 10))
+def test_bisection_of_a_prefix_closed_index_matches_the_walk(
+    ops: list[tuple[str, str, list[int], int]], probes: list[list[int]], capacity: int
+) -> None:
+    closed = PrefixIndex(default_capacity=capacity, prefix_closed=True)
+    walked = PrefixIndex(default_capacity=capacity)
+    for op, replica, tokens, size in ops:
+        for index in (closed, walked):
+            if op == "record":
+                index.record(replica, chain(tokens))
+            elif op == "capacity":
+                index.set_capacity(replica, size)
+            elif op == "clear":
+                index.clear_replica(replica)
+            else:
+                index.remove_replica(replica)
+        for probe in probes:
+            assert closed.match(chain(probe), "abcd") == walked.match(chain(probe), "abcd")
+    assert closed.prefix_closed
+
+
+def test_discard_and_speculation_end_the_bisection() -> None:
+    blocks = chain([0] * 8)
+    index = PrefixIndex(prefix_closed=True)
+    index.record("a", blocks)
+    index.discard("a", blocks[2:3])
+    assert not index.prefix_closed
+    assert index.match(blocks, ["a"]) == {"a": 2}  # bisection would look at blocks 0, 1, 3 and 7: 8
+    index = PrefixIndex(prefix_closed=True)
+    index.record("a", blocks, speculative=True)
+    assert not index.prefix_closed
