@@ -8,6 +8,7 @@ against a pool whose replicas already hold the groups' prefixes, with in-flight 
 
     python -m bench.decision_time                      # 16 and 256 replicas
     python -m bench.decision_time --replicas 16 --iterations 20000 --out bench/results/routing
+    python -m bench.decision_time --breakdown          # CPU time of each stage, taken one by one
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from gateway.config import load_config
 from gateway.pool import Pool
 
 TARGET_MS = {16: 0.3, 256: 1.0}
+# The stages of a decision, as `--breakdown` times them (Pool.rank = serving, candidates, policy).
+STAGES = ("features", "serving", "candidates", "policy")
 
 
 def build_pool(replicas: int, policy: str, block_chars: int = 64) -> Pool:
@@ -55,7 +58,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def measure(
-    replicas: int, iterations: int, policy: str, block_chars: int = 64, seed: int = 0
+    replicas: int, iterations: int, policy: str, block_chars: int = 64, seed: int = 0, breakdown: bool = False
 ) -> dict[str, float]:
     pool = build_pool(replicas, policy, block_chars)
     workload = SharedPrefix()
@@ -83,6 +86,7 @@ async def measure(
     bodies = [body(i) for i in range(iterations)]
     times: list[float] = []
     cpu: list[float] = []  # CPU time of this thread: what the decision costs without other processes' noise
+    stages: dict[str, list[float]] = {stage: [] for stage in STAGES}
     gc.collect()
     gc.disable()
     try:
@@ -90,7 +94,18 @@ async def measure(
             c0 = time.thread_time()
             t0 = time.perf_counter()
             features = pool.features(b, "chat", f"req-{i}", {})
-            ranked = await pool.rank(features)
+            if breakdown:
+                c1 = time.thread_time()
+                serving = pool.serving("decode")
+                c2 = time.thread_time()
+                candidates = pool.candidates(features, serving, pool.policy)
+                c3 = time.thread_time()
+                ranked = await pool.policy.rank(features, candidates)
+                c4 = time.thread_time()
+                for stage, spent in zip(STAGES, (c1 - c0, c2 - c1, c3 - c2, c4 - c3), strict=True):
+                    stages[stage].append(spent * 1e6)
+            else:
+                ranked = await pool.rank(features)
             times.append((time.perf_counter() - t0) * 1000.0)
             cpu.append((time.thread_time() - c0) * 1000.0)
             chosen = ranked[0].replica
@@ -101,7 +116,11 @@ async def measure(
                 leases.pop(rng.randrange(len(leases))).release()
     finally:
         gc.enable()
+    means = {f"{stage}_mean_us": statistics.mean(v) for stage, v in stages.items() if v}
+    p99s = {f"{stage}_p99_us": percentile(v, 0.99) for stage, v in stages.items() if v}
     return {
+        **means,
+        **p99s,
         "replicas": replicas,
         "iterations": iterations,
         "p50_ms": statistics.median(times),
@@ -126,10 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--block-chars", type=int, default=64, help="pool prefix.block_chars (hashed block size)"
     )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="time Pool.features and the stages of Pool.rank one by one (CPU us per request)",
+    )
     parser.add_argument("--out", type=Path, help="append the table to decision_time.md in this directory")
     args = parser.parse_args(argv)
     rows = [
-        asyncio.run(measure(n, args.iterations, args.policy, args.block_chars))
+        asyncio.run(measure(n, args.iterations, args.policy, args.block_chars, breakdown=args.breakdown))
         for n in args.replicas or [16, 256]
     ]
     lines = [
@@ -148,6 +172,18 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['replicas']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['max_ms']:.3f} "
             f"| {r['cpu_p50_ms']:.3f} | {r['cpu_p99_ms']:.3f} | {verdict} |"
         )
+    if args.breakdown:
+        lines += [
+            "",
+            "Where the time goes: this thread's CPU time per request, mean / p99, in us "
+            "(Pool.rank is serving + candidates + policy; candidates includes the prefix index match)",
+            "",
+            "| replicas | " + " | ".join(STAGES) + " |",
+            "| ---: |" + " ---: |" * len(STAGES),
+        ]
+        for r in rows:
+            cells = [f"{r[f'{stage}_mean_us']:.0f} / {r[f'{stage}_p99_us']:.0f}" for stage in STAGES]
+            lines.append(f"| {r['replicas']} | " + " | ".join(cells) + " |")
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:
