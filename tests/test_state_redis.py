@@ -16,10 +16,12 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from gateway.config import load_config
 from gateway.prefix_index import PrefixIndex
+from gateway.runtime import Runtime
 from gateway.server import RunningGateway
 from gateway.state import Bucket
-from gateway.state.redis_backend import dedupe
+from gateway.state.redis_backend import SharedPrefixIndex, dedupe
 from tests.conftest import free_port, gateway_settings, wait_until
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -222,6 +224,24 @@ async def test_endpoints_added_or_removed_on_one_instance_change_every_instance(
             timeout=1.0,
             what="A and the late instance to remove it",
         )
+
+
+def test_shared_state_wraps_approximate_indexes_and_leaves_precise_ones_to_kv_events(key_prefix) -> None:
+    pools = [
+        {"name": "approx", "model": "a", "endpoints": [{"url": "http://127.0.0.1:9"}]},
+        {
+            "name": "precise",
+            "model": "b",
+            "prefix": {"mode": "precise"},
+            "endpoints": [{"url": "http://127.0.0.1:9", "kv_events": "tcp://127.0.0.1:9"}],
+        },
+    ]
+    settings = load_config(None, {"pools": pools, "state": {"backend": "redis", "key_prefix": key_prefix}})
+    runtime = Runtime(settings)
+    approx, precise = runtime.pools["approx"], runtime.pools["precise"]
+    assert isinstance(approx.prefix_index, SharedPrefixIndex)
+    assert approx.prefix_index.prefix_closed  # the fast match survives the wrapping
+    assert precise.precise is not None and precise.prefix_index is precise.precise.index
 
 
 async def test_fleet_counter_is_exact_under_concurrency(key_prefix, upstreams, gateway) -> None:

@@ -94,7 +94,7 @@ class SharedPrefixIndex(PrefixIndex):
     """A PrefixIndex that journals what it learns locally; what `merge` imports is not journaled."""
 
     def __init__(self, base: PrefixIndex, pool: str, backend: RedisState) -> None:
-        super().__init__(base.default_capacity, base.speculative_ttl_s)
+        super().__init__(base.default_capacity, base.speculative_ttl_s, prefix_closed=base.prefix_closed)
         self._pool = pool
         self._backend = backend
 
@@ -139,7 +139,9 @@ class RedisState(StateBackend):
         self._outbox_blocks = 0
         self._snapshot_due = False
         for pool in runtime.pools.values():
-            pool.prefix_index = SharedPrefixIndex(pool.prefix_index, pool.name, self)
+            # Precise mode needs nothing shared: every instance subscribes to the same KV events.
+            if pool.precise is None:
+                pool.prefix_index = SharedPrefixIndex(pool.prefix_index, pool.name, self)
 
     # -- keys -------------------------------------------------------------------------
     def _key(self, *parts: str) -> str:
