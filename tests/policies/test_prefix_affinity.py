@@ -73,7 +73,7 @@ async def test_engine_waiting_counts_our_own_requests_at_their_size() -> None:
 async def test_duplicate_weight_keeps_a_prefix_on_its_replica_when_a_copy_is_barely_faster() -> None:
     reps = replicas(2)
     engine_report(reps[0], waiting=2)  # another gateway's 2 x 1024 tokens queued ahead on the warm one
-    # Time to first token: 2048 queued + 128 + 2 x 128 in flight on r0 against 2176 on r1...
+    # Time to first token: 2048 queued + 128 + 2 x 32 in flight on r0 against 2176 on r1...
     ranked = await policy(duplicate_weight=0).rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
     assert ranked[0].replica.name == "r1"
     # ...but with the second copy's 2048 tokens weighted 1.5 (3200 on r1), the prefix stays on r0.
@@ -115,6 +115,19 @@ async def test_own_inflight_work_counted_at_decision_time_spills_a_hot_prefix() 
         lease.release()
     ranked = await p.rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
     assert ranked[0].replica.name == "r1"
+
+
+async def test_decode_load_spills_a_prefix_only_when_its_replica_is_far_busier() -> None:
+    """Requests in flight cost 32 tokens each: a spread of 30 (ordinary fluctuation between
+    replicas) keeps the prefix where it is; 100 more than elsewhere (a hot prefix) makes a copy pay."""
+    p = policy()
+    reps = replicas(2)
+    for _ in range(30):
+        send(reps[0], request(PROMPT))
+    assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r0"
+    for _ in range(70):
+        send(reps[0], request(PROMPT))
+    assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r1"
 
 
 async def test_queued_prefill_drains_while_requests_are_still_decoding() -> None:
