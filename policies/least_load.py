@@ -32,13 +32,14 @@ class LeastLoad(Policy):
         def load(item: tuple[int, Candidate]) -> tuple[int, int, int]:
             i, c = item
             r = c.replica
-            # Our own in-flight tokens are exact and current (the lease is taken at decision time);
-            # the engine's figures also count other gateways' requests, but only while its scrape is
-            # fresh. They overlap (ours are in the engine's too), so the larger one counts, not the sum.
-            tokens = r.inflight_tokens
+            # Our own in-flight tokens are exact and current (the lease is taken at decision time),
+            # other gateways' (shared state) a sync interval old; the engine's figures count
+            # everyone's, but only while its scrape is fresh. They overlap (the gateways' requests
+            # are in the engine's too), so the larger one counts, not the sum.
+            tokens = r.inflight_tokens + r.remote_inflight_tokens
             if r.engine_fresh:
                 tokens = max(tokens, (r.engine.waiting + r.engine.running) * cost)
             # Equal loads (an idle fleet) rotate, instead of always falling to the first replica.
-            return (tokens, r.inflight_requests, (i - turn) % n)
+            return (tokens, r.inflight_requests + r.remote_inflight_requests, (i - turn) % n)
 
         return [c for _, c in sorted(enumerate(candidates), key=load)]

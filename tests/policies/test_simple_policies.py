@@ -27,6 +27,16 @@ async def test_least_load_takes_the_larger_of_own_and_engine_load() -> None:
     assert (await p.rank(request(), candidates(reps)))[0].replica.name == "r0"
 
 
+async def test_least_load_counts_other_gateways_in_flight_load() -> None:
+    p = load_policy("least_load")
+    reps = replicas(3)
+    reps[0].lease(3000)
+    reps[1].remote_inflight_tokens = 5000  # another gateway's requests, from shared state
+    reps[1].remote_inflight_requests = 2
+    ranked = await p.rank(request(), candidates(reps))
+    assert [c.replica.name for c in ranked] == ["r2", "r0", "r1"]
+
+
 async def test_least_load_rotates_on_ties() -> None:
     p = load_policy("least_load")
     reps = replicas(4)
