@@ -5,7 +5,8 @@ prefill work (divide by the prefill throughput for seconds):
 
     prefill work queued there        max(own queue estimate, the engine's waiting queue)
   + this prompt's uncached part      prompt_tokens - matched_tokens on that replica
-  + a decode-load term               per_request_tokens x requests in flight there
+  + a decode-load term               per_request_tokens x requests in flight there (ours, other
+                                     gateways' from shared state, or the engine's count if larger)
 
 The lowest estimate wins, after a surcharge of `duplicate_weight` per prefix token a candidate would
 recompute although another candidate holds it: a second copy costs KV space that evicts other
@@ -148,7 +149,7 @@ class PrefixAffinity(Policy):
         """Estimated time to first token of `request` on `c`, in tokens of prefill work."""
         r = c.replica
         fresh = r.engine_fresh
-        in_flight = r.inflight_requests
+        in_flight = r.inflight_requests + r.remote_inflight_requests
         if fresh:
             in_flight = max(in_flight, r.engine.running + r.engine.waiting)
         q = self._queue(r.name, self._clock() if now is None else now)
@@ -179,11 +180,11 @@ class PrefixAffinity(Policy):
                 q.backlog = max(0.0, q.backlog - (now - q.stamp) * tps)
                 q.stamp = now
             n = r.inflight_requests
-            in_flight = n
+            in_flight = n + r.remote_inflight_requests
             fresh = r.engine_fresh
             if fresh:
                 engine = r.engine
-                in_flight = max(n, engine.running + engine.waiting)
+                in_flight = max(in_flight, engine.running + engine.waiting)
             if fresh or len(q.ledger) > n:
                 ahead = queued(q, r, fresh)
             else:

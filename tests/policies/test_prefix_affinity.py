@@ -130,6 +130,15 @@ async def test_decode_load_spills_a_prefix_only_when_its_replica_is_far_busier()
     assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r1"
 
 
+async def test_other_gateways_requests_in_flight_count_as_decode_load() -> None:
+    """Another gateway's 100 requests on the warm replica (shared state) weigh as our own would."""
+    p = policy()
+    reps = replicas(2)
+    assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r0"
+    reps[0].remote_inflight_requests = 100
+    assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r1"
+
+
 async def test_queued_prefill_drains_while_requests_are_still_decoding() -> None:
     clock = Clock()
     p = policy(clock, per_request_tokens=0, prefill_tokens_per_s=10000)
