@@ -49,11 +49,8 @@ class Pool:
         self.prefix_index = (
             self.precise.index
             if self.precise is not None
-            else PrefixIndex(
-                default_capacity=cfg.prefix.max_blocks_per_replica or cfg.prefix.default_blocks_per_replica,
-                speculative_ttl_s=cfg.prefix.speculative_ttl_s,
-                prefix_closed=True,  # `learn` records whole prompts' chains, and nothing is discarded
-            )
+            # `learn` records whole prompts' chains, and nothing is discarded: prefix-closed.
+            else PrefixIndex.from_config(cfg.prefix, prefix_closed=True)
         )
         self._names = itertools.count()
         # Prompt characters and tokens seen: the index is sized in blocks of characters, the engine

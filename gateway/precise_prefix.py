@@ -62,10 +62,7 @@ class PrecisePrefix:
         self.model = model
         self.block_size = block_size
         self.hasher = TokenBlockHasher(self.block_size, model)
-        self.index = PrefixIndex(
-            default_capacity=cfg.max_blocks_per_replica or cfg.default_blocks_per_replica,
-            speculative_ttl_s=cfg.speculative_ttl_s,
-        )
+        self.index = PrefixIndex.from_config(cfg)
         self.indexer = KVEventIndexer(self.index, self.hasher)
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self.tokenize_failures = 0

@@ -71,11 +71,14 @@ class PrefixIndex:
         self._expiries: deque[tuple[float, _Replica, int]] = deque()
 
     @classmethod
-    def from_config(cls, cfg: PrefixConfig, clock: Callable[[], float] = time.monotonic) -> PrefixIndex:
+    def from_config(
+        cls, cfg: PrefixConfig, clock: Callable[[], float] = time.monotonic, prefix_closed: bool = False
+    ) -> PrefixIndex:
         return cls(
             default_capacity=cfg.max_blocks_per_replica or cfg.default_blocks_per_replica,
             speculative_ttl_s=cfg.speculative_ttl_s,
             clock=clock,
+            prefix_closed=prefix_closed,
         )
 
     # --- replicas -------------------------------------------------------------------------
