@@ -77,11 +77,11 @@ class PrecisePrefix:
             sub.start()
 
     def detach(self, replica: str) -> None:
+        """Stop following a replica and forget its blocks (the pool drops it from the index)."""
         sub = self.subscribers.pop(replica, None)
         if sub is not None:
             sub.close()
         self.indexer.clear(replica)
-        self.index.remove_replica(replica)
 
     def start(self) -> None:
         """Start every subscriber not yet running (needs the running event loop)."""
@@ -141,10 +141,6 @@ class PrecisePrefix:
         self.tokenize_failures += 1
         log.debug("precise prefix: %s could not tokenize: %s", replica.name, why)
         return None
-
-    def learn(self, replica: str, block_hashes: Sequence[int]) -> None:
-        """Routed there: speculatively warm until the engine's events confirm or the entry expires."""
-        self.index.record(replica, block_hashes, speculative=True)
 
     def set_capacity(self, replica: str, kv_capacity_tokens: int) -> None:
         self.index.set_capacity(replica, max(1, kv_capacity_tokens // self.block_size))
