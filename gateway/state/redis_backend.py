@@ -462,12 +462,13 @@ class RedisState(StateBackend):
             )
 
     def _apply_endpoints(self, stored: Mapping[bytes, bytes]) -> None:
+        replicas = self._replica_by_url()  # one field per (pool, url): no field sees another's change
         for field, data in self._changed(self._endpoints_key, stored):
             pool_name, _, url = field.partition("\t")
             pool = self.rt.pools.get(pool_name)
             if pool is None:
                 continue
-            present = next((r for r in pool.replicas.values() if r.url == url), None)
+            present = replicas.get((pool_name, url))
             endpoint = data["endpoint"]
             try:
                 if endpoint is not None and present is None:
