@@ -44,6 +44,7 @@ MAX_REASONS_PER_POOL = 32  # route and shed reasons are free-form strings set by
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Label of each IndexerStats counter in kvgate_kv_event_blocks.
 _EVENT_OUTCOMES = (
     ("stored", "stored"),
@@ -53,7 +54,6 @@ _EVENT_OUTCOMES = (
     ("foreign_media", "foreign_media"),
     ("malformed", "malformed"),
 )
-QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 def status_label(status: int) -> str:
