@@ -20,8 +20,8 @@ from aiohttp import web
 from gateway.config import ConfigError, EndpointConfig, Settings, load_config
 from gateway.errors import GatewayError
 from gateway.pool import Pool
-from gateway.proxy import parse_json_body
 from gateway.replica import Replica
+from gateway.request_body import parse_json_body
 from gateway.rollout import Router
 from gateway.runtime import Runtime
 
@@ -160,7 +160,7 @@ class Admin:
         return replica
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        return parse_json_body(await request.read())
+        return parse_json_body(await request.read(), self.rt.settings.server.max_json_depth)
 
     async def routes(self, request: web.Request) -> web.Response:
         return _json({"routes": self.rt.router.describe()})

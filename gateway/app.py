@@ -9,6 +9,7 @@ import orjson
 from aiohttp import web
 
 from gateway.admin import register_admin
+from gateway.conn_guard import GuardedConnection
 from gateway.dashboard import Dashboard
 from gateway.errors import GatewayError, error_body
 from gateway.proxy import ENDPOINTS, Proxy
@@ -24,6 +25,20 @@ def _json(data: object, status: int = 200, headers: dict[str, str] | None = None
     return web.Response(
         body=orjson.dumps(data), status=status, content_type="application/json", headers=headers
     )
+
+
+@web.middleware
+async def connection_state(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Tell the connection guard when a connection is serving a request and when it is idle."""
+    transport = request.transport
+    conn = transport.get_protocol() if transport is not None else None
+    if not isinstance(conn, GuardedConnection):
+        return await handler(request)
+    conn.guard.request_started(conn)
+    try:
+        return await handler(request)
+    finally:
+        conn.guard.request_finished(conn)
 
 
 @web.middleware
@@ -73,7 +88,9 @@ async def ready(request: web.Request) -> web.Response:
 
 
 def build_app(runtime: Runtime) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=runtime.settings.server.max_body_bytes)
+    app = web.Application(
+        middlewares=[connection_state, openai_errors], client_max_size=runtime.settings.server.max_body_bytes
+    )
     app[RUNTIME] = runtime
     proxy = Proxy(runtime)
     for path in ENDPOINTS:

@@ -38,8 +38,23 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     api_keys: list[str] = Field(default_factory=list, description="Client keys; empty = no auth")
     admin_key: str | None = Field(None, description="Key for /admin routes; unset = admin disabled")
-    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="After decompression")
+    max_json_depth: int = Field(
+        64, ge=2, le=200, description="Deepest nesting of arrays and objects a request body may have"
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="Longest pause while a client sends its body")
+    offload_body_bytes: int = Field(
+        128 * 1024, ge=0, description="Larger bodies are canonicalized and hashed in a worker thread"
+    )
     grace_period_s: float = Field(30.0, ge=0)
+    header_timeout_s: float = Field(10.0, gt=0, description="A new connection's first request head")
+    keepalive_timeout_s: float = Field(75.0, gt=0, description="An idle connection between requests")
+    max_connections: int = Field(
+        10_000, gt=0, description="Client connections; lowered at start if file descriptors cannot cover it"
+    )
+    reserved_connections: int = Field(
+        32, ge=0, description="Beyond max_connections: answered for /health and /ready only"
+    )
     access_log: bool = True
     log_json: bool = False
     log_level: str = "info"
@@ -204,6 +219,17 @@ class PrefixConfig(_Strict):
     )
 
 
+class ClientPassthrough(_Strict):
+    """Engine-steering input a pool's clients may send through (see gateway/sanitize.py)."""
+
+    body_fields: list[str] = Field(
+        default_factory=list, description="e.g. kv_transfer_params, for engines that take it from clients"
+    )
+    headers: list[str] = Field(
+        default_factory=list, description="e.g. x-sim-fault, for fault-injection tests against the simulator"
+    )
+
+
 class PDConfig(_Strict):
     min_uncached_tokens: int = Field(512, ge=0, description="Disaggregate only above this many new tokens")
     prefill_policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(type="least_load"))
@@ -219,6 +245,7 @@ class PoolConfig(_Strict):
     pd: PDConfig = Field(default_factory=PDConfig)
     engines: EngineSpec | None = None
     endpoints: list[EndpointConfig] = Field(default_factory=list)
+    client_passthrough: ClientPassthrough = Field(default_factory=ClientPassthrough)
     priority_scheduling: bool = Field(
         False,
         description="The (unmanaged) endpoints run priority scheduling: forward each request's priority "

@@ -2,19 +2,41 @@
 
 A log call may pass structured data as `extra={"fields": {...}}`: the JSON formatter puts
 the fields at the top level of the object, the text formatter appends them as `key=value`.
+
+Messages and fields may carry client strings (a model name, a header value): the text formatter
+escapes control characters in them, so no client can start a forged log line, and both formatters
+cut a message or field at `MAX_FIELD_CHARS`. Tracebacks keep their lines.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 import orjson
+
+MAX_FIELD_CHARS = 4096
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def clip(value: str, limit: int = 200) -> str:
+    """A client string made safe to log or to echo in an error: control characters escaped
+    (\\n, \\x1b, ...), cut at `limit` characters with a note of the full length."""
+    if len(value) > limit:
+        value = f"{value[:limit]}...({len(value)} chars)"
+    if _CONTROL.search(value):
+        value = _CONTROL.sub(lambda m: repr(m.group())[1:-1], value)
+    return value
 
 
 def _fields(record: logging.LogRecord) -> dict[str, object] | None:
     extra = getattr(record, "fields", None)
     return extra if isinstance(extra, dict) else None
+
+
+def _cut(value: str) -> str:
+    return value if len(value) <= MAX_FIELD_CHARS else f"{value[:MAX_FIELD_CHARS]}...({len(value)} chars)"
 
 
 class JsonFormatter(logging.Formatter):
@@ -23,11 +45,11 @@ class JsonFormatter(logging.Formatter):
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": _cut(record.getMessage()),
         }
         extra = _fields(record)
         if extra:
-            doc.update(extra)
+            doc.update({k: _cut(v) if isinstance(v, str) else v for k, v in extra.items()})
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(doc, default=str).decode()
@@ -37,14 +59,19 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # The message alone (the traceback is appended after this): one line, whatever it holds.
+        record.message = clip(record.message, MAX_FIELD_CHARS)
+        line = super().formatMessage(record)
         extra = _fields(record)
         if not extra:
             return line
-        pairs = " ".join(f"{k}={v}" for k, v in extra.items() if v is not None)
-        head, nl, tail = line.partition("\n")  # keep a traceback below the fields
-        return f"{head} {pairs}{nl}{tail}"
+        pairs = " ".join(
+            f"{k}={clip(v, MAX_FIELD_CHARS) if isinstance(v, str) else v}"
+            for k, v in extra.items()
+            if v is not None
+        )
+        return f"{line} {pairs}"
 
 
 def configure_logging(level: str = "info", json: bool = False) -> None:

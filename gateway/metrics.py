@@ -214,7 +214,9 @@ class GatewayMetrics:
     # -- the observer ---------------------------------------------------------------------
     def __call__(self, rec: RequestRecord) -> None:
         key = (
-            rec.model,
+            # A model name is the client's free text: only the names served key the cache (as they
+            # label the series), or every made-up name would keep an entry for good.
+            rec.model if rec.model in self._models else None,
             rec.endpoint,
             rec.pool,
             rec.replica,
@@ -355,6 +357,28 @@ class FleetCollector(Collector):
             failures.add_metric([name], precise.tokenize_failures)
         yield from (blocks, batches, lost, failures)
 
+    @staticmethod
+    def _connections(rt: Runtime) -> Iterator[Metric]:
+        guard = rt.connections
+        if guard is None:
+            return
+        open_ = GaugeMetricFamily(
+            "kvgate_client_connections",
+            "Client connections: within server.max_connections, or overflow (probes only)",
+            labels=["kind"],
+        )
+        open_.add_metric(["counted"], guard.open)
+        open_.add_metric(["overflow"], guard.overflow)
+        closed = CounterMetricFamily(
+            "kvgate_client_connections_closed",
+            "Client connections the gateway closed: header or idle timeout, evicted to make room "
+            "at the cap, refused with 503 beyond it, dropped on accept with the reserve full",
+            labels=["reason"],
+        )
+        for reason, n in guard.closed.items():
+            closed.add_metric([reason], n)
+        yield from (open_, closed)
+
     def collect(self) -> Iterator[Metric]:
         rt = self.runtime
         labels = ["pool", "replica", "role", "kind"]
@@ -434,6 +458,7 @@ class FleetCollector(Collector):
         yield weights
 
         yield from self._precise(rt)
+        yield from self._connections(rt)
         yield GaugeMetricFamily("kvgate_draining", "1 while the gateway drains", value=float(rt.draining))
         stats = scheduler_stats(rt)
         if stats:

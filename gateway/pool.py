@@ -39,6 +39,9 @@ class Pool:
         self.policy = policy or load_policy(cfg.policy.type, cfg.policy.args)
         self.prefill_policy = load_policy(cfg.pd.prefill_policy.type, cfg.pd.prefill_policy.args)
         self.hasher = PrefixHasher(block_chars=cfg.prefix.block_chars)
+        # What clients may send engines that engines would act on (see gateway/sanitize.py).
+        self.passthrough_fields = frozenset(cfg.client_passthrough.body_fields)
+        self.passthrough_headers = frozenset(h.lower() for h in cfg.client_passthrough.headers)
         # Precise mode matches engine token blocks against the engines' KV events; its index
         # replaces the one learned from text blocks.
         self.precise = (
@@ -138,12 +141,17 @@ class Pool:
         endpoint: str,
         request_id: str,
         headers: Mapping[str, str],
+        hasher: PrefixHasher | None = None,
     ) -> RequestFeatures:
+        """The request's routing features. With a `hasher` of its own (work done off the event
+        loop) nothing of the pool changes: the caller reports the size with `learn_token_size`."""
         pieces = prompt_pieces(body, endpoint)
         text = "".join(pieces)
         salt = body.get("cache_salt")
-        pf = self.hasher.features(self.upstream_model, salt if isinstance(salt, str) else None, text, pieces)
-        self._learn_token_size(len(text), pf.prompt_tokens)
+        salt = salt if isinstance(salt, str) else None
+        pf = (hasher or self.hasher).features(self.upstream_model, salt, text, pieces)
+        if hasher is None:
+            self.learn_token_size(len(text), pf.prompt_tokens)
         max_tokens = (
             body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
         )
@@ -198,7 +206,7 @@ class Pool:
             return self.cfg.prefix.block_chars / CHARS_PER_TOKEN
         return self.cfg.prefix.block_chars * self._text_tokens / self._text_chars
 
-    def _learn_token_size(self, chars: int, tokens: int) -> None:
+    def learn_token_size(self, chars: int, tokens: int) -> None:
         self._text_chars += chars
         self._text_tokens += tokens
         if self._text_chars > 1 << 24:  # forget slowly, so the figure follows the traffic
