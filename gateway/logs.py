@@ -15,6 +15,7 @@ import re
 import sys
 
 import orjson
+from aiohttp.http_exceptions import HttpProcessingError
 
 MAX_FIELD_CHARS = 4096
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
@@ -74,6 +75,23 @@ class TextFormatter(logging.Formatter):
         return f"{line} {pairs}"
 
 
+class MalformedRequests(logging.Filter):
+    """aiohttp logs each malformed request (bad framing, oversized head, smuggling attempts) as an
+    error with a traceback: it is the client's mistake, already answered 400, and a flood of them
+    would flood the log. Such records pass only when debug logging is on, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        if not logging.getLogger().isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg = f"{record.getMessage()}: malformed request: {exc.message}"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
 def configure_logging(level: str = "info", json: bool = False) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if json else TextFormatter())
@@ -82,5 +100,8 @@ def configure_logging(level: str = "info", json: bool = False) -> None:
     root.setLevel(level.upper())
     # aiohttp's own access log would duplicate ours (which never holds prompt text).
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequests) for f in server_log.filters):
+        server_log.addFilter(MalformedRequests())
     # httpx logs every control-plane call (health, metrics scrapes) at info: noise, several a second.
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -75,7 +75,9 @@ async def start_gateway(
         handler_cancellation=True,  # a client that leaves cancels its handler and so the upstream call
         access_log=None,
         shutdown_timeout=server.grace_period_s,
-        keepalive_timeout=server.keepalive_timeout_s,
+        # The connection guard closes idle connections (and counts them); aiohttp's own timer is a
+        # backstop that must not beat it.
+        keepalive_timeout=server.keepalive_timeout_s + 5.0,
         auto_decompress=False,  # request bodies are decoded, within bounds, by request_body
     )
     # Listen first: a taken port must fail before any engine is launched.
