@@ -209,6 +209,12 @@ class PrefixConfig(_Strict):
     )
     default_blocks_per_replica: int = Field(65536, gt=0)
     speculative_ttl_s: float = Field(2.0, gt=0)
+    max_learn_blocks: int = Field(
+        8192,
+        gt=0,
+        description="Leading blocks of one prompt the index learns (about 130k tokens): a longer prompt "
+        "is routed by its head, and learning all of it would hold the event loop",
+    )
     mode: Literal["approximate", "precise"] = Field(
         "approximate",
         description="approximate: text blocks learned from routing decisions; precise: the engine's "

@@ -195,9 +195,8 @@ class Pool:
         """The request went to `replica`: it will hold the prompt's blocks once prefilled."""
         if features.block_hashes:
             # In precise mode the engine's events confirm; until then the decision is a guess.
-            self.prefix_index.record(
-                replica.name, features.block_hashes, speculative=self.precise is not None
-            )
+            head = features.block_hashes[: self.cfg.prefix.max_learn_blocks]
+            self.prefix_index.record(replica.name, head, speculative=self.precise is not None)
         (self.prefill_policy if role == "prefill" else self.policy).on_routed(features, replica)
 
     def tokens_per_block(self) -> float:
