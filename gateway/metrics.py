@@ -446,6 +446,19 @@ class FleetCollector(Collector):
                 hit.add_metric([name], ratio)
         yield hit
 
+        # The bounded caches that hold most of the gateway's memory, so a growing RSS can be told
+        # apart from a leak: they fill up to their bounds, then stay.
+        index = GaugeMetricFamily(
+            "kvgate_prefix_index_entries", "Blocks in the prefix index, over all replicas", labels=["pool"]
+        )
+        tokens = GaugeMetricFamily(
+            "kvgate_token_count_cache_entries", "Prompt blocks whose token count is cached", labels=["pool"]
+        )
+        for name, pool in list(rt.pools.items()):
+            index.add_metric([name], pool.prefix_index.entries())
+            tokens.add_metric([name], pool.hasher.cached_blocks())
+        yield from (index, tokens)
+
         weights = GaugeMetricFamily(
             "kvgate_rollout_weight",
             "Configured weight of a pool in a route's rule (the rollout split)",
