@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import sys
 import tempfile
 import time
@@ -27,7 +25,7 @@ import aiohttp
 import yaml
 
 from bench.overhead import gateway_config, pct
-from bench.procs import HOST, Child, free_port_range, python_module
+from bench.procs import HOST, Child, free_port_range, python_module, source_trees, write_report
 
 PARTIAL_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
 BODY = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
@@ -108,17 +106,16 @@ async def flood(url: str, port: int, m: int) -> dict[str, Any]:
 
 
 async def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    trees = {"this tree": None} | ({"compare": args.compare} if args.compare else {})
+    trees = source_trees(args.compare)
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-connflood-"))
     out: dict[str, dict[str, Any]] = {}
-    for i, (name, tree) in enumerate(trees.items()):
+    for i, (name, env) in enumerate(trees.items()):
         base = free_port_range(2)
         upstream_url, url = f"http://{HOST}:{base}", f"http://{HOST}:{base + 1}"
         config = gateway_config(upstream_url, base + 1)
         config["upstream"] = {"max_connections": 256}  # leaves the rest of --nofile to clients
         cfg = workdir / f"gw{i}.yaml"
         cfg.write_text(yaml.safe_dump(config))
-        env = {"PYTHONPATH": tree, "PYTHONSAFEPATH": "1"} if tree else None
         log = workdir / f"gw{i}.log"
         argv = with_nofile(python_module("gateway", "serve", "--config", str(cfg)), args.nofile)
         upstream = Child(
@@ -128,7 +125,7 @@ async def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         with upstream.start(), gateway.start():
             upstream.wait_ready([upstream_url + "/health"], 30)
             gateway.wait_ready([url + "/ready"], 30)
-            result: dict[str, Any] = {"tree": tree or "."}
+            result: dict[str, Any] = {}
             result["half_open"] = await half_open(base + 1, args.half_open, args.wait)
             result["flood"] = await flood(url, base + 1, args.flood)
         text = log.read_text(errors="replace")
@@ -174,16 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", help="another source tree to run a second gateway from")
     parser.add_argument("--out", default="bench/out/conn_flood")
     args = parser.parse_args(argv)
-    if args.compare:
-        args.compare = str(Path(args.compare).resolve())
     results = asyncio.run(run(args))
-    text = table(results, args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "conn_flood.json").write_text(json.dumps({"load": os.getloadavg(), "results": results}, indent=2))
-    (out / "conn_flood.md").write_text(text + "\n")
-    print(text)
-    print(f"\nload average {os.getloadavg()[0]:.2f}; written to {out}/")
+    write_report(Path(args.out), "conn_flood", {"results": results}, table(results, args))
     return 0
 
 

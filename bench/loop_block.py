@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import tempfile
 import time
@@ -26,7 +25,7 @@ import aiohttp
 import yaml
 
 from bench.overhead import gateway_config, pct
-from bench.procs import HOST, Child, free_port_range, python_module
+from bench.procs import HOST, Child, free_port_range, python_module, source_trees, write_report
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
 
@@ -76,7 +75,7 @@ async def one(url: str, body: bytes) -> Sample:
 
 
 async def run(args: argparse.Namespace) -> dict[str, list[Sample]]:
-    trees = {"this tree": None} | ({f"compare ({args.compare})": args.compare} if args.compare else {})
+    trees = source_trees(args.compare)
     base = free_port_range(1 + len(trees))
     upstream_url = f"http://{HOST}:{base}"
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-loopblock-"))
@@ -84,14 +83,12 @@ async def run(args: argparse.Namespace) -> dict[str, list[Sample]]:
         "upstream", python_module("bench.echo_upstream", "--port", str(base)), workdir / "up.log"
     )
     children, urls = [], {}
-    for i, (name, tree) in enumerate(trees.items()):
+    for i, (name, env) in enumerate(trees.items()):
         port = base + 1 + i
         cfg = workdir / f"gw{i}.yaml"
         config = gateway_config(upstream_url, port)
         config["pools"][0]["policy"] = {"type": "prefix_affinity"}  # type: ignore[index]
         cfg.write_text(yaml.safe_dump(config))
-        # PYTHONSAFEPATH: the working directory (this tree) must not shadow the other tree.
-        env = {"PYTHONPATH": tree, "PYTHONSAFEPATH": "1"} if tree else None
         argv = python_module("gateway", "serve", "--config", str(cfg))
         children.append(Child(name, argv, workdir / f"gw{i}.log", env=env))
         urls[name] = f"http://{HOST}:{port}"
@@ -135,19 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", help="another source tree to run a second gateway from")
     parser.add_argument("--out", default="bench/out/loop_block")
     args = parser.parse_args(argv)
-    if args.compare:
-        args.compare = str(Path(args.compare).resolve())
     results = asyncio.run(run(args))
-    text = table(results, args.mb)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     raw = {name: [s.__dict__ for s in samples] for name, samples in results.items()}
-    (out / "loop_block.json").write_text(
-        json.dumps({"mb": args.mb, "load": os.getloadavg(), "runs": raw}, indent=2)
-    )
-    (out / "loop_block.md").write_text(text + "\n")
-    print(text)
-    print(f"\nload average {os.getloadavg()[0]:.2f}; written to {out}/")
+    write_report(Path(args.out), "loop_block", {"mb": args.mb, "runs": raw}, table(results, args.mb))
     return 0
 
 

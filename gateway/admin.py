@@ -19,6 +19,7 @@ from aiohttp import web
 
 from gateway.config import ConfigError, EndpointConfig, Settings, load_config
 from gateway.errors import GatewayError
+from gateway.logs import clip
 from gateway.pool import Pool
 from gateway.replica import Replica
 from gateway.request_body import parse_json_body
@@ -148,7 +149,7 @@ class Admin:
         name = request.match_info["pool"]
         pool = self.rt.pools.get(name)
         if pool is None:
-            raise _bad(f"no pool {name!r}", "pool_not_found", 404)
+            raise _bad(f"no pool {clip(name, 64)!r}", "pool_not_found", 404)
         return pool
 
     def _replica(self, request: web.Request) -> Replica:
@@ -156,7 +157,7 @@ class Admin:
         name = request.match_info["replica"]
         replica = pool.replicas.get(name)
         if replica is None:
-            raise _bad(f"pool {pool.name!r} has no replica {name!r}", "replica_not_found", 404)
+            raise _bad(f"pool {pool.name!r} has no replica {clip(name, 64)!r}", "replica_not_found", 404)
         return replica
 
     async def _body(self, request: web.Request) -> dict[str, Any]:

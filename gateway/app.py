@@ -12,6 +12,7 @@ from gateway.admin import register_admin
 from gateway.conn_guard import GuardedConnection
 from gateway.dashboard import Dashboard
 from gateway.errors import GatewayError, error_body
+from gateway.logs import clip
 from gateway.proxy import ENDPOINTS, Proxy
 from gateway.runtime import Runtime
 
@@ -54,7 +55,7 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         if exc.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
-        message = f"{request.method} {request.path}: {exc.reason}"
+        message = f"{request.method} {clip(request.path)}: {exc.reason}"
         return web.Response(
             status=exc.status,
             body=error_body(message, "invalid_request_error", code),

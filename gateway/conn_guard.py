@@ -159,7 +159,7 @@ class ConnectionGuard:
         self._new: OrderedDict[GuardedConnection, float] = OrderedDict()
         self._idle: OrderedDict[GuardedConnection, float] = OrderedDict()
         self._overflow: OrderedDict[GuardedConnection, float] = OrderedDict()
-        self._tick = max(0.05, min(1.0, self.header_timeout_s / 4, self.keepalive_timeout_s / 4))
+        self._tick = max(0.05, min(0.5, self.header_timeout_s / 4, self.keepalive_timeout_s / 4))
         self._sweeper: asyncio.TimerHandle | None = None
         self.closed = dict.fromkeys(CLOSE_REASONS, 0)  # totals, for metrics
         self._since_warning = dict.fromkeys(CLOSE_REASONS, 0)

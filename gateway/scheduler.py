@@ -39,6 +39,7 @@ from gateway.config import PriorityClass, SchedulerConfig, TenantConfig
 from gateway.engines.base import EngineAdapter
 from gateway.errors import GatewayError
 from gateway.limits import Clock, Limits, ShedError, Take
+from gateway.logs import clip
 from gateway.policy import RequestFeatures
 from gateway.prompt_window import fit_window
 
@@ -337,7 +338,8 @@ class Scheduler:
             # A typo must not silently demote (or promote) a request: say which classes exist.
             raise GatewayError(
                 400,
-                f"unknown priority class {name!r} in x-priority; expected one of: {', '.join(self._levels)}",
+                f"unknown priority class {clip(name, 64)!r} in x-priority; "
+                f"expected one of: {', '.join(self._levels)}",
                 "invalid_request_error",
                 "invalid_priority",
             )
