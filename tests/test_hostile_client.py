@@ -82,10 +82,10 @@ async def assert_serving_and_settled(gw: RunningGateway) -> None:
     assert all(n == 0 for n in rt.scheduler.queue_depth().values())
 
 
-@pytest.mark.parametrize("name", sorted(MALFORMED))
-async def test_malformed_requests_get_a_4xx(gw, caplog, name):
-    r = await exchange(gw.port, MALFORMED[name])
-    assert 400 <= r.status < 500, (r.status, r.body)
+async def test_malformed_requests_get_a_4xx(gw, caplog):
+    answers = {name: await exchange(gw.port, data) for name, data in MALFORMED.items()}
+    wrong = {name: (r.status, r.body[:80]) for name, r in answers.items() if not 400 <= r.status < 500}
+    assert not wrong
     assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
     await assert_serving_and_settled(gw)
 
