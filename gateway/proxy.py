@@ -372,7 +372,7 @@ class Proxy:
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status, headers=headers)
         finished = False
-        end = StreamEnd()
+        end = StreamEnd(rec.endpoint)
         try:
             await out.prepare(request)
             try:
@@ -380,7 +380,7 @@ class Proxy:
                     if rec.first_byte_at is None:
                         rec.first_byte_at = time.perf_counter()
                     await out.write(chunk)
-                    rec.completed = end.feed(chunk)
+                    end.feed(chunk)
             except UpstreamError as exc:
                 # Never truncate silently: the client learns the stream broke.
                 log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
@@ -389,6 +389,7 @@ class Proxy:
             await out.write_eof()
             finished = True
         except ConnectionResetError:
+            rec.completed = end.complete
             if not rec.completed:
                 rec.client_disconnected = True
                 log.info("request %s: client went away mid-stream", rec.request_id)
@@ -396,6 +397,7 @@ class Proxy:
             if finished:
                 resp.release()
             else:
+                rec.completed = end.complete  # read by `handle` if this is a cancellation
                 # The client left (or we were cancelled): drop the upstream connection so the
                 # engine aborts the request instead of generating for nobody.
                 resp.close()

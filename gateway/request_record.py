@@ -34,7 +34,7 @@ class RequestRecord:
     first_byte_at: float | None = None  # perf_counter when the first body byte went to the client
     ended: float | None = None
     client_disconnected: bool = False
-    completed: bool = False  # the whole answer went to the client (a stream: through its last event)
+    completed: bool = False  # a stream cut by its client had been relayed through its last event
 
     @property
     def ttft_s(self) -> float | None:

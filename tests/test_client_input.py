@@ -14,6 +14,7 @@ import pytest
 
 from gateway.logs import TextFormatter
 from gateway.prefix_hash import PrefixHasher
+from gateway.stream_end import StreamEnd
 from tests.conftest import gateway_settings, wait_until
 from tests.rawhttp import closed_within, exchange, post, read_response
 
@@ -136,6 +137,24 @@ async def test_a_stream_read_to_its_end_then_closed_counts_as_completed(upstream
         metrics = (await c.get(gw.url + "/metrics")).text
     assert re.search(r'kvgate_requests_total\{[^}]*status="200"[^}]*\} 1\.0', metrics)
     assert re.search(r'kvgate_requests_total\{[^}]*status="499"[^}]*\} 1\.0', metrics)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "chunks", "complete"),
+    [
+        ("chat", [b"data: {}\n\n", b"data: [DO", b"NE]\n\n"], True),  # the marker split in two
+        ("chat", [b'data: {"content": "data: [DONE]"}\n\n'], False),  # the words, inside an event
+        ("chat", [b"data: [DONE]\n\n", b"data: {}\n\n"], False),  # not the last thing written
+        ("responses", [b"event: response.completed\ndata: {", b'"a": 1}\n\n'], True),
+        ("responses", [b"event: response.completed\ndata: {"], False),  # its data not all written
+        ("responses", [b"event: response.output_text.delta\ndata: {}\n\n"], False),
+    ],
+)
+def test_stream_end_is_the_last_event_written_whole(endpoint, chunks, complete):
+    end = StreamEnd(endpoint)
+    for chunk in chunks:
+        end.feed(chunk)
+    assert end.complete is complete
 
 
 def _access(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
