@@ -10,7 +10,9 @@ from tests.conftest import gateway_settings, wait_until
 from tests.test_metrics import MakeGateway, MakeUpstreams, scrape
 
 
-async def test_pool_signals_follow_drains_and_the_queue(upstreams: MakeUpstreams, gateway: MakeGateway) -> None:
+async def test_pool_signals_follow_drains_and_the_queue(
+    upstreams: MakeUpstreams, gateway: MakeGateway
+) -> None:
     a, b = await upstreams(2)
     # One request at a time per replica: with one replica drained, a second request queues.
     settings = gateway_settings([a.url, b.url], scheduler={"max_inflight_requests_per_replica": 1})

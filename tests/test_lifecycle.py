@@ -121,9 +121,8 @@ async def test_sigterm_fails_readiness_first_serves_through_the_delay_then_close
     port = free_port()
     cfg = tmp_path / "gw.yaml"
     pool = {"name": "p", "model": "m", "policy": {"type": "round_robin"}, "endpoints": [{"url": up.url}]}
-    cfg.write_text(
-        yaml.safe_dump({"server": {"port": port, "grace_period_s": 5, "shutdown_delay_s": 2}, "pools": [pool]})
-    )
+    server = {"port": port, "grace_period_s": 5, "shutdown_delay_s": 2}
+    cfg.write_text(yaml.safe_dump({"server": server, "pools": [pool]}))
     proc = subprocess.Popen(
         [PYTHON, "-m", "gateway", "serve", "--config", str(cfg)],
         env=subprocess_env(),
