@@ -19,6 +19,7 @@ import httpx
 import pytest
 import yaml
 
+from gateway.admin import apply_settings
 from gateway.config import KubernetesDiscoveryConfig
 from gateway.discovery.kubernetes import KubernetesDiscovery, pod_endpoints, slice_endpoints
 from gateway.pool import Pool
@@ -51,7 +52,8 @@ def k8s_gateway(gateway, kube, tmp_path) -> Gateway:
             "drain_timeout_s": 10,
         }
         cfg.update(discovery)
-        return await gateway(gateway_settings([], pool={"discovery": {"kubernetes": cfg}}))
+        pool = {"discovery": {"kubernetes": cfg}}
+        return await gateway(gateway_settings([], pool=pool, server={"admin_key": "admin-key"}))
 
     return make
 
@@ -86,6 +88,14 @@ async def test_ready_pods_join_and_leave_by_readiness_and_selector(kube, upstrea
             r = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
             assert r.status_code == 200
     assert a.state.seen and b.state.seen
+
+    # A config reload (SIGHUP, admin API) leaves discovered replicas alone, as the admin API does.
+    assert apply_settings(gw.runtime, gw.runtime.settings, "test")["changes"] == []
+    admin = {"authorization": "Bearer admin-key"}
+    async with httpx.AsyncClient(base_url=gw.url, headers=admin) as client:
+        r = await client.delete("/admin/pools/p/replicas/a")
+    assert r.status_code == 409 and "leaves with its pod" in r.json()["error"]["message"]
+    assert urls(gw) == {a.url, b.url}
 
     kube.set_pod_ready(NS, "a", False)
     await wait_until(lambda: urls(gw) == {b.url}, what="a to leave once unready")
