@@ -31,6 +31,19 @@ def test_bad_config_exits_nonzero_naming_the_key(tmp_path):
     assert check.returncode == 2 and "pools.0.engines.replicas" in check.stderr
 
 
+async def wait_ready(client: httpx.AsyncClient, url: str) -> None:
+    """Until the gateway process answers /ready with 200 (it starts listening after a moment)."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if (await client.get(url + "/ready")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "gateway did not become ready"
+        await asyncio.sleep(0.05)
+
+
 async def test_sigterm_lets_inflight_stream_finish_then_exits_zero(upstreams, tmp_path):
     (up,) = await upstreams(1)
     port = free_port()
@@ -59,15 +72,7 @@ async def test_sigterm_lets_inflight_stream_finish_then_exits_zero(upstreams, tm
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient() as c:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    if (await c.get(url + "/ready")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "gateway did not become ready"
-                await asyncio.sleep(0.05)
+            await wait_ready(c, url)
             body = {"model": "m", "prompt": "p", "stream": True}
             # The upstream holds its answer 1 s; SIGTERM arrives while the request is in flight.
             async with c.stream(
@@ -127,20 +132,11 @@ async def test_sigterm_fails_readiness_first_serves_through_the_delay_then_close
         [PYTHON, "-m", "gateway", "serve", "--config", str(cfg)],
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient() as c:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    if (await c.get(url + "/ready")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "gateway did not become ready"
-                await asyncio.sleep(0.05)
+            await wait_ready(c, url)
         proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         # Fresh clients each time: a new connection is what a load balancer would open.
