@@ -18,7 +18,7 @@ describes them (kubernetes.io/docs/reference/using-api/api-concepts):
   `timeoutSeconds` ends the stream cleanly;
 - bearer-token auth (401 Status otherwise), and the test's levers: `compact()` drops the history,
   `drop_watches()` cuts every open watch mid-stream (no terminating chunk), `fail_next` answers the
-  next requests with an error status.
+  next requests with an error status, `expire_every_watch` answers every watch from a version 410.
 Objects are created, changed and deleted by the test through methods, not through the API.
 """
 
@@ -125,6 +125,7 @@ class KubeAPI:
         self.token = token
         self.bookmark_interval_s = bookmark_interval_s
         self.gone_as_status = False
+        self.expire_every_watch = False  # a server in trouble: every watch from a version gets 410
         self.fail_next: list[int] = []
         self.rv = 100
         self.compacted_rv = 0  # changes at or below this version are no longer retained
@@ -291,7 +292,7 @@ class KubeAPI:
         query: dict[str, str],
     ) -> web.StreamResponse:
         rv = query.get("resourceVersion")
-        gone = rv not in (None, "", "0") and int(rv) < self.compacted_rv
+        gone = rv not in (None, "", "0") and (int(rv) < self.compacted_rv or self.expire_every_watch)
         expired = status(410, "Expired", f"too old resource version: {rv} ({self.compacted_rv + 1})")
         if gone and self.gone_as_status:
             return web.json_response(expired, status=410)

@@ -110,6 +110,29 @@ async def test_ready_pods_join_and_leave_by_readiness_and_selector(kube, upstrea
         assert flag(q["allowWatchBookmarks"]) and q["resourceVersion"] and int(q["timeoutSeconds"]) > 0
 
 
+async def test_a_pod_ready_again_before_its_drain_ends_keeps_its_replica(kube, upstreams, k8s_gateway):
+    (a,) = await upstreams(1)
+    kube.put_pod(NS, "a", a.port, labels=POOL_LABELS)
+    gw = await k8s_gateway()
+    await wait_until(lambda: "a" in pool_of(gw).replicas, what="replica a")
+    replica = pool_of(gw).replicas["a"]
+    async with httpx.AsyncClient(base_url=gw.url) as client:
+        # The upstream holds this answer 2 s: the drain below has a request to wait for.
+        slow = asyncio.create_task(
+            client.post(
+                "/v1/completions", json={"model": "m", "prompt": "x"}, headers={"x-test-mode": "stall:1"}
+            )
+        )
+        await wait_until(lambda: replica.inflight_requests == 1, what="the request in flight")
+        kube.set_pod_ready(NS, "a", False)
+        await wait_until(lambda: replica.draining, what="the drain")
+        assert not replica.available and pool_of(gw).replicas.get("a") is replica
+        kube.set_pod_ready(NS, "a", True)
+        await wait_until(lambda: not replica.draining, what="the undrain")
+        assert (await slow).status_code == 200
+    assert pool_of(gw).replicas["a"] is replica, "the same replica, with its prefix index"
+
+
 async def test_removed_replica_leaves_the_prefix_index(kube, upstreams, k8s_gateway):
     (a,) = await upstreams(1)
     kube.put_pod(NS, "a", a.port, labels=POOL_LABELS)
@@ -160,6 +183,18 @@ async def test_expired_as_http_410_relists(kube, upstreams, k8s_gateway):
     kube.compact()
     await wait_until(lambda: urls(gw) == {b.url}, what="the re-listed state")
     assert source(gw).stats["expired"] == 1 and source(gw).stats["lists"] == 2
+
+
+async def test_a_server_that_expires_every_watch_is_backed_off_not_hammered(kube, upstreams, k8s_gateway):
+    (a,) = await upstreams(1)
+    kube.put_pod(NS, "a", a.port, labels=POOL_LABELS)
+    kube.expire_every_watch = True
+    gw = await k8s_gateway()
+    await wait_until(lambda: source(gw).stats["expired"] >= 4, what="repeated expiries")
+    st = source(gw).stats
+    # The first 410 re-lists at once; each one after it, with no event between, backs off first.
+    assert st["errors"] >= st["expired"] - 2 and st["lists"] <= st["expired"] + 1
+    assert urls(gw) == {a.url}, "the pool keeps what the lists said"
 
 
 async def test_bookmarks_move_the_resume_point_past_a_compaction(kube, upstreams, k8s_gateway):

@@ -178,6 +178,7 @@ class KubernetesDiscovery:
         self.resource_version: str | None = None  # where the next watch resumes; None: list first
         self._objects: dict[str, dict[str, Endpoint]] = {}  # object uid -> its ready endpoints
         self._backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
+        self._expired_in_a_row = 0  # 410s with no event between them
         self._task: asyncio.Task[None] | None = None
         # What happened so far, for the status page and tests.
         self.stats = {"lists": 0, "watches": 0, "events": 0, "bookmarks": 0, "expired": 0, "errors": 0}
@@ -259,8 +260,13 @@ class KubernetesDiscovery:
                 except ApiException as exc:
                     if exc.status == 410:  # the resume point left the server's history: list again
                         self.stats["expired"] += 1
-                        log.info("pool %s: watch expired (410 Gone), listing again", self.pool)
                         self.resource_version = None
+                        self._expired_in_a_row += 1
+                        if self._expired_in_a_row == 1:
+                            log.info("pool %s: watch expired (410 Gone), listing again", self.pool)
+                            continue
+                        # Expired again before any event: a server in trouble, not a stale version.
+                        await self._fail("watch expired again right after a list (410 Gone)")
                         continue
                     await self._fail(f"API error {exc.status} {exc.reason}")
                 except ConfigException as exc:
@@ -329,6 +335,7 @@ class KubernetesDiscovery:
                 if w.resource_version is not None:
                     self.resource_version = str(w.resource_version)
                 self._backoff.reset()
+                self._expired_in_a_row = 0
                 kind, obj = event["type"], event["raw_object"]
                 if kind == "BOOKMARK":
                     self.stats["bookmarks"] += 1
