@@ -120,7 +120,7 @@ async def test_a_pod_ready_again_before_its_drain_ends_keeps_its_replica(kube, u
         # The upstream holds this answer 2 s: the drain below has a request to wait for.
         slow = asyncio.create_task(
             client.post(
-                "/v1/completions", json={"model": "m", "prompt": "x"}, headers={"x-test-mode": "stall:1"}
+                "/v1/completions", json={"model": "m", "prompt": "x"}, headers={"x-test-mode": "stall:2"}
             )
         )
         await wait_until(lambda: replica.inflight_requests == 1, what="the request in flight")
