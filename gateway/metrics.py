@@ -122,9 +122,10 @@ class PoolTraffic:
         if self.recent_ttft_s is None:
             self.recent_ttft_s = ttft_s
         else:
-            keep = 0.5 ** ((now - self.ttft_at) / TTFT_HALF_LIFE_S)
+            # Records arrive as requests end, not in first-byte order: an earlier one weighs nothing.
+            keep = 0.5 ** (max(0.0, now - self.ttft_at) / TTFT_HALF_LIFE_S)
             self.recent_ttft_s = keep * self.recent_ttft_s + (1 - keep) * ttft_s
-        self.ttft_at = now
+        self.ttft_at = max(self.ttft_at, now)
 
     @property
     def hit_ratio(self) -> float | None:
