@@ -122,7 +122,7 @@ class PoolTraffic:
         if self.recent_ttft_s is None:
             self.recent_ttft_s = ttft_s
         else:
-            # Records arrive as requests end, not in first-byte order: an earlier one weighs nothing.
+            # Each sample weighs the time since the previous one: a time average, whatever the rate.
             keep = 0.5 ** (max(0.0, now - self.ttft_at) / TTFT_HALF_LIFE_S)
             self.recent_ttft_s = keep * self.recent_ttft_s + (1 - keep) * ttft_s
         self.ttft_at = max(self.ttft_at, now)
@@ -246,7 +246,7 @@ class GatewayMetrics:
             if ttft is not None:
                 bound.ttft.observe(ttft)
                 if bound.traffic is not None:
-                    bound.traffic.observe_ttft(ttft, rec.first_byte_at or 0.0)
+                    bound.traffic.observe_ttft(ttft, rec.ended or rec.first_byte_at or 0.0)
         if bound.queue is not None:
             bound.queue.observe(rec.queued_s)
         if bound.decision is not None:
