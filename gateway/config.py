@@ -144,6 +144,28 @@ class EngineSpec(_Strict):
         return self
 
 
+class KVEventsSource(_Strict):
+    """Where a subscriber reaches an engine's KV event publisher (ZMQ PUB)."""
+
+    endpoint: str = Field(
+        description="The address to CONNECT to, e.g. tcp://10.0.0.5:5557 for an engine started with "
+        '--kv-events-config \'{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557"}\' (vLLM and '
+        "SGLang bind only an endpoint holding `*`)"
+    )
+    topic: str = Field("", description="The publisher's topic: vLLM's and SGLang's default is empty")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _connectable(cls, v: str) -> str:
+        if not v.startswith(("tcp://", "ipc://")):
+            raise ValueError("must start with tcp:// or ipc://")
+        if "*" in v:
+            raise ValueError(
+                f"{v!r} is the engine's bind address; give the address to connect to (its host, not `*`)"
+            )
+        return v
+
+
 class EndpointConfig(_Strict):
     """An unmanaged engine that someone else runs."""
 
@@ -152,9 +174,16 @@ class EndpointConfig(_Strict):
     role: Literal["mixed", "prefill", "decode"] = "mixed"
     kind: Literal["vllm", "sglang", "sim", "openai"] = "vllm"
     bootstrap_port: int | None = Field(None, description="SGLang prefill bootstrap port")
-    kv_events: str | None = Field(
-        None, description="The engine's KV event publisher (ZMQ), e.g. tcp://10.0.0.5:5557, for precise mode"
+    kv_events: KVEventsSource | None = Field(
+        None,
+        description="Precise mode: the engine's KV event publisher, {endpoint, topic} or just the endpoint "
+        "(topic empty, the engines' default)",
     )
+
+    @field_validator("kv_events", mode="before")
+    @classmethod
+    def _endpoint_only(cls, v: Any) -> Any:
+        return {"endpoint": v} if isinstance(v, str) else v
 
     @field_validator("url")
     @classmethod
@@ -201,6 +230,13 @@ class PrefixConfig(_Strict):
     )
     engine_block_size: int | None = Field(
         None, gt=0, description="Precise mode: tokens per engine KV block (unset: engines.block_size or 16)"
+    )
+    kv_events_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Precise mode: a replica whose KV events have not come this long after a request "
+        "was routed to it is reported (metric, warning, dashboard) and routed by the approximate index "
+        "until they come again",
     )
 
 

@@ -34,7 +34,13 @@ import httpx
 
 from gateway.config import EngineSpec, Settings
 from gateway.engines import adapter_for_spec
-from gateway.engines.base import BOOTSTRAP_PORT, EngineAdapter, ReplicaSlot, connect_host
+from gateway.engines.base import (
+    BOOTSTRAP_PORT,
+    EngineAdapter,
+    ReplicaSlot,
+    connect_host,
+    prepare_ipc_endpoint,
+)
 from gateway.ports import release_ports, reserve_free_port, reserve_port
 from gateway.replica import Role
 
@@ -142,6 +148,7 @@ def plan_fleet(
                 gpu_ids=ids,
                 gpu_sharers=max((users[g] for g in ids), default=1) if ids else 1,
                 aux_ports=aux,
+                kv_events=spec.kv_events,
             )
             argv, env = adapter.command(spec, model, slot, served_model_name)
             plans.append(
@@ -346,6 +353,10 @@ class FleetLauncher:
         await asyncio.gather(*(self._terminate(r) for r in self._replicas.values()))
         for replica in self._replicas.values():
             replica.status.state = "stopped"
+            endpoint = replica.plan.kv_events_endpoint
+            if endpoint is not None and endpoint.startswith("ipc://"):
+                with contextlib.suppress(OSError):  # the engine leaves its socket file behind
+                    os.unlink(endpoint.removeprefix("ipc://"))
         if self._client is not None:
             await self._client.aclose()
         if self._plans is not None:
@@ -427,6 +438,7 @@ class FleetLauncher:
     async def _spawn(self, replica: _Replica) -> asyncio.subprocess.Process:
         plan = replica.plan
         plan.log_path.parent.mkdir(parents=True, exist_ok=True)
+        prepare_ipc_endpoint(plan.kv_events_endpoint)
         with contextlib.suppress(FileNotFoundError):
             if plan.log_path.stat().st_size > LOG_ROTATE_BYTES:  # keep one previous log, not all
                 plan.log_path.replace(plan.log_path.with_name(plan.log_path.name + ".1"))

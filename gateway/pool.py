@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gateway.breaker import CircuitBreaker
@@ -19,6 +20,19 @@ from gateway.replica import Replica, Role
 log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # typical for English text; only sizes the prefix index
+
+
+def _matched(
+    index: PrefixIndex, hashes: Sequence[int], block_tokens: Sequence[int], replicas: list[Replica]
+) -> list[Candidate]:
+    """Candidates with the leading blocks of `hashes` each replica holds in `index`."""
+    if not hashes or not replicas:
+        return [Candidate(r) for r in replicas]
+    matched = index.match(hashes, [r.name for r in replicas])
+    # A prefix held by many replicas gives them few distinct depths: sum each depth once, not
+    # once per replica (up to 0.4 ms for a 2k-token prompt on 256 replicas).
+    tokens = {k: sum(block_tokens[:k]) for k in set(matched.values())}
+    return [Candidate(r, matched[r.name], tokens[matched[r.name]]) for r in replicas]
 
 
 class Pool:
@@ -46,12 +60,11 @@ class Pool:
             if cfg.prefix.mode == "precise"
             else None
         )
-        self.prefix_index = (
-            self.precise.index
-            if self.precise is not None
-            # `learn` records whole prompts' chains, and nothing is discarded: prefix-closed.
-            else PrefixIndex.from_config(cfg.prefix, prefix_closed=True)
-        )
+        # `learn` records whole prompts' chains, and nothing is discarded: prefix-closed. In
+        # precise mode it is the fallback for replicas whose KV events are missing.
+        approximate = PrefixIndex.from_config(cfg.prefix, prefix_closed=True)
+        self.prefix_index = self.precise.index if self.precise is not None else approximate
+        self.fallback_index = approximate if self.precise is not None else None
         self._names = itertools.count()
         # Prompt characters and tokens seen: the index is sized in blocks of characters, the engine
         # in tokens, and characters per token vary with the text (code, CJK, generated benchmarks).
@@ -113,6 +126,8 @@ class Pool:
         replica = self.replicas.pop(name, None)
         if replica is not None:
             self.prefix_index.remove_replica(name)
+            if self.fallback_index is not None:
+                self.fallback_index.remove_replica(name)
             if self.precise is not None:
                 self.precise.detach(name)
             log.info("pool %s: replica %s removed", self.name, name)
@@ -147,7 +162,7 @@ class Pool:
         max_tokens = (
             body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
         )
-        return RequestFeatures(
+        features = RequestFeatures(
             request_id=request_id,
             model=self.upstream_model,
             pool=self.name,
@@ -160,23 +175,32 @@ class Pool:
             headers=headers,
             text=text,
         )
+        if self.precise is not None:
+            features.text_block_hashes, features.text_block_tokens = pf.block_hashes, pf.block_tokens
+        return features
 
     def candidates(
         self, features: RequestFeatures, replicas: Iterable[Replica], policy: Policy
     ) -> list[Candidate]:
         replicas = list(replicas)
-        if not policy.uses_prefix_match or not features.block_hashes:
+        if not policy.uses_prefix_match:
             return [Candidate(r) for r in replicas]
-        matched = self.prefix_index.match(features.block_hashes, [r.name for r in replicas])
-        block_tokens = features.block_tokens
-        # A prefix held by many replicas gives them few distinct depths: sum each depth once, not
-        # once per replica (up to 0.4 ms for a 2k-token prompt on 256 replicas).
-        tokens = {k: sum(block_tokens[:k]) for k in set(matched.values())}
-        out = []
-        for r in replicas:
-            k = matched[r.name]
-            out.append(Candidate(r, k, tokens[k]))
-        return out
+        if self.precise is None or self.fallback_index is None:
+            return _matched(self.prefix_index, features.block_hashes, features.block_tokens, replicas)
+        # Precise mode: replicas whose KV events flow are matched on the engine's token blocks,
+        # the others (events missing, no publisher, or the prompt could not be tokenized) on
+        # the text blocks of the approximate index.
+        now = time.monotonic()
+        exact = [r for r in replicas if self.precise.exact(r.name, now)] if features.block_hashes else []
+        fallback = [r for r in replicas if r not in exact] if exact else replicas
+        found = _matched(self.prefix_index, features.block_hashes, features.block_tokens, exact)
+        found += _matched(
+            self.fallback_index, features.text_block_hashes, features.text_block_tokens, fallback
+        )
+        if not exact or not fallback:
+            return found
+        order = {r.name: i for i, r in enumerate(replicas)}
+        return sorted(found, key=lambda c: order[c.replica.name])
 
     async def rank(self, features: RequestFeatures, role: str = "decode") -> list[Candidate]:
         """Available replicas for the leg, ranked best first by the pool's (or prefill) policy."""
@@ -185,11 +209,23 @@ class Pool:
 
     def learn(self, features: RequestFeatures, replica: Replica, role: str = "decode") -> None:
         """The request went to `replica`: it will hold the prompt's blocks once prefilled."""
-        if features.block_hashes:
-            # In precise mode the engine's events confirm; until then the decision is a guess.
-            self.prefix_index.record(
-                replica.name, features.block_hashes, speculative=self.precise is not None
-            )
+        name = replica.name
+        if self.precise is None or self.fallback_index is None:
+            if features.block_hashes:
+                self.prefix_index.record(name, features.block_hashes)
+        else:
+            blocks = features.block_hashes
+            if blocks:
+                # New blocks for the engine to store: its events owe us a BlockStored.
+                if self.prefix_index.match(blocks, [name])[name] < len(blocks):
+                    self.precise.expect_events(name)
+                # The engine's events confirm; until then the decision is a guess.
+                self.prefix_index.record(name, blocks, speculative=True)
+            if features.text_block_hashes:
+                self.fallback_index.record(name, features.text_block_hashes)
+            policy = self.prefill_policy if role == "prefill" else self.policy
+            if policy.uses_prefix_match and not (blocks and self.precise.exact(name, time.monotonic())):
+                self.precise.fallback_decisions[name] += 1
         (self.prefill_policy if role == "prefill" else self.policy).on_routed(features, replica)
 
     def tokens_per_block(self) -> float:
@@ -214,6 +250,7 @@ class Pool:
         cap = replica.kv_capacity_tokens
         if cap and self.precise is not None:
             self.precise.set_capacity(replica.name, cap)
-        elif cap and self.cfg.prefix.max_blocks_per_replica is None:
+        approximate = self.fallback_index or self.prefix_index
+        if cap and self.cfg.prefix.max_blocks_per_replica is None:
             self._sized_tokens_per_block = tokens_per_block = max(1.0, self.tokens_per_block())
-            self.prefix_index.set_capacity(replica.name, max(1, int(cap / tokens_per_block)))
+            approximate.set_capacity(replica.name, max(1, int(cap / tokens_per_block)))

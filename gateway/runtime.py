@@ -9,8 +9,9 @@ from typing import Any
 
 from gateway.access_log import access_log
 from gateway.auth import Auth
-from gateway.config import EndpointConfig, Settings
+from gateway.config import EndpointConfig, KVEventsSource, Settings
 from gateway.engine_load import EngineLoad
+from gateway.engines.base import KV_EVENTS_TOPIC
 from gateway.health import HealthChecker
 from gateway.launcher import FleetLauncher, LaunchedReplica
 from gateway.load_scraper import LoadScraper
@@ -85,7 +86,7 @@ class Runtime:
         kind: str,
         bootstrap_port: int | None,
         managed: bool = False,
-        kv_events: str | None = None,
+        kv_events: KVEventsSource | None = None,
     ) -> Replica:
         """Add a replica to a pool and start watching its engine's load (and KV events)."""
         replica = pool.add_replica(
@@ -94,8 +95,8 @@ class Runtime:
         adapter = pool.adapter_for(replica)
         if adapter is not None:
             self.scraper.add(replica.name, replica.url, adapter)
-        if pool.precise is not None and kv_events:
-            pool.precise.attach(replica.name, kv_events)
+        if pool.precise is not None and kv_events is not None:
+            pool.precise.attach(replica.name, kv_events.endpoint, kv_events.topic)
         return replica
 
     def add_endpoint(self, pool: Pool, ep: EndpointConfig) -> Replica:
@@ -121,7 +122,9 @@ class Runtime:
                 launched.kind,
                 launched.bootstrap_port,
                 managed=True,
-                kv_events=launched.kv_events_endpoint,
+                kv_events=KVEventsSource(endpoint=launched.kv_events_endpoint, topic=KV_EVENTS_TOPIC)
+                if launched.kv_events_endpoint
+                else None,
             )
 
         return on_ready

@@ -25,6 +25,7 @@ from gateway.engines.base import (
     compact_json,
     connect_host,
     kv_events_config,
+    kv_events_port_needed,
     mean,
     scan_exposition,
     split_fraction,
@@ -54,7 +55,7 @@ class VLLMAdapter(EngineAdapter):
 
     def aux_port_names(self, spec: EngineSpec, role: Role) -> tuple[str, ...]:
         names: list[str] = []
-        if spec.kv_events:
+        if kv_events_port_needed(spec):
             names.append(KV_EVENTS_PORT)
         if role != "mixed" and spec.pd_transfer_backend == "nixl":
             names.append(NIXL_SIDE_CHANNEL_PORT)
