@@ -255,6 +255,14 @@ class PoolConfig(_Strict):
     pd: PDConfig = Field(default_factory=PDConfig)
     engines: EngineSpec | None = None
     endpoints: list[EndpointConfig] = Field(default_factory=list)
+    tokenizer: str | None = Field(
+        None,
+        description="The engines' tokenizer, so that index sizing and job sizes are in their tokens: a "
+        "tokenizer.json (or a model directory holding one; needs kvgate[tokenizers]), builtin:words or "
+        "builtin:cl100k. Unset: a managed pool's --tokenizer flag or local model directory (vllm and "
+        "sglang: also the Hugging Face cache), else cl100k counts corrected by the tokens per "
+        "character learned from the engines' usage figures",
+    )
     priority_scheduling: bool = Field(
         False,
         description="The (unmanaged) endpoints run priority scheduling: forward each request's priority "

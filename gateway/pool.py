@@ -6,6 +6,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from gateway.breaker import CircuitBreaker
@@ -16,10 +17,59 @@ from gateway.precise_prefix import PrecisePrefix
 from gateway.prefix_hash import PrefixHasher, prompt_pieces
 from gateway.prefix_index import PrefixIndex
 from gateway.replica import Replica, Role
+from gateway.tokens import Tokenizer, TokenizerError, get_tokenizer, load_tokenizer, model_tokenizer
 
 log = logging.getLogger(__name__)
 
-CHARS_PER_TOKEN = 4  # typical for English text; only sizes the prefix index
+CHARS_PER_TOKEN = 4  # typical for English text; only sizes the prefix index until traffic is measured
+# Usage figures needed before the engines' own tokens per character replace the gateway's count.
+MIN_USAGE_SAMPLES = 8
+MIN_USAGE_CHARS = 4096
+
+
+def _flag(args: Sequence[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def engine_tokenizer(cfg: PoolConfig) -> tuple[str | None, bool]:
+    """The tokenizer the pool's engines use, if known, and whether the config named it (an explicit
+    one must load; a discovered one may fail with a warning)."""
+    if cfg.tokenizer:
+        return cfg.tokenizer, True
+    spec = cfg.engines
+    if spec is None:
+        return None, False
+    flag = _flag([*spec.extra_args, *spec.sim.extra_args], "--tokenizer")
+    if flag:
+        return flag, False
+    model = spec.model or cfg.model
+    if spec.kind == "sim":  # the simulator reads a model directory's tokenizer, never a hub cache
+        found = Path(model) / "tokenizer.json"
+        return (str(found), False) if found.is_file() else (None, False)
+    found_file = model_tokenizer(model)
+    return (str(found_file), False) if found_file is not None else (None, False)
+
+
+def pool_tokenizer(cfg: PoolConfig) -> Tokenizer | None:
+    """The engines' tokenizer; None when unknown (counts then use cl100k, corrected from usage).
+    TokenizerError only for one the config names."""
+    spec, explicit = engine_tokenizer(cfg)
+    if spec is None:
+        return None
+    try:
+        tokenizer = load_tokenizer(spec)
+    except TokenizerError as exc:
+        if explicit:
+            raise
+        log.warning("pool %s: %s; learning the engines' tokens per character from their usage", cfg.name, exc)
+        return None
+    log.info("pool %s: token counts by the engines' tokenizer %s", cfg.name, tokenizer.name)
+    return tokenizer
 
 
 def _matched(
@@ -52,7 +102,10 @@ class Pool:
         self.replicas: dict[str, Replica] = {}
         self.policy = policy or load_policy(cfg.policy.type, cfg.policy.args)
         self.prefill_policy = load_policy(cfg.pd.prefill_policy.type, cfg.pd.prefill_policy.args)
-        self.hasher = PrefixHasher(block_chars=cfg.prefix.block_chars)
+        self.tokenizer = pool_tokenizer(cfg)
+        self.hasher = PrefixHasher(
+            block_chars=cfg.prefix.block_chars, count=(self.tokenizer or get_tokenizer()).count
+        )
         # Precise mode matches engine token blocks against the engines' KV events; its index
         # replaces the one learned from text blocks.
         self.precise = (
@@ -71,6 +124,12 @@ class Pool:
         self._text_chars = 0
         self._text_tokens = 0
         self._sized_tokens_per_block = 0.0
+        # The engines' own prompt tokens (usage.prompt_tokens) against the prompt characters the
+        # gateway sent: tokens per character in the engines' units, whatever tokenizer counted.
+        self._usage_chars = 0
+        self._usage_tokens = 0
+        self._usage_samples = 0
+        self.token_scale = 1.0  # engine tokens per counted token, once measured
         # Managed pools know their engine exactly; unmanaged ones by each endpoint's kind.
         self.adapter = adapter_for_spec(cfg.engines) if cfg.engines is not None else None
 
@@ -159,6 +218,11 @@ class Pool:
         salt = body.get("cache_salt")
         pf = self.hasher.features(self.upstream_model, salt if isinstance(salt, str) else None, text, pieces)
         self._learn_token_size(len(text), pf.prompt_tokens)
+        prompt_tokens, block_tokens = pf.prompt_tokens, pf.block_tokens
+        scale = self.token_scale
+        if scale != 1.0:  # the counting tokenizer is not the engines': state sizes in theirs
+            prompt_tokens = round(prompt_tokens * scale)
+            block_tokens = [round(t * scale) for t in block_tokens]
         max_tokens = (
             body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
         )
@@ -167,16 +231,16 @@ class Pool:
             model=self.upstream_model,
             pool=self.name,
             endpoint=endpoint,
-            prompt_tokens=pf.prompt_tokens,
+            prompt_tokens=prompt_tokens,
             max_tokens=max_tokens if isinstance(max_tokens, int) else None,
             block_hashes=pf.block_hashes,
-            block_tokens=pf.block_tokens,
+            block_tokens=block_tokens,
             stream=bool(body.get("stream")),
             headers=headers,
             text=text,
         )
         if self.precise is not None:
-            features.text_block_hashes, features.text_block_tokens = pf.block_hashes, pf.block_tokens
+            features.text_block_hashes, features.text_block_tokens = pf.block_hashes, block_tokens
         return features
 
     def candidates(
@@ -229,10 +293,40 @@ class Pool:
         (self.prefill_policy if role == "prefill" else self.policy).on_routed(features, replica)
 
     def tokens_per_block(self) -> float:
-        """Tokens in one hashed block of prompt text, as measured on this pool's traffic."""
-        if self._text_chars < 4096:
-            return self.cfg.prefix.block_chars / CHARS_PER_TOKEN
-        return self.cfg.prefix.block_chars * self._text_tokens / self._text_chars
+        """Engine tokens in one hashed block of prompt text, as measured on this pool's traffic."""
+        if self._text_chars < MIN_USAGE_CHARS:
+            return self.cfg.prefix.block_chars / CHARS_PER_TOKEN * self.token_scale
+        return self.cfg.prefix.block_chars * self._text_tokens / self._text_chars * self.token_scale
+
+    def observe_usage(self, prompt_chars: int, engine_prompt_tokens: int) -> None:
+        """An engine counted `engine_prompt_tokens` for a prompt of `prompt_chars` characters (its
+        response's usage): once enough are seen, counts are scaled to the engines' tokens."""
+        # An engine is not trusted: a figure no tokenizer could give for that text is dropped.
+        if prompt_chars <= 0 or not 0 < engine_prompt_tokens <= 4 * prompt_chars + 4096:
+            return
+        self._usage_chars += prompt_chars
+        self._usage_tokens += engine_prompt_tokens
+        self._usage_samples += 1
+        if self._usage_chars > 1 << 24:  # forget slowly, so the figure follows the traffic
+            self._usage_chars //= 2
+            self._usage_tokens //= 2
+        if self._usage_samples < MIN_USAGE_SAMPLES or self._usage_chars < MIN_USAGE_CHARS:
+            return
+        if not self._text_tokens:
+            return
+        scale = (self._usage_tokens / self._usage_chars) / (self._text_tokens / self._text_chars)
+        # Within 5%, the counting tokenizer is the engines' (chat templates add a few tokens).
+        scale = 1.0 if abs(scale - 1.0) < 0.05 else scale
+        if scale != self.token_scale:
+            if abs(scale - self.token_scale) > 0.2 * self.token_scale:
+                log.info(
+                    "pool %s: the engines count %.3g tokens per counted token (from their usage): "
+                    "token estimates and index sizes follow",
+                    self.name,
+                    scale,
+                )
+            self.token_scale = scale
+            self._resize_if_moved()
 
     def _learn_token_size(self, chars: int, tokens: int) -> None:
         self._text_chars += chars
@@ -240,6 +334,9 @@ class Pool:
         if self._text_chars > 1 << 24:  # forget slowly, so the figure follows the traffic
             self._text_chars //= 2
             self._text_tokens //= 2
+        self._resize_if_moved()
+
+    def _resize_if_moved(self) -> None:
         sized = self._sized_tokens_per_block
         if sized and abs(self.tokens_per_block() - sized) > 0.2 * sized:
             for replica in self.replicas.values():

@@ -71,6 +71,7 @@ class Runtime:
             self.observers.append(access_log)
         self.variant_stats = VariantStats()
         self.observers.append(self.variant_stats)
+        self.observers.append(self._engine_tokens)
         # Where the settings came from, for reloads (admin API, SIGHUP); set by the server.
         self.config_path: str | None = None
         self.server_overrides: dict[str, Any] = {}
@@ -147,6 +148,12 @@ class Runtime:
                 if capacity_changed:
                     pool.set_kv_capacity(replica)
                 return
+
+    def _engine_tokens(self, record: RequestRecord) -> None:
+        """The engine's own prompt token count teaches its pool the engines' tokens per character."""
+        pool = self.pools.get(record.pool) if record.pool is not None else None
+        if pool is not None and record.engine_prompt_tokens is not None and record.status < 400:
+            pool.observe_usage(record.prompt_chars, record.engine_prompt_tokens)
 
     def observe(self, record: RequestRecord) -> None:
         for observer in self.observers:
