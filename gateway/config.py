@@ -1,18 +1,28 @@
 """All of kvgate's settings: one validated tree, from a YAML file plus `KVGATE_*` overrides.
 
 Environment variables override the file, nested keys joined by `__`
-(`KVGATE_SERVER__PORT=9000`). Validation happens once at start; `load_config` raises
-`ConfigError` whose message is one line naming the bad key and why.
+(`KVGATE_SERVER__PORT=9000`); a list is JSON (`'["a","b"]'`) or comma-separated (`a,b`).
+Validation happens once at start; `load_config` raises `ConfigError` whose message is one line
+naming the bad key and why.
 """
 
 from __future__ import annotations
 
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 
 class ConfigError(Exception):
@@ -385,6 +395,24 @@ class TelemetryConfig(_Strict):
     service_name: str = "kvgate"
 
 
+def _is_list(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_is_list(a) for a in typing.get_args(annotation) if a is not type(None))
+    return typing.get_origin(annotation) is list or annotation is list
+
+
+class _EnvSource(EnvSettingsSource):
+    """`KVGATE_*` variables, where a list may also be written comma-separated (`a,b`)."""
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        try:
+            return super().decode_complex_value(field_name, field, value)
+        except ValueError:
+            if isinstance(value, str) and field is not None and _is_list(field.annotation):
+                return [item.strip() for item in value.split(",") if item.strip()]
+            raise
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid")
 
@@ -411,7 +439,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The environment wins over the file (the file arrives as init kwargs).
-        return (env_settings, init_settings)
+        return (_EnvSource(settings_cls), init_settings)
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Settings:
@@ -465,3 +493,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(_format_error(exc)) from None
+    except SettingsError as exc:  # an environment value that cannot be read at all
+        message = str(exc).splitlines()[0].replace('source "_EnvSource"', "the KVGATE_* environment")
+        raise ConfigError(message) from None
