@@ -53,6 +53,11 @@ class ServerConfig(_Strict):
     access_log: bool = True
     log_json: bool = False
     log_level: str = "info"
+    ready: Literal["any", "all"] | list[str] = Field(
+        "any",
+        description="When /ready answers 200: `any` pool has a healthy replica, `all` pools do, or "
+        "every pool of a list does (never while draining)",
+    )
 
 
 class UpstreamConfig(_Strict):
@@ -451,6 +456,11 @@ class Settings(BaseSettings):
                 for wp in rule.pools:
                     if wp.name not in pool_names:
                         raise ValueError(f"routes.{i}.rules.{j}: unknown pool {wp.name!r}")
+        if isinstance(self.server.ready, list):
+            unknown = [name for name in self.server.ready if name not in pool_names]
+            if unknown or not self.server.ready:
+                what = unknown or "an empty list"
+                raise ValueError(f"server.ready: {what}: expected names of pools {pool_names}")
         classes = {c.name for c in self.scheduler.classes}
         for t in self.tenants:
             if t.max_priority is not None and t.max_priority not in classes:

@@ -168,6 +168,17 @@ class Runtime:
     def ready(self) -> dict[str, bool]:
         return {name: pool.has_healthy() for name, pool in self.pools.items()}
 
+    def is_ready(self, pools: dict[str, bool]) -> bool:
+        """Whether the gateway can serve, by `server.ready` (never while draining)."""
+        rule = self.settings.server.ready
+        if self.draining or not pools:
+            return False
+        if rule == "any":
+            return any(pools.values())
+        if rule == "all":
+            return all(pools.values())
+        return all(pools.get(name, False) for name in rule)
+
     async def start(self) -> None:
         """Start background work; managed replicas join their pools as each becomes ready, so
         the gateway serves (and /ready tells) while slow engines are still loading."""
