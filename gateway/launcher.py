@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import httpx
+import aiohttp
 
 from gateway.config import EngineSpec, Settings
 from gateway.engines import adapter_for_spec
@@ -292,7 +292,7 @@ class FleetLauncher:
         self._stopping = False
         self._stop_event = asyncio.Event()
         self._changed = asyncio.Condition()
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
 
     def command_lines(self) -> list[LaunchPlan]:
         """The launch plan of every replica (ports are chosen, and kept, on the first call)."""
@@ -309,7 +309,7 @@ class FleetLauncher:
             raise RuntimeError("launcher already started")
         plans = self.command_lines()
         # trust_env=False: a proxy from the environment must not sit between us and loopback.
-        self._client = httpx.AsyncClient(timeout=2.0, trust_env=False)
+        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0), trust_env=False)
         for plan in plans:
             replica = _Replica(plan, ReplicaStatus(plan.name))
             self._replicas[plan.name] = replica
@@ -358,7 +358,7 @@ class FleetLauncher:
                 with contextlib.suppress(OSError):  # the engine leaves its socket file behind
                     os.unlink(endpoint.removeprefix("ipc://"))
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
         if self._plans is not None:
             release_ports([p for plan in self._plans for p in plan.ports])
 
@@ -471,9 +471,10 @@ class FleetLauncher:
             if exited.done():
                 return f"exited with code {exited.result()} while starting"
             try:
-                if (await self._client.get(health_url)).status_code == 200:
-                    return None
-            except httpx.HTTPError:
+                async with self._client.get(health_url) as response:
+                    if response.status == 200:
+                        return None
+            except (aiohttp.ClientError, TimeoutError):
                 pass  # not listening yet
             now = time.monotonic()
             if now - started >= self.spec.startup_timeout_s:
