@@ -276,7 +276,7 @@ class PoolConfig(_Strict):
         "tokenizer.json (or a model directory holding one; needs kvgate[tokenizers]), builtin:words or "
         "builtin:cl100k. Unset: a managed pool's --tokenizer flag or local model directory (vllm and "
         "sglang: also the Hugging Face cache), else cl100k counts corrected by the tokens per "
-        "character learned from the engines' usage figures",
+        "character learned from the engines' usage figures (or their prompt token counters)",
     )
     priority_scheduling: bool = Field(
         False,

@@ -129,6 +129,12 @@ class Pool:
         self._usage_chars = 0
         self._usage_tokens = 0
         self._usage_samples = 0
+        # Without usage figures (streams without include_usage), the engines' prompt token counters
+        # (vLLM's /metrics) against the characters routed to each replica since the last scrape.
+        self._chars_routed: dict[str, int] = {}
+        self._counter_seen: dict[str, tuple[float, int]] = {}
+        self._counter_chars = 0
+        self._counter_tokens = 0.0
         self.token_scale = 1.0  # engine tokens per counted token, once measured
         # Managed pools know their engine exactly; unmanaged ones by each endpoint's kind.
         self.adapter = adapter_for_spec(cfg.engines) if cfg.engines is not None else None
@@ -187,6 +193,8 @@ class Pool:
             self.prefix_index.remove_replica(name)
             if self.fallback_index is not None:
                 self.fallback_index.remove_replica(name)
+            self._chars_routed.pop(name, None)
+            self._counter_seen.pop(name, None)
             if self.precise is not None:
                 self.precise.detach(name)
             log.info("pool %s: replica %s removed", self.name, name)
@@ -290,6 +298,7 @@ class Pool:
             policy = self.prefill_policy if role == "prefill" else self.policy
             if policy.uses_prefix_match and not (blocks and self.precise.exact(name, time.monotonic())):
                 self.precise.fallback_decisions[name] += 1
+        self._chars_routed[name] = self._chars_routed.get(name, 0) + len(features.text)
         (self.prefill_policy if role == "prefill" else self.policy).on_routed(features, replica)
 
     def tokens_per_block(self) -> float:
@@ -310,17 +319,45 @@ class Pool:
         if self._usage_chars > 1 << 24:  # forget slowly, so the figure follows the traffic
             self._usage_chars //= 2
             self._usage_tokens //= 2
-        if self._usage_samples < MIN_USAGE_SAMPLES or self._usage_chars < MIN_USAGE_CHARS:
+        self._rescale()
+
+    def observe_prompt_counter(self, replica: str, prompt_tokens_total: float) -> None:
+        """A scrape of a replica's prompt token counter: what it counted since the last scrape,
+        against the prompt characters routed to it meanwhile. Figures are summed over scrapes, so
+        a request counted by the gateway before the engine has prefilled it evens out. Used only
+        while the pool has too few usage figures (those are per request, and no other gateway's
+        traffic can mix in)."""
+        chars = self._chars_routed.get(replica, 0)
+        previous = self._counter_seen.get(replica)
+        self._counter_seen[replica] = (prompt_tokens_total, chars)
+        if previous is None or prompt_tokens_total < previous[0]:  # first sight, or a restart
             return
-        if not self._text_tokens:
+        self._counter_tokens += prompt_tokens_total - previous[0]
+        self._counter_chars += chars - previous[1]
+        if self._counter_chars > 1 << 24:
+            self._counter_chars //= 2
+            self._counter_tokens /= 2
+        self._rescale()
+
+    def _rescale(self) -> None:
+        """Scale counts to the engines' tokens per character: from usage figures when there are
+        enough, else from the engines' counters."""
+        if self._usage_samples >= MIN_USAGE_SAMPLES and self._usage_chars >= MIN_USAGE_CHARS:
+            engine_per_char = self._usage_tokens / self._usage_chars
+        elif self._counter_chars >= 4 * MIN_USAGE_CHARS and self._counter_tokens > 0:
+            engine_per_char = self._counter_tokens / self._counter_chars
+        else:
             return
-        scale = (self._usage_tokens / self._usage_chars) / (self._text_tokens / self._text_chars)
+        # An engine is not trusted: no tokenizer makes more than a token per byte of text.
+        if not self._text_tokens or engine_per_char > 4:
+            return
+        scale = engine_per_char / (self._text_tokens / self._text_chars)
         # Within 5%, the counting tokenizer is the engines' (chat templates add a few tokens).
         scale = 1.0 if abs(scale - 1.0) < 0.05 else scale
         if scale != self.token_scale:
             if abs(scale - self.token_scale) > 0.2 * self.token_scale:
                 log.info(
-                    "pool %s: the engines count %.3g tokens per counted token (from their usage): "
+                    "pool %s: the engines count %.3g tokens per counted token (by their own figures): "
                     "token estimates and index sizes follow",
                     self.name,
                     scale,

@@ -147,6 +147,8 @@ class Runtime:
                 replica.engine = load
                 if capacity_changed:
                     pool.set_kv_capacity(replica)
+                if load.prompt_tokens_total is not None:
+                    pool.observe_prompt_counter(name, load.prompt_tokens_total)
                 return
 
     def _engine_tokens(self, record: RequestRecord) -> None:

@@ -137,3 +137,23 @@ def test_the_simulator_counts_with_the_tokenizer_json_it_is_given(tmp_path: Path
     with sim_process("--tokenizer", str(model)) as url:
         tokens = httpx.post(url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
     assert tokens == WordTokenizer().encode(prompt)
+
+
+async def test_without_usage_figures_the_engines_own_counters_teach_the_pool(gateway) -> None:
+    """Streams without `include_usage` carry no usage: the engines' prompt token counters
+    (vllm:prompt_tokens_total, scraped with their load) against the characters routed to them."""
+    with sim_process("--tokenizer", "builtin:words") as url:
+        pool_cfg = {"policy": {"type": "prefix_affinity"}, "endpoints": [{"url": url, "kind": "sim"}]}
+        gw = await gateway(gateway_settings([url], pool=pool_cfg, scrape={"interval_s": 0.1}))
+        pool = gw.runtime.pools["p"]
+        async with httpx.AsyncClient(timeout=30) as c:
+            for i in range(8):
+                async with c.stream(
+                    "POST",
+                    gw.url + "/v1/chat/completions",
+                    json=chat(numbered_words(f"c{i}", 400), "t5", stream=True),
+                ) as r:
+                    assert r.status_code == 200
+                    await r.aread()
+        await wait_until(lambda: 0.25 < pool.token_scale < 0.45, timeout=10, what="the counters to be read")
+        assert pool._usage_samples == 0

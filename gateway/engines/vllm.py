@@ -42,7 +42,8 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 CACHE_CONFIG = "vllm:cache_config_info"
-_LOAD_SERIES = (RUNNING, WAITING, KV_USAGE, CACHE_CONFIG)
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+_LOAD_SERIES = (RUNNING, WAITING, KV_USAGE, CACHE_CONFIG, PROMPT_TOKENS)
 
 
 class VLLMAdapter(EngineAdapter):
@@ -136,6 +137,8 @@ class VLLMAdapter(EngineAdapter):
                 continue
         if blocks:
             load.num_gpu_blocks = blocks  # data-parallel engines each report their own cache
+        if series[PROMPT_TOKENS]:
+            load.prompt_tokens_total = total(series[PROMPT_TOKENS])
         return load
 
     def engine_priority(self, level: int) -> int:
