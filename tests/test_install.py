@@ -1,7 +1,8 @@
 """`pip install kvgate` runs: the project installed into a fresh virtual environment with its
-runtime dependencies only, by the very script the Docker image runs (docker/install.sh), starts
-`kvgate serve` on its embedded default config (a launched fleet of simulated engines) and
-answers a completion. A runtime import of a dev-only package (httpx was one) fails here.
+runtime dependencies only (and the extras the image installs), by the very script and arguments
+the Docker image runs (docker/install.sh), starts `kvgate serve` on its embedded default config
+(a launched fleet of simulated engines) and answers a completion. A runtime import of a dev-only
+package (httpx was one) fails here.
 
 The runtime dependencies (and the build backend) are fetched once from the package index into a
 wheelhouse kept under ~/.cache/kvgate, keyed by the dependency list; the install then runs with
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -43,10 +45,22 @@ def _run(argv: list[str], env: dict[str, str], cwd: Path, timeout: float = 400) 
     assert out.returncode == 0, f"{argv} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
 
 
-def wheelhouse() -> Path:
-    """Wheels of the runtime dependencies and the build backend, fetched once per dependency list."""
+def image_extras() -> str:
+    """The extras the Docker image installs: the argument of its `install.sh install` line."""
+    found = re.search(r"install\.sh install /wheels ?(\S*)", (REPO / "docker" / "Dockerfile").read_text())
+    assert found, "docker/Dockerfile does not install through docker/install.sh"
+    return found.group(1)
+
+
+def wheelhouse(extras: str) -> Path:
+    """Wheels of the runtime dependencies, the extras' and the build backend, fetched once per list."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    wanted = [*project["project"]["dependencies"], *project["build-system"]["requires"]]
+    optional = project["project"]["optional-dependencies"]
+    wanted = [
+        *project["project"]["dependencies"],
+        *(dep for extra in filter(None, extras.split(",")) for dep in optional[extra]),
+        *project["build-system"]["requires"],
+    ]
     key = hashlib.sha256("\n".join([sys.version, *wanted]).encode()).hexdigest()[:16]
     house = CACHE / f"test-wheelhouse-{key}"
     if (house / ".complete").exists():
@@ -65,7 +79,8 @@ def wheelhouse() -> Path:
 
 @pytest.mark.timeout(600)
 def test_a_fresh_install_with_runtime_dependencies_serves_a_completion(tmp_path: Path) -> None:
-    house = wheelhouse()
+    extras = image_extras()
+    house = wheelhouse(extras)
     venv = tmp_path / "venv"
     # The environment gets no pip of its own (ensurepip takes seconds): `pip` on PATH is this
     # test's, pointed at the new interpreter by PIP_PYTHON (pip's --python).
@@ -85,7 +100,7 @@ def test_a_fresh_install_with_runtime_dependencies_serves_a_completion(tmp_path:
     }
     script = str(REPO / "docker" / "install.sh")
     _run(["sh", script, "wheel", str(REPO), str(tmp_path / "wheels")], env, tmp_path)
-    _run(["sh", script, "install", str(tmp_path / "wheels")], env, tmp_path)
+    _run(["sh", script, "install", str(tmp_path / "wheels"), extras], env, tmp_path)
     # Runtime dependencies only: none of the dev extra came along.
     listed = subprocess.run(["pip", "list"], env=env, capture_output=True, text=True)
     installed = {line.split()[0].lower() for line in listed.stdout.splitlines()[2:]}
