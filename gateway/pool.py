@@ -263,8 +263,12 @@ class Pool:
         # the others (events missing, no publisher, or the prompt could not be tokenized) on
         # the text blocks of the approximate index.
         now = time.monotonic()
-        exact = [r for r in replicas if self.precise.exact(r.name, now)] if features.block_hashes else []
-        fallback = [r for r in replicas if r not in exact] if exact else replicas
+        exact: list[Replica] = []
+        fallback = replicas
+        if features.block_hashes:
+            flags = [self.precise.exact(r.name, now) for r in replicas]
+            exact = [r for r, ok in zip(replicas, flags, strict=True) if ok]
+            fallback = [r for r, ok in zip(replicas, flags, strict=True) if not ok]
         found = _matched(self.prefix_index, features.block_hashes, features.block_tokens, exact)
         found += _matched(
             self.fallback_index, features.text_block_hashes, features.text_block_tokens, fallback
