@@ -339,7 +339,7 @@ class Replica:
     async def read_json(self, request: web.Request) -> dict[str, Any]:
         """The body of a JSON endpoint, refused as vLLM refuses it: another media type, bad JSON, or JSON
         that is not an object."""
-        if request.content_type != "application/json":
+        if request.content_type != "application/json" and not self.sglang:  # SGLang reads any body
             raise V.schema_error([_JSON_ONLY])
         raw = await request.read()
         try:
