@@ -114,6 +114,19 @@ class ApiExtras:
                     len(ids),
                 )
 
+    def _listing(self, prefix: str, model: str, data: list[dict[str, Any]], used: int) -> web.Response:
+        """The list answer of the embeddings, pooling and score endpoints."""
+        return self.r._json(
+            {
+                "id": f"{prefix}-{uuid.uuid4().hex}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": model,
+                "data": data,
+                "usage": P.usage(used),
+            }
+        )
+
     def _priority(self, request: web.Request, value: int) -> int:
         return self.r._priority(request, value)
 
@@ -302,16 +315,7 @@ class ApiExtras:
                 }
                 for i, v in enumerate(vectors)
             ]
-            return self.r._json(
-                {
-                    "id": f"embd-{uuid.uuid4().hex}",
-                    "object": "list",
-                    "created": int(time.time()),
-                    "model": model,
-                    "data": data,
-                    "usage": P.usage(used),
-                }
-            )
+            return self._listing("embd", model, data, used)
 
         return await self._answer(request, work)
 
@@ -323,16 +327,7 @@ class ApiExtras:
                 request, prompts, req.model, req.priority, "embedding generation"
             )
             data = [{"index": i, "object": "pooling", "data": v} for i, v in enumerate(vectors)]
-            return self.r._json(
-                {
-                    "id": f"pool-{uuid.uuid4().hex}",
-                    "object": "list",
-                    "created": int(time.time()),
-                    "model": model,
-                    "data": data,
-                    "usage": P.usage(used),
-                }
-            )
+            return self._listing("pool", model, data, used)
 
         return await self._answer(request, work)
 
@@ -351,16 +346,7 @@ class ApiExtras:
                 {"index": k, "object": "score", "score": P.cosine(a[i], b[j])}
                 for k, (i, j) in enumerate(pairs)
             ]
-            return self.r._json(
-                {
-                    "id": f"score-{uuid.uuid4().hex}",
-                    "object": "list",
-                    "created": int(time.time()),
-                    "model": model,
-                    "data": data,
-                    "usage": P.usage(used),
-                }
-            )
+            return self._listing("score", model, data, used)
 
         return await self._answer(request, work)
 

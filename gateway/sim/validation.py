@@ -318,21 +318,22 @@ def _stream_options(body: dict[str, Any]) -> None:
         raise value_error(body, "Stream options can only be defined when `stream=True`.", "stream_options")
 
 
+def _prompt_logprobs(body: dict[str, Any]) -> None:
+    pl = body.get("prompt_logprobs")
+    if not isinstance(pl, (int, float)):
+        return  # None, or a wrong type left to the field's own error
+    if body.get("stream") and (pl > 0 or pl == -1):
+        raise value_error(body, "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    if pl < 0 and pl != -1:
+        raise value_error(body, "`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs", pl)
+
+
 def _chat_logprobs(body: dict[str, Any]) -> None:
     for name in ("prompt_logprobs", "top_logprobs"):
         v = body.get(name)
         if v is not None and not isinstance(v, (int, float)):
             raise value_error(body, f"`{name}` must be an integer.", name, v)
-    pl = body.get("prompt_logprobs")
-    if pl is not None:
-        if body.get("stream") and (pl > 0 or pl == -1):
-            raise value_error(
-                body, "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
-            )
-        if pl < 0 and pl != -1:
-            raise value_error(
-                body, "`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs", pl
-            )
+    _prompt_logprobs(body)
     tl = body.get("top_logprobs")
     if tl is not None:
         if tl < 0 and tl != -1:
@@ -437,16 +438,8 @@ def check_completion(body: dict[str, Any]) -> CompletionRequest:
     if (prompt is None or prompt == "") and not body.get("prompt_embeds"):
         raise value_error(body, "Either prompt or prompt_embeds must be provided and non-empty.")
     _stream_options(body)
-    pl, lp = body.get("prompt_logprobs"), body.get("logprobs")
-    if isinstance(pl, (int, float)):
-        if body.get("stream") and (pl > 0 or pl == -1):
-            raise value_error(
-                body, "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
-            )
-        if pl < 0 and pl != -1:
-            raise value_error(
-                body, "`prompt_logprobs` must be a positive value or -1.", "prompt_logprobs", pl
-            )
+    _prompt_logprobs(body)
+    lp = body.get("logprobs")
     if isinstance(lp, (int, float)) and lp < 0:
         raise value_error(body, "`logprobs` must be a positive value.", "logprobs", lp)
     return parse(CompletionRequest, body)
