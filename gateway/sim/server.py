@@ -48,6 +48,7 @@ log = logging.getLogger("gateway.sim")
 RING_SIZE = 256
 _ECHO_HEADERS = ("x-request-id", "x-vllm-priority", FAULT_HEADER, "authorization", "traceparent")
 _JSON_ONLY = "Unsupported Media Type: Only 'application/json' is allowed"
+VOCAB_SIZE = 128_256  # Llama 3.1's, the model the default profile simulates (what top_logprobs=-1 asks for)
 
 
 @dataclass
@@ -464,18 +465,13 @@ class Replica:
         if k is None:
             return
         cap = self.serving.max_logprobs
-        asked = self.tokenizer_vocab() if k == -1 else k
+        asked = VOCAB_SIZE if k == -1 else k  # -1: the whole vocabulary
         if cap != -1 and asked > cap:
             raise V.bad_request(
                 f"Requested sample logprobs of {asked}, which is greater than max allowed: {cap}",
                 "logprobs",
                 asked,
             )
-
-    @staticmethod
-    def tokenizer_vocab() -> int:
-        enc = getattr(get_tokenizer(), "_enc", None)
-        return int(getattr(enc, "n_vocab", 100_277))
 
     def _priority(self, request: web.Request, prio_field: int) -> int:
         raw = request.headers.get("x-vllm-priority", prio_field)
