@@ -35,13 +35,15 @@ def chat(system: str, question: str, **extra: object) -> dict[str, object]:
     return {"model": "m", "messages": messages, "max_tokens": 2, **extra}
 
 
-def word_level_tokenizer_json(path: Path) -> Path:
-    """A WordLevel tokenizer.json like the GPU kit's (gpu/build/make_model.py), made with `tokenizers`."""
+@pytest.fixture(scope="module")
+def word_level_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model directory with a WordLevel tokenizer.json like the GPU kit's (gpu/build/make_model.py),
+    made with `tokenizers` once for the module (its 128k-word vocabulary takes a moment)."""
     tokenizers = pytest.importorskip("tokenizers")
     vocab = {f"t{i}": i for i in range(1, 128000)} | {"<unk>": 0}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path_factory.mktemp("llama")
     tok.save(str(path / "tokenizer.json"))
     return path
 
@@ -61,13 +63,13 @@ def test_usage_figures_are_found_without_parsing_and_never_in_generated_text() -
     assert engine_prompt_tokens(b'{"usage":{"prompt_tokens":99999999999999999}}') is None
 
 
-def test_the_word_tokenizers_agree_and_differ_threefold_from_cl100k(tmp_path: Path) -> None:
+def test_the_word_tokenizers_agree_and_differ_threefold_from_cl100k(word_level_model: Path) -> None:
     text = numbered_words("a", 300)
     words = WordTokenizer()
     assert words.count(text) == 300 and words.encode("t5 t127999 t7") == [5, 127999, 7]
-    hf = load_tokenizer(str(word_level_tokenizer_json(tmp_path / "model")))
+    hf = load_tokenizer(str(word_level_model))
     assert hf.encode(text) == words.encode(text)
-    assert model_tokenizer(str(tmp_path / "model")) == tmp_path / "model" / "tokenizer.json"
+    assert model_tokenizer(str(word_level_model)) == word_level_model / "tokenizer.json"
     assert 2.5 < get_tokenizer().count(text) / 300 < 3.5  # what the H200 run saw
 
 
@@ -113,8 +115,8 @@ async def test_usage_figures_teach_the_pool_the_engines_tokens(gateway) -> None:
         )
 
 
-def test_a_pool_counts_with_the_tokenizer_it_is_given(tmp_path: Path) -> None:
-    model = word_level_tokenizer_json(tmp_path / "llama")
+def test_a_pool_counts_with_the_tokenizer_it_is_given(word_level_model: Path) -> None:
+    model = word_level_model
     text = numbered_words("given", 700)
     body = {"model": "m", "prompt": text}
     for pool_cfg in (
@@ -131,8 +133,8 @@ def test_a_pool_counts_with_the_tokenizer_it_is_given(tmp_path: Path) -> None:
         assert abs(sum(features.block_tokens) - 700) <= 12  # blocks cut at word starts
 
 
-def test_the_simulator_counts_with_the_tokenizer_json_it_is_given(tmp_path: Path) -> None:
-    model = word_level_tokenizer_json(tmp_path / "llama")
+def test_the_simulator_counts_with_the_tokenizer_json_it_is_given(word_level_model: Path) -> None:
+    model = word_level_model
     prompt = numbered_words("sim", 50)
     with sim_process("--tokenizer", str(model)) as url:
         tokens = httpx.post(url + "/tokenize", json={"prompt": prompt}).json()["tokens"]
