@@ -21,6 +21,7 @@ from gateway.config import ConfigError, EndpointConfig, Settings, load_config
 from gateway.errors import GatewayError
 from gateway.logs import clip
 from gateway.pool import Pool
+from gateway.preflight import preflight
 from gateway.replica import Replica
 from gateway.request_body import parse_json_body
 from gateway.rollout import Router
@@ -125,6 +126,7 @@ async def reload_config(runtime: Runtime, who: str) -> dict[str, Any]:
         raise ReloadRejected("the gateway was not started from a config file")
     try:
         new = load_config(runtime.config_path)
+        preflight(new)
     except ConfigError as exc:
         raise ReloadRejected(f"invalid config: {exc}") from None
     if runtime.server_overrides:  # what the command line set wins over the file, as at start

@@ -103,5 +103,3 @@ def configure_logging(level: str = "info", json: bool = False) -> None:
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, MalformedRequests) for f in server_log.filters):
         server_log.addFilter(MalformedRequests())
-    # httpx logs every control-plane call (health, metrics scrapes) at info: noise, several a second.
-    logging.getLogger("httpx").setLevel(logging.WARNING)

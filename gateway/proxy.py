@@ -38,6 +38,7 @@ from gateway.sanitize import (
     upstream_headers,
 )
 from gateway.stream_end import StreamEnd
+from gateway.tokens import engine_prompt_tokens
 from gateway.tracing import NOOP
 from gateway.upstream import UpstreamError
 
@@ -67,6 +68,9 @@ _DROP_RESPONSE = frozenset(
         "x-kvgate-pool",
     }
 )
+
+
+_USAGE = b'"prompt_tokens":'
 
 
 def sse_error_event(message: str, code: str) -> bytes:
@@ -173,6 +177,7 @@ class Proxy:
         out = orjson.dumps(body) if changed else raw
         rec.stream = features.stream
         rec.prompt_tokens = features.prompt_tokens
+        rec.prompt_chars = len(features.text)
         rec.priority_class = features.priority_class
         queued_at = time.perf_counter()
         with tr.span("queue", {"kvgate.priority_class": features.priority_class}) if tr else NOOP:
@@ -360,6 +365,7 @@ class Proxy:
             finally:
                 resp.release()
             rec.first_byte_at = time.perf_counter()
+            rec.engine_prompt_tokens = engine_prompt_tokens(raw)
             return web.Response(status=resp.status, body=raw, headers=headers)
         return await self._relay_stream(request, resp, headers, rec)
 
@@ -379,6 +385,8 @@ class Proxy:
                 async for chunk in self.rt.upstream.chunks(resp):
                     if rec.first_byte_at is None:
                         rec.first_byte_at = time.perf_counter()
+                    if _USAGE in chunk:  # a substring test per chunk; only a usage chunk is read
+                        rec.engine_prompt_tokens = engine_prompt_tokens(chunk) or rec.engine_prompt_tokens
                     await out.write(chunk)
                     end.feed(chunk)
             except UpstreamError as exc:

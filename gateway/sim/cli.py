@@ -4,6 +4,11 @@ Every `vllm serve` flag the simulator models is accepted under vLLM's name (and 
 `--api sglang`); any other flag is accepted with a warning, so real launcher command lines run unchanged.
 Simulator-only flags: --profile, --speedup, --max-waiting, --replicas, --startup-delay, --api, --fault-*,
 --crash-after, --default-max-tokens, --kv-lease-timeout.
+
+`--tokenizer` is vLLM's flag: a tokenizer.json or a model directory holding one (as vLLM, the model's
+own directory is used when `--model` is one), or, simulator-only, `builtin:words` (one token per word,
+the GPU kit's tokenizer) or `builtin:cl100k` (the default). Every count, the KV cache's blocks and
+`/tokenize` are then in that tokenizer's tokens.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from gateway.sim.engine import EngineConfig
 from gateway.sim.faults import FaultConfig
 from gateway.sim.kv_events import parse_kv_events_config
 from gateway.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 from gateway.sim.server import Replica, ReplicaOptions, serve
+from gateway.sim.serving_flags import add_serving_flags, serving_options
+from gateway.tokens import TokenizerError, load_tokenizer, use_tokenizer
 
 log = logging.getLogger("gateway.sim")
 
@@ -31,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", "--model-path", dest="model")
     p.add_argument("--served-model-name", nargs="+")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json, its directory, or builtin:words|cl100k")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="first replica's port (0: pick free ports)")
     p.add_argument("--kv-cache-dtype", default="auto")
@@ -51,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", "--tp-size", type=int, default=None)
     p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default=None)
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=None)
+    add_serving_flags(p)  # tool calling, logprobs, LoRA, pooling (gateway.sim.serving_flags)
     sim = p.add_argument_group("simulator")
     sim.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     sim.add_argument("--speedup", type=float, default=1.0, help="simulated seconds per wall second")
@@ -102,6 +112,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
         mode = "prefill" if kv_role == "kv_producer" else "decode"
     if sglang and mode is None and args.disaggregation_bootstrap_port is not None:
         mode = "prefill"
+    serving = serving_options(args)
     out = []
     for i in range(args.replicas):
         engine = EngineConfig(
@@ -122,6 +133,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
             else "fcfs",
             higher_priority_first=sglang,
             kv_lease_timeout_s=args.kv_lease_timeout,
+            lora=serving.lora if serving.lora.enabled else None,
         )
         boot = args.disaggregation_bootstrap_port if mode == "prefill" else None
         if boot is None and mode == "prefill":
@@ -152,9 +164,22 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
                 default_max_tokens=args.default_max_tokens,
                 index=i,
                 single_process_replica=args.replicas == 1,
+                serving=serving,
             )
         )
     return out
+
+
+def select_tokenizer(args: argparse.Namespace) -> None:
+    """Count in `--tokenizer`'s tokens (or the model directory's, as vLLM does) in this process."""
+    spec = args.tokenizer
+    model = args.model or args.model_pos
+    if spec is None and model and (Path(model) / "tokenizer.json").is_file():
+        spec = model
+    if spec is not None:
+        tokenizer = load_tokenizer(spec)
+        use_tokenizer(tokenizer)
+        log.info("tokenizer %s", tokenizer.name)
 
 
 async def _run(opts: list[ReplicaOptions]) -> None:
@@ -173,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger().setLevel(args.log_level.upper())
     try:
+        select_tokenizer(args)
         opts = replica_options(args)
         for o in opts[:1]:
             log.info(
@@ -183,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 o.speedup,
                 o.api,
             )
-    except (ValueError, json.JSONDecodeError) as exc:
+    except (ValueError, json.JSONDecodeError, TokenizerError) as exc:
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
     try:
