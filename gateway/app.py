@@ -9,8 +9,10 @@ import orjson
 from aiohttp import web
 
 from gateway.admin import register_admin
+from gateway.conn_guard import GuardedConnection
 from gateway.dashboard import Dashboard
 from gateway.errors import GatewayError, error_body
+from gateway.logs import clip
 from gateway.proxy import ENDPOINTS, Proxy
 from gateway.runtime import Runtime
 
@@ -27,6 +29,20 @@ def _json(data: object, status: int = 200, headers: dict[str, str] | None = None
 
 
 @web.middleware
+async def connection_state(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Tell the connection guard when a connection is serving a request and when it is idle."""
+    transport = request.transport
+    conn = transport.get_protocol() if transport is not None else None
+    if not isinstance(conn, GuardedConnection):
+        return await handler(request)
+    conn.guard.request_started(conn)
+    try:
+        return await handler(request)
+    finally:
+        conn.guard.request_finished(conn)
+
+
+@web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Whatever goes wrong, the client gets the OpenAI error form, never a traceback."""
     try:
@@ -39,7 +55,7 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         if exc.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
-        message = f"{request.method} {request.path}: {exc.reason}"
+        message = f"{request.method} {clip(request.path)}: {exc.reason}"
         return web.Response(
             status=exc.status,
             body=error_body(message, "invalid_request_error", code),
@@ -91,7 +107,9 @@ async def ready_model(request: web.Request) -> web.Response:
 
 
 def build_app(runtime: Runtime) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=runtime.settings.server.max_body_bytes)
+    app = web.Application(
+        middlewares=[connection_state, openai_errors], client_max_size=runtime.settings.server.max_body_bytes
+    )
     app[RUNTIME] = runtime
     proxy = Proxy(runtime)
     for path in ENDPOINTS:

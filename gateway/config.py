@@ -49,13 +49,28 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     api_keys: list[str] = Field(default_factory=list, description="Client keys; empty = no auth")
     admin_key: str | None = Field(None, description="Key for /admin routes; unset = admin disabled")
-    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="After decompression")
+    max_json_depth: int = Field(
+        64, ge=2, le=200, description="Deepest nesting of arrays and objects a request body may have"
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="Longest pause while a client sends its body")
+    offload_body_bytes: int = Field(
+        128 * 1024, ge=0, description="Larger bodies are canonicalized and hashed in a worker thread"
+    )
     grace_period_s: float = Field(30.0, ge=0)
     shutdown_delay_s: float = Field(
         0.0,
         ge=0,
         description="On SIGTERM, fail /ready and keep serving this long before closing the listener, so a "
         "load balancer (a Kubernetes Service) stops sending first; grace_period_s starts after it",
+    )
+    header_timeout_s: float = Field(10.0, gt=0, description="A new connection's first request head")
+    keepalive_timeout_s: float = Field(75.0, gt=0, description="An idle connection between requests")
+    max_connections: int = Field(
+        10_000, gt=0, description="Client connections; lowered at start if file descriptors cannot cover it"
+    )
+    reserved_connections: int = Field(
+        32, ge=0, description="Beyond max_connections: answered for /health, /ready and /live only"
     )
     access_log: bool = True
     log_json: bool = False
@@ -297,6 +312,12 @@ class PrefixConfig(_Strict):
     )
     default_blocks_per_replica: int = Field(65536, gt=0)
     speculative_ttl_s: float = Field(2.0, gt=0)
+    max_learn_blocks: int = Field(
+        8192,
+        gt=0,
+        description="Leading blocks of one prompt the index learns (about 130k tokens): a longer prompt "
+        "is routed by its head, and learning all of it would hold the event loop",
+    )
     mode: Literal["approximate", "precise"] = Field(
         "approximate",
         description="approximate: text blocks learned from routing decisions; precise: the engine's "
@@ -311,6 +332,17 @@ class PrefixConfig(_Strict):
         description="Precise mode: a replica whose KV events have not come this long after a request "
         "was routed to it is reported (metric, warning, dashboard) and routed by the approximate index "
         "until they come again",
+    )
+
+
+class ClientPassthrough(_Strict):
+    """Engine-steering input a pool's clients may send through (see gateway/sanitize.py)."""
+
+    body_fields: list[str] = Field(
+        default_factory=list, description="e.g. kv_transfer_params, for engines that take it from clients"
+    )
+    headers: list[str] = Field(
+        default_factory=list, description="e.g. x-sim-fault, for fault-injection tests against the simulator"
     )
 
 
@@ -341,6 +373,7 @@ class PoolConfig(_Strict):
         "sglang: also the Hugging Face cache), else cl100k counts corrected by the tokens per "
         "character learned from the engines' usage figures (or their prompt token counters)",
     )
+    client_passthrough: ClientPassthrough = Field(default_factory=ClientPassthrough)
     priority_scheduling: bool = Field(
         False,
         description="The (unmanaged) endpoints run priority scheduling: forward each request's priority "

@@ -106,6 +106,9 @@ class Pool:
         self.hasher = PrefixHasher(
             block_chars=cfg.prefix.block_chars, count=(self.tokenizer or get_tokenizer()).count
         )
+        # What clients may send engines that engines would act on (see gateway/sanitize.py).
+        self.passthrough_fields = frozenset(cfg.client_passthrough.body_fields)
+        self.passthrough_headers = frozenset(h.lower() for h in cfg.client_passthrough.headers)
         # Precise mode matches engine token blocks against the engines' KV events; its index
         # replaces the one learned from text blocks.
         self.precise = (
@@ -220,12 +223,17 @@ class Pool:
         endpoint: str,
         request_id: str,
         headers: Mapping[str, str],
+        hasher: PrefixHasher | None = None,
     ) -> RequestFeatures:
+        """The request's routing features. With a `hasher` of its own (work done off the event
+        loop) nothing of the pool changes: the caller reports the size with `learn_token_size`."""
         pieces = prompt_pieces(body, endpoint)
         text = "".join(pieces)
         salt = body.get("cache_salt")
-        pf = self.hasher.features(self.upstream_model, salt if isinstance(salt, str) else None, text, pieces)
-        self._learn_token_size(len(text), pf.prompt_tokens)
+        salt = salt if isinstance(salt, str) else None
+        pf = (hasher or self.hasher).features(self.upstream_model, salt, text, pieces)
+        if hasher is None:
+            self.learn_token_size(len(text), pf.prompt_tokens)
         prompt_tokens, block_tokens = pf.prompt_tokens, pf.block_tokens
         scale = self.token_scale
         if scale != 1.0:  # the counting tokenizer is not the engines': state sizes in theirs
@@ -286,11 +294,13 @@ class Pool:
     def learn(self, features: RequestFeatures, replica: Replica, role: str = "decode") -> None:
         """The request went to `replica`: it will hold the prompt's blocks once prefilled."""
         name = replica.name
+        # A prompt longer than this is learned by its head: all of it would hold the event loop.
+        limit = self.cfg.prefix.max_learn_blocks
         if self.precise is None or self.fallback_index is None:
             if features.block_hashes:
-                self.prefix_index.record(name, features.block_hashes)
+                self.prefix_index.record(name, features.block_hashes[:limit])
         else:
-            blocks = features.block_hashes
+            blocks = features.block_hashes[:limit]
             if blocks:
                 # New blocks for the engine to store: its events owe us a BlockStored.
                 if self.prefix_index.match(blocks, [name])[name] < len(blocks):
@@ -298,7 +308,7 @@ class Pool:
                 # The engine's events confirm; until then the decision is a guess.
                 self.prefix_index.record(name, blocks, speculative=True)
             if features.text_block_hashes:
-                self.fallback_index.record(name, features.text_block_hashes)
+                self.fallback_index.record(name, features.text_block_hashes[:limit])
             policy = self.prefill_policy if role == "prefill" else self.policy
             if policy.uses_prefix_match and not (blocks and self.precise.exact(name, time.monotonic())):
                 self.precise.fallback_decisions[name] += 1
@@ -369,7 +379,7 @@ class Pool:
             self.token_scale = scale
             self._resize_if_moved()
 
-    def _learn_token_size(self, chars: int, tokens: int) -> None:
+    def learn_token_size(self, chars: int, tokens: int) -> None:
         self._text_chars += chars
         self._text_tokens += tokens
         if self._text_chars > 1 << 24:  # forget slowly, so the figure follows the traffic

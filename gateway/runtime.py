@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gateway.access_log import access_log
 from gateway.auth import Auth
 from gateway.config import EndpointConfig, KVEventsSource, Settings
+from gateway.conn_guard import ConnectionGuard
 from gateway.discovery import make_discovery
 from gateway.engine_load import EngineLoad
 from gateway.engines.base import KV_EVENTS_TOPIC
@@ -61,12 +63,16 @@ class Runtime:
         ]
         self.router = Router(settings.routes, {p.name: p.model for p in self.pools.values()})
         self.upstream = Upstream(settings.upstream)
+        # Large prompts are prepared here, off the event loop; one thread, so that the loop
+        # competes with at most one other holder of the GIL.
+        self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-prepare")
         # Rate limits are charged through the state backend (created last: it wraps the pools'
         # indexes), so with Redis they hold across every gateway instance.
         self.scheduler = Scheduler(settings.scheduler, settings.tenants, take=lambda c: self.state.take(c))
         self.retry_budget = RetryBudget(settings.retry.budget_ratio)
         self.health = HealthChecker(settings.health, self.all_replicas)
         self.draining = False
+        self.connections: ConnectionGuard | None = None  # set by the server once it listens
         self.observers: list[Observer] = []
         self.tracing = Tracing.from_config(settings.telemetry)  # None when off: the proxy's only cost
         self.metrics = GatewayMetrics(self) if settings.telemetry.metrics else None
@@ -214,5 +220,6 @@ class Runtime:
             if pool.precise is not None:
                 pool.precise.close()
         await self.upstream.close()
+        self.workers.shutdown(wait=False, cancel_futures=True)
         if self.tracing is not None:
             await self.tracing.shutdown()

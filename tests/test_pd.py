@@ -13,6 +13,8 @@ from tests.simfleet import seen, sim_process
 LONG = "Summarize the following text. " + "The quick brown fox jumps over the lazy dog. " * 80
 PRODUCER = ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"}))
 CONSUMER = ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}))
+# What a client could send to make a decode engine pull KV from a host of its choosing.
+EVIL_KV = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1, "remote_block_ids": [1]}
 
 
 def pd_settings(prefill: str, decode: str, kind: str = "vllm", **pool: object):
@@ -33,6 +35,8 @@ async def test_vllm_relay_carries_prefill_kv_params_verbatim_and_keeps_streaming
             max_tokens=8,
             stream=True,
             stream_options={"include_usage": True},
+            # A client's own transfer target is never an engine's: the gateway's replaces it.
+            extra_body={"kv_transfer_params": EVIL_KV, "bootstrap_host": "10.9.9.9"},
         )
         chunks = [c async for c in stream]
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
@@ -45,7 +49,9 @@ async def test_vllm_relay_carries_prefill_kv_params_verbatim_and_keeps_streaming
     ktp = d_leg["kv_transfer_params"]
     assert d_leg["body"]["stream"] is True and d_leg["body"]["max_tokens"] == 8
     assert ktp["do_remote_prefill"] is True and ktp["remote_block_ids"]
-    assert ktp["remote_port"] == int(prefill.rsplit(":", 1)[1])
+    assert ktp["remote_port"] == int(prefill.rsplit(":", 1)[1]) and ktp["remote_host"] != "10.9.9.9"
+    assert p_leg["kv_transfer_params"]["remote_host"] is None
+    assert "bootstrap_host" not in d_leg["body"] and "bootstrap_host" not in p_leg["body"]
     assert p_leg["headers"]["x-request-id"] == d_leg["headers"]["x-request-id"]
 
 
@@ -53,9 +59,12 @@ async def test_short_prompt_is_not_disaggregated(gateway):
     with sim_process(*PRODUCER) as prefill, sim_process(*CONSUMER) as decode:
         gw = await gateway(pd_settings(prefill, decode))
         async with httpx.AsyncClient() as c:
-            r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2, "kv_transfer_params": EVIL_KV}
+            r = await c.post(gw.url + "/v1/completions", json=body)
         assert r.status_code == 200
-        assert await seen(prefill) == [] and len(await seen(decode)) == 1
+        assert await seen(prefill) == []
+        (d_leg,) = await seen(decode)
+    assert d_leg["kv_transfer_params"] is None  # the client's was removed, and no hand-off happened
 
 
 async def test_prefill_5xx_falls_back_to_decode_only(gateway):

@@ -43,7 +43,7 @@ async def test_body_forwarded_byte_for_byte_with_unknown_fields(upstreams, gatew
     gw = await gateway(gateway_settings([up.url]))
     raw = (
         b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "user": "u-7", "priority": -3,'
-        b' "cache_salt": "s1", "kv_transfer_params": {"a": [1, 2]}, "vendor_extension": {"deep": null}}'
+        b' "cache_salt": "s1", "vendor_extension": {"deep": null, "kv": [1, 2]}}'
     )
     async with httpx.AsyncClient() as c:
         r = await c.post(
@@ -53,17 +53,23 @@ async def test_body_forwarded_byte_for_byte_with_unknown_fields(upstreams, gatew
     assert up.state.seen[0].raw == raw
 
 
-async def test_request_id_propagated_or_generated(upstreams, gateway):
+async def test_request_id_echoed_to_the_client_engines_get_the_gateways_own(upstreams, gateway):
     (up,) = await upstreams(1)
     gw = await gateway(gateway_settings([up.url]))
     body = {"model": "m", "prompt": "p"}
     async with httpx.AsyncClient() as c:
         r1 = await c.post(gw.url + "/v1/completions", json=body, headers={"x-request-id": "abc-123"})
-        r2 = await c.post(gw.url + "/v1/completions", json=body)
-    assert r1.headers["x-request-id"] == "abc-123"
-    assert up.state.seen[0].headers["X-Request-Id"] == "abc-123"
-    generated = r2.headers["x-request-id"]
-    assert len(generated) >= 16 and generated == up.state.seen[1].headers["X-Request-Id"]
+        r2 = await c.post(gw.url + "/v1/completions", json=body, headers={"x-request-id": "abc-123"})
+        r3 = await c.post(gw.url + "/v1/completions", json=body)
+        # An id unfit for logs (control characters, or too long) is not used at all.
+        r4 = await c.post(gw.url + "/v1/completions", json=body, headers={"x-request-id": "x" * 200})
+    assert r1.headers["x-request-id"] == r2.headers["x-request-id"] == "abc-123"
+    engine_ids = [s.headers.getall("X-Request-Id") for s in up.state.seen]
+    assert all(len(ids) == 1 and len(ids[0]) == 32 for ids in engine_ids)
+    # Two requests with one client id are still two requests to the engine.
+    assert len({ids[0] for ids in engine_ids}) == 4
+    assert r3.headers["x-request-id"] == engine_ids[2][0]
+    assert r4.headers["x-request-id"] == engine_ids[3][0]
     assert r1.headers["x-kvgate-replica"] == "r0" and r1.headers["x-kvgate-pool"] == "p"
 
 

@@ -3,7 +3,8 @@
 It records what arrives (path, headers, parsed body) and behaves as the request's
 `x-test-mode` header asks: `status:503`, `stall:SECONDS` (before headers), `midstream:N`
 (N SSE chunks, then the connection is cut), `hang-stream` (one chunk, then waits until the
-client leaves), `sglang-error` (SGLang's flat error form with 400), default: answer normally.
+client leaves), `linger:SECONDS` (the whole stream through `data: [DONE]`, then SECONDS before
+it ends), `sglang-error` (SGLang's flat error form with 400), default: answer normally.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ def build_upstream(state: UpstreamState, chunks: int = 5) -> web.Application:
             for i in range(chunks):
                 await resp.write(_chunk(body, request.path, i))
             await resp.write(b"data: [DONE]\n\n")
+            if kind == "linger":
+                await asyncio.sleep(float(arg))
             await resp.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
             state.disconnects.append(time.monotonic())
