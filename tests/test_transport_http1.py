@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 from aiohttp import web
-
 from gateway.http1 import ConnectError, ConnectionPool, ProtocolError
+
 from tests.conftest import free_port
 
 
