@@ -25,6 +25,7 @@ body's `prompt`), then answered as `mode` says. Modes, one per misbehaviour:
   poison-500           a well-formed 500 when the prompt contains `boom` (a request that crashes generation)
   status-503           a well-formed 503
   stale-on-reuse       answers a connection's first request, closes on its second without a byte
+  close-after-answer   answers (keep-alive, as far as the headers say), then closes at once
   http10               HTTP/1.0, the body delimited by closing the connection
   canary               a rotation of the above that never loses a request for good
 """
@@ -324,6 +325,12 @@ async def _stale(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> boo
     return await _ok(srv, d, r, w)
 
 
+@mode("close-after-answer")
+async def _close_after(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    await _ok(srv, d, r, w)
+    return False
+
+
 @mode("http10")
 async def _http10(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
     w.write(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + completion(d.marker))
@@ -370,9 +377,13 @@ class HostileUpstream:
         """Close the port and every connection (the port refuses until `start` again)."""
         if self._server is not None:
             self._server.close()
+            held = self.release.is_set()
+            self.release.set()  # held answers go out into closed connections
             for writer in self._handlers.values():
                 writer.transport.abort()
             await asyncio.gather(*self._handlers, return_exceptions=True)
+            if not held:
+                self.release.clear()
             await self._server.wait_closed()
             self._server = None
 

@@ -6,8 +6,8 @@ Two things are added: a connection that received bytes while idle (an answer nob
 for, parsed and queued by aiohttp) or has bytes waiting in the kernel is closed rather than
 reused (`_CleanConnector`), and nothing is decoded or added behind the gateway's back
 (no automatic Accept-Encoding, User-Agent or decompression, no cookies, no proxies from the
-environment). It makes no silent resend: it cannot tell a stale connection from an engine
-that closed without answering, so that costs a retry instead.
+environment). A request that fails on a reused connection before any answer is resent once,
+as by the http1 transport, when the caller allows it: aiohttp itself never resends a POST.
 """
 
 from __future__ import annotations
@@ -50,6 +50,19 @@ class _CleanConnector(aiohttp.TCPConnector):
         return None
 
 
+class _Attempt:
+    """Whether aiohttp took a pooled connection for this try (told through its trace hooks)."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _mark_reused(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+    ctx.trace_request_ctx.reused = True
+
+
 def _body_error(exc: BaseException) -> TransportError:
     if isinstance(exc, aiohttp.ClientPayloadError) and "not completed" not in str(exc):
         return ProtocolError(f"malformed response body from the engine: {exc}")
@@ -59,9 +72,9 @@ def _body_error(exc: BaseException) -> TransportError:
 class AiohttpResponse:
     __slots__ = ("_resp", "_slot", "headers", "sent", "status")
 
-    def __init__(self, resp: aiohttp.ClientResponse, slot: Slot) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, slot: Slot, sent: int) -> None:
         self.status = resp.status
-        self.sent = 1
+        self.sent = sent
         self.headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in resp.raw_headers]
         self._resp = resp
         self._slot = slot
@@ -101,8 +114,11 @@ class AiohttpTransport:
                 limit_per_host=cfg.max_connections,
                 ssl=client_tls_context(cfg.tls.verify, cfg.tls.ca_file),
             )
+            reuse = aiohttp.TraceConfig()
+            reuse.on_connection_reuseconn.append(_mark_reused)
             self._session = aiohttp.ClientSession(
                 connector=connector,
+                trace_configs=[reuse],
                 auto_decompress=False,
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
                 cookie_jar=aiohttp.DummyCookieJar(),
@@ -125,26 +141,48 @@ class AiohttpTransport:
         resend: bool,
     ) -> AiohttpResponse:
         header_block(headers)  # the same refusals as the http1 transport
-        where = target.host_header
+        sent = 1
+        try:
+            resp = await self._send(method, target, body, headers, sent)
+        except DisconnectedError as exc:
+            if not (resend and exc.stale):
+                raise
+            sent = 2  # once more; the connector hands out only connections that passed its checks
+            resp = await self._send(method, target, body, headers, sent)
+        return AiohttpResponse(resp, slot, sent)
+
+    async def _send(
+        self, method: str, target: Target, body: bytes, headers: Mapping[str, str], sent: int
+    ) -> aiohttp.ClientResponse:
+        attempt = _Attempt()
         try:
             resp = await self._client().request(
-                method, target.url, data=body, headers=dict(headers), allow_redirects=False
+                method,
+                target.url,
+                data=body,
+                headers=dict(headers),
+                allow_redirects=False,
+                trace_request_ctx=attempt,
             )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
-            raise ConnectError(f"cannot connect to {where}: {describe(exc)}") from None
+            raise ConnectError(
+                f"cannot connect to {target.host_header}: {describe(exc)}", sent=sent - 1
+            ) from None
         except aiohttp.ClientResponseError as exc:
-            raise ProtocolError(f"malformed response from the engine: {exc.message}", sent=1) from None
+            raise ProtocolError(f"malformed response from the engine: {exc.message}", sent=sent) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise DisconnectedError(
-                f"engine closed the connection before answering ({describe(exc)})", sent=1
+                f"engine closed the connection before answering ({describe(exc)})",
+                sent=sent,
+                stale=attempt.reused,
             ) from None
         if not 200 <= resp.status <= 599:  # 101: nothing here asked to switch protocols
             resp.close()
-            raise ProtocolError(f"engine answered with status {resp.status}", sent=1)
+            raise ProtocolError(f"engine answered with status {resp.status}", sent=sent)
         if not all(valid_response_header(k, v) for k, v in resp.raw_headers):
             resp.close()
-            raise ProtocolError("malformed response from the engine: invalid header bytes", sent=1)
-        return AiohttpResponse(resp, slot)
+            raise ProtocolError("malformed response from the engine: invalid header bytes", sent=sent)
+        return resp
 
     async def close(self) -> None:
         if self._session is not None:

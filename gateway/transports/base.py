@@ -86,12 +86,14 @@ class Target:
         return f"{self.scheme}://{self.host_header}{self.path}"
 
 
-_PATH = re.compile(r"/[\x21-\x7e]*")
+_VISIBLE = re.compile(r"[\x21-\x7e]+")
 
 
 @lru_cache(maxsize=4096)
 def parse_target(url: str) -> Target:
     """An engine URL as the transports use it; ValueError for what no transport can send to."""
+    if not _VISIBLE.fullmatch(url):  # urlsplit would silently drop a CR or LF
+        raise ValueError(f"engine URL has spaces or control characters: {url!r}")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         raise ValueError(f"engine URLs are http:// or https://, not {parts.scheme!r}: {url}")
@@ -99,8 +101,6 @@ def parse_target(url: str) -> Target:
         raise ValueError(f"engine URL without a host: {url}")
     port = parts.port or (443 if parts.scheme == "https" else 80)  # ValueError when out of range
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    if not _PATH.fullmatch(path):
-        raise ValueError(f"engine URL path has spaces or control characters: {url!r}")
     return Target(parts.scheme, parts.hostname, port, path)
 
 
@@ -116,9 +116,11 @@ def header_block(headers: Mapping[str, str]) -> str:
     """`Name: value\\r\\n` lines, refusing any header that would change the request's framing
     (CR/LF or other control characters, a transport-owned name, characters not in Latin-1)."""
     block = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
-    if _BLOCK.fullmatch(block) is None:
+    # A value's own CR LF could pass for a line of the block: hence the count.
+    if _BLOCK.fullmatch(block) is None or block.count("\n") != len(headers):
         for k, v in headers.items():
-            if _BLOCK.fullmatch(f"{k}: {v}\r\n") is None:
+            line = f"{k}: {v}\r\n"
+            if _BLOCK.fullmatch(line) is None or line.count("\n") != 1:
                 raise InvalidHeaderError(f"request header {k[:64]!r} cannot be forwarded to the engine")
     return block
 
