@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,8 +41,10 @@ class LoadScraper:
         interval_s: float = 0.5,
         timeout_s: float | None = None,
         on_update: LoadCallback | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.interval_s = interval_s
+        self._tls = tls  # the upstream TLS settings, when they are not the defaults
         # Shorter than the interval: a figure that arrives late is already out of date.
         self.timeout_s = timeout_s if timeout_s is not None else min(1.0, max(0.1, interval_s * 0.8))
         self.on_update = on_update
@@ -50,8 +53,10 @@ class LoadScraper:
         self._client: httpx.AsyncClient | None = None
 
     @classmethod
-    def from_config(cls, config: ScrapeConfig, on_update: LoadCallback | None = None) -> LoadScraper:
-        return cls(interval_s=config.interval_s, on_update=on_update)
+    def from_config(
+        cls, config: ScrapeConfig, on_update: LoadCallback | None = None, tls: ssl.SSLContext | None = None
+    ) -> LoadScraper:
+        return cls(interval_s=config.interval_s, on_update=on_update, tls=tls)
 
     def add(self, name: str, url: str, adapter: EngineAdapter) -> None:
         """Scrape a replica (again, if it was known: a restarted replica keeps its old figure
@@ -76,7 +81,10 @@ class LoadScraper:
         if self._client is not None:
             return
         self._client = httpx.AsyncClient(
-            timeout=self.timeout_s, trust_env=False, limits=httpx.Limits(max_keepalive_connections=256)
+            timeout=self.timeout_s,
+            trust_env=False,
+            limits=httpx.Limits(max_keepalive_connections=256),
+            verify=self._tls if self._tls is not None else True,
         )
         for name, target in self._targets.items():
             target.task = asyncio.create_task(self._poll(name, target), name=f"scrape {name}")

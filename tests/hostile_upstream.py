@@ -351,6 +351,7 @@ class HostileUpstream:
     tls: ssl.SSLContext | None = None
     port: int = 0  # 0: an ephemeral port; set it to come back on the same one after `stop`
     deliveries: list[Delivery] = field(default_factory=list)
+    gets: list[str] = field(default_factory=list)  # paths of GETs (health checks, load scrapes)
     connections: int = 0
     held: int = 0
     release: asyncio.Event = field(default_factory=asyncio.Event)
@@ -398,6 +399,7 @@ class HostileUpstream:
             while (request := await _read_request(reader)) is not None:
                 method, path, headers, body = request
                 if method == "GET":  # health checks, metrics scrapes: always fine, never a delivery
+                    self.gets.append(path)
                     writer.write(response(200, b"{}"))
                     continue
                 try:

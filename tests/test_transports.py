@@ -261,7 +261,11 @@ async def test_https_engine_with_its_ca_file(
     settings = hostile_settings(
         [tls_engine.url], transport, upstream={"tls": {"ca_file": str(certificate[0])}}
     )
+    settings.health.enabled = True  # health checks and load scrapes speak the same TLS
     gw = await gateway(settings)
+    await wait_until(
+        lambda: {"/health", "/metrics"} <= set(tls_engine.gets), what="a health check and a scrape"
+    )
     mark = marker()
     async with httpx.AsyncClient() as c:
         r = await ask(c, gw, mark)
@@ -269,6 +273,7 @@ async def test_https_engine_with_its_ca_file(
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == mark
     assert s.status_code == 200 and s.text.endswith("data: [DONE]\n\n")
     assert tls_engine.url.startswith("https://") and tls_engine.connections_used() == 1
+    assert gw.runtime.pools["p"].replicas["r0"].healthy
 
 
 async def test_https_engine_with_an_unknown_certificate_is_refused_by_default(
