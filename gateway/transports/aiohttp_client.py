@@ -20,15 +20,14 @@ import aiohttp
 from gateway.transports.base import (
     ConnectError,
     DisconnectedError,
+    HeaderLookup,
     ProtocolError,
     Slot,
     Target,
     TransportError,
     client_tls_context,
     describe,
-    find_header,
     header_block,
-    media_type,
     pending_bytes,
     valid_response_header,
 )
@@ -69,7 +68,7 @@ def _body_error(exc: BaseException) -> TransportError:
     return DisconnectedError(f"engine closed the connection mid-answer ({describe(exc)})")
 
 
-class AiohttpResponse:
+class AiohttpResponse(HeaderLookup):
     __slots__ = ("_resp", "_slot", "headers", "sent", "status")
 
     def __init__(self, resp: aiohttp.ClientResponse, slot: Slot, sent: int) -> None:
@@ -78,13 +77,6 @@ class AiohttpResponse:
         self.headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in resp.raw_headers]
         self._resp = resp
         self._slot = slot
-
-    def header(self, name: str) -> str | None:
-        return find_header(self.headers, name)
-
-    @property
-    def content_type(self) -> str:
-        return media_type(self.headers)
 
     async def readany(self) -> bytes:
         try:

@@ -276,8 +276,18 @@ def find_header(headers: list[tuple[str, str]], name: str) -> str | None:
     return None
 
 
-def media_type(headers: list[tuple[str, str]]) -> str:
-    return (find_header(headers, "content-type") or "").split(";", 1)[0].strip().lower()
+class HeaderLookup:
+    """What every transport's response offers on top of its `headers` list."""
+
+    __slots__ = ()
+    headers: list[tuple[str, str]]
+
+    def header(self, name: str) -> str | None:
+        return find_header(self.headers, name)
+
+    @property
+    def content_type(self) -> str:
+        return (self.header("content-type") or "").split(";", 1)[0].strip().lower()
 
 
 def describe(exc: BaseException | Any) -> str:

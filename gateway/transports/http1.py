@@ -31,6 +31,7 @@ import httptools
 from gateway.transports.base import (
     ConnectError,
     DisconnectedError,
+    HeaderLookup,
     ProtocolError,
     Slot,
     Target,
@@ -39,7 +40,6 @@ from gateway.transports.base import (
     describe,
     find_header,
     header_block,
-    media_type,
     pending_bytes,
 )
 
@@ -279,7 +279,7 @@ class _Unsolicited(Exception):
     """Raised from a parser callback to stop parsing at a second answer."""
 
 
-class Http1Response:
+class Http1Response(HeaderLookup):
     __slots__ = ("_conn", "_slot", "_transport", "headers", "sent", "status")
 
     def __init__(
@@ -291,13 +291,6 @@ class Http1Response:
         self._conn: _Connection | None = conn
         self._transport = transport
         self._slot = slot
-
-    def header(self, name: str) -> str | None:
-        return find_header(self.headers, name)
-
-    @property
-    def content_type(self) -> str:
-        return media_type(self.headers)
 
     async def readany(self) -> bytes:
         if self._conn is None:
