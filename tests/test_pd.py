@@ -150,3 +150,24 @@ async def test_abandoned_request_settles_the_prefill_legs_probe_and_load(gateway
             what="the prefill probe and both legs' load released",
         )
         assert prefill.inflight_tokens == decode.inflight_tokens == 0
+
+
+async def test_sglang_prefill_leg_that_cannot_connect_fails_the_request_fast(gateway):
+    from tests.conftest import free_port
+
+    dead_prefill = f"http://127.0.0.1:{free_port()}"
+    with sim_process("--api", "sglang", "--disaggregation-mode", "decode") as decode_url:
+        settings = pd_settings(dead_prefill, decode_url, kind="sglang")
+        settings.health.enabled = False  # the leg itself must find the prefill replica gone
+        settings.pools[0].endpoints[0].bootstrap_port = free_port()
+        gw = await gateway(settings)
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 2})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_prefill_failed"
+        pool = gw.runtime.pools["p"]
+        prefill, decode = pool.replicas["prefill-0"], pool.replicas["decode-0"]
+        assert prefill.breaker.consecutive_failures == 1  # its transport failure, not the decode replica's
+        assert decode.breaker.consecutive_failures == 0
+        await wait_until(
+            lambda: prefill.inflight_requests == decode.inflight_requests == 0, what="load released"
+        )
