@@ -174,8 +174,10 @@ class HostSlots:
         return self._used.get(origin, 0)
 
     def try_acquire(self, origin: tuple[str, str, int]) -> Slot | None:
+        # No need to look at the queue: a release hands its slot to a live waiter rather than
+        # freeing it, so the count is below the limit only when nobody is waiting.
         used = self._used.get(origin, 0)
-        if used < self.limit and not self._waiters.get(origin):
+        if used < self.limit:
             self._used[origin] = used + 1
             return Slot(self, origin)
         return None

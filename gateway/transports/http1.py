@@ -352,7 +352,8 @@ class Http1Transport:
         idle = self._idle.get(origin)
         while idle:
             conn = idle.pop()
-            if conn.reusable and pending_bytes(conn.fd) == 0:
+            # is_closing: the engine's FIN arrived, connection_lost has not run yet.
+            if conn.reusable and not conn.transport.is_closing() and pending_bytes(conn.fd) == 0:  # type: ignore[union-attr]
                 conn.reused = True
                 return conn
             conn.abort()
