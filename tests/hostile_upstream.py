@@ -28,19 +28,29 @@ body's `prompt`), then answered as `mode` says. Modes, one per misbehaviour:
   close-after-answer   answers (keep-alive, as far as the headers say), then closes at once
   http10               HTTP/1.0, the body delimited by closing the connection
   canary               a rotation of the above that never loses a request for good
+
+Below the server: what the tests use to drive a gateway in front of it (settings, requests
+with a unique marker each, OpenAI error checks, the check that every claim was settled).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gzip
+import os
 import socket
 import ssl
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import httpx
 import orjson
+
+from gateway.config import Settings
+from gateway.server import RunningGateway
+from tests.conftest import gateway_settings, wait_until
 
 
 @dataclass
@@ -434,3 +444,74 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict[st
             headers[name.strip().lower()] = value.strip()
     body = await reader.readexactly(int(headers.get("content-length", "0")))
     return method, path, headers, body
+
+
+# -- driving a gateway in front of it -----------------------------------------------------------
+TRANSPORTS = ["http1", "aiohttp"]
+MAX_ATTEMPTS = 3
+
+
+def hostile_settings(urls: list[str], transport: str, **overrides: Any) -> Settings:
+    upstream = {
+        "transport": transport,
+        "first_byte_timeout_s": 0.5,
+        "idle_timeout_s": 0.5,
+        "max_response_bytes": 1 << 20,
+        **overrides.pop("upstream", {}),
+    }
+    return gateway_settings(
+        urls,
+        health={"enabled": False},
+        breaker={"failure_threshold": 10, "open_s": 60, **overrides.pop("breaker", {})},
+        retry={
+            "max_attempts": MAX_ATTEMPTS,
+            "backoff_initial_s": 0.001,
+            "backoff_max_s": 0.002,
+            **overrides.pop("retry", {}),
+        },
+        upstream=upstream,
+        **overrides,
+    )
+
+
+def marker() -> str:
+    return "m-" + os.urandom(6).hex()
+
+
+async def ask(
+    client: httpx.AsyncClient, gw: RunningGateway, mark: str, stream: bool = False
+) -> httpx.Response:
+    body = {"model": "m", "prompt": mark, "max_tokens": 4, "stream": stream}
+    return await client.post(gw.url + "/v1/completions", json=body)
+
+
+def openai_error(r: httpx.Response) -> dict[str, Any]:
+    assert r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def sse_events(r: httpx.Response) -> list[str]:
+    return [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+
+
+def answer_marker(r: httpx.Response, stream: bool) -> str:
+    if stream:
+        first = orjson.loads(sse_events(r)[0])
+        return first["choices"][0]["text"].split(":")[0]
+    return r.json()["choices"][0]["text"]
+
+
+async def assert_settled(gw: RunningGateway) -> None:
+    """Load counters, probe flags and connection slots back at zero."""
+    rt = gw.runtime
+    replicas = [r for pool in rt.pools.values() for r in pool.replicas.values()]
+
+    def settled() -> bool:
+        return all(
+            r.inflight_requests == 0 and r.inflight_tokens == 0 and not r.breaker.probe_in_flight
+            for r in replicas
+        ) and not any(rt.upstream.slots._used.values())
+
+    await wait_until(settled, timeout=2, what="load, probes and connection slots released")

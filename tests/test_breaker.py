@@ -15,8 +15,7 @@ from gateway.claim import Claim
 from gateway.replica import Replica
 from gateway.retry_budget import RetryBudget
 from tests.conftest import wait_until
-from tests.hostile_upstream import HostileUpstream
-from tests.test_upstream_hostile_cases import TRANSPORTS, ask, hostile_settings, marker, openai_error
+from tests.hostile_upstream import TRANSPORTS, HostileUpstream, ask, hostile_settings, marker, openai_error
 
 
 @pytest.fixture(params=TRANSPORTS)

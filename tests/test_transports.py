@@ -18,8 +18,7 @@ from gateway.config import ConfigError, UpstreamConfig, load_config
 from gateway.transports.base import HostSlots, InvalidHeaderError, header_block, parse_target
 from gateway.upstream import Upstream, UpstreamError
 from tests.conftest import free_port, wait_until
-from tests.hostile_upstream import HostileUpstream
-from tests.test_upstream_hostile_cases import TRANSPORTS, ask, hostile_settings, marker, openai_error
+from tests.hostile_upstream import TRANSPORTS, HostileUpstream, ask, hostile_settings, marker, openai_error
 
 JSON = {"Content-Type": "application/json"}
 

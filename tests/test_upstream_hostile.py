@@ -13,10 +13,10 @@ import pytest
 
 from gateway.breaker import BreakerState
 from tests.conftest import wait_until
-from tests.hostile_upstream import HostileUpstream
-from tests.test_upstream_hostile_cases import (
+from tests.hostile_upstream import (
     MAX_ATTEMPTS,
     TRANSPORTS,
+    HostileUpstream,
     answer_marker,
     ask,
     assert_settled,
