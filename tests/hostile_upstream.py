@@ -514,4 +514,4 @@ async def assert_settled(gw: RunningGateway) -> None:
             for r in replicas
         ) and not any(rt.upstream.slots._used.values())
 
-    await wait_until(settled, timeout=2, what="load, probes and connection slots released")
+    await wait_until(settled, what="load, probes and connection slots released")

@@ -82,8 +82,9 @@ async def test_engine_that_never_answers_gets_max_attempts_deliveries_despite_id
 ):
     """The issue's reproduction: 30 idle pooled connections used to cost 33 deliveries."""
     srv = await hostile("hold")
-    gw = await gateway(hostile_settings([srv.url], transport))
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as c:
+    # Held answers wait for all 30 to arrive, which can take a while on a loaded machine.
+    gw = await gateway(hostile_settings([srv.url], transport, upstream={"first_byte_timeout_s": 30}))
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=30) as c:
         pending = [asyncio.create_task(ask(c, gw, marker())) for _ in range(30)]
         await wait_until(lambda: srv.held == 30, what="30 requests held on 30 connections")
         srv.release.set()
