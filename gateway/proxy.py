@@ -25,6 +25,7 @@ from gateway.pd import DecodePlan, PDHandoff
 from gateway.policy import Candidate, RequestFeatures
 from gateway.replica import Replica
 from gateway.request_record import RequestRecord
+from gateway.tokens import engine_prompt_tokens
 from gateway.tracing import NOOP
 from gateway.transports.base import Response
 from gateway.upstream import ERROR_BODY_LIMIT, UpstreamError
@@ -74,6 +75,9 @@ _DROP_RESPONSE = frozenset(
 # An engine's Content-Encoding is relayed with its body untouched, except where the gateway
 # rewrites the body (errors, normalized after decoding).
 _DROP_REWRITTEN = _DROP_RESPONSE | {"content-encoding"}
+
+
+_USAGE = b'"prompt_tokens":'
 
 
 def _client_error(message: str, code: str, param: str | None = None, status: int = 400) -> GatewayError:
@@ -192,6 +196,7 @@ class Proxy:
         out = orjson.dumps(body) if changed else raw
         rec.stream = features.stream
         rec.prompt_tokens = features.prompt_tokens
+        rec.prompt_chars = len(features.text)
         rec.priority_class = features.priority_class
         queued_at = time.perf_counter()
         with tr.span("queue", {"kvgate.priority_class": features.priority_class}) if tr else NOOP:
@@ -382,6 +387,7 @@ class Proxy:
             finally:
                 resp.release()
             rec.first_byte_at = time.perf_counter()
+            rec.engine_prompt_tokens = engine_prompt_tokens(raw)
             return web.Response(status=resp.status, body=raw, headers=headers)
         return await self._relay_stream(request, resp, headers, claim, rec)
 
@@ -401,6 +407,8 @@ class Proxy:
                 async for chunk in self.rt.upstream.chunks(resp):
                     if rec.first_byte_at is None:
                         rec.first_byte_at = time.perf_counter()
+                    if _USAGE in chunk:  # a substring test per chunk; only a usage chunk is read
+                        rec.engine_prompt_tokens = engine_prompt_tokens(chunk) or rec.engine_prompt_tokens
                     await out.write(chunk)
             except UpstreamError as exc:
                 if exc.replica_fault:
