@@ -10,6 +10,7 @@ import pytest
 
 from gateway.breaker import Admission, BreakerState
 from tests.conftest import gateway_settings, wait_until
+from tests.hostile_upstream import HostileUpstream
 from tests.simfleet import seen, sim_process
 
 LONG = "Summarize the following text. " + "The quick brown fox jumps over the lazy dog. " * 80
@@ -112,7 +113,8 @@ async def test_abandoned_request_settles_the_prefill_legs_probe_and_load(gateway
     concurrent leg) must not leave the prefill replica's half-open probe or load claimed."""
     from tests.conftest import free_port
 
-    stall = ("--fault-stall-rate", "1", "--fault-stall-s", "30")
+    # Long enough to outlast the client (1 s), short enough not to hold up the simulator's shutdown.
+    stall = ("--fault-stall-rate", "1", "--fault-stall-s", "4")
     if kind == "vllm":
         prefill_args, decode_args = (*PRODUCER, *stall), CONSUMER
     else:
@@ -153,11 +155,13 @@ async def test_abandoned_request_settles_the_prefill_legs_probe_and_load(gateway
 
 
 async def test_sglang_prefill_leg_that_cannot_connect_fails_the_request_fast(gateway):
+    """The decode leg (an engine that would wait forever for its bootstrap partner) is dropped
+    as soon as the concurrent prefill leg fails, and only the prefill replica is blamed."""
     from tests.conftest import free_port
 
-    dead_prefill = f"http://127.0.0.1:{free_port()}"
-    with sim_process("--api", "sglang", "--disaggregation-mode", "decode") as decode_url:
-        settings = pd_settings(dead_prefill, decode_url, kind="sglang")
+    decode_engine = await HostileUpstream("stall-head").start()
+    try:
+        settings = pd_settings(f"http://127.0.0.1:{free_port()}", decode_engine.url, kind="sglang")
         settings.health.enabled = False  # the leg itself must find the prefill replica gone
         settings.pools[0].endpoints[0].bootstrap_port = free_port()
         gw = await gateway(settings)
@@ -167,7 +171,9 @@ async def test_sglang_prefill_leg_that_cannot_connect_fails_the_request_fast(gat
         pool = gw.runtime.pools["p"]
         prefill, decode = pool.replicas["prefill-0"], pool.replicas["decode-0"]
         assert prefill.breaker.consecutive_failures == 1  # its transport failure, not the decode replica's
-        assert decode.breaker.consecutive_failures == 0
+        assert decode.breaker.consecutive_failures == 0 and len(decode_engine.deliveries) <= 1
         await wait_until(
             lambda: prefill.inflight_requests == decode.inflight_requests == 0, what="load released"
         )
+    finally:
+        await decode_engine.stop()
