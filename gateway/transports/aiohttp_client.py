@@ -39,11 +39,14 @@ if TYPE_CHECKING:
 class _CleanConnector(aiohttp.TCPConnector):
     async def _get(self, key: Any, traces: Any) -> Any:
         # aiohttp's own check is only "still connected"; ours is also "nothing arrived since".
-        while (conn := await super()._get(key, traces)) is not None:
+        # Traces (which tell a request it got a reused connection) only for the one handed out.
+        while (conn := await super()._get(key, [])) is not None:
             proto = conn.protocol
             transport = proto.transport if proto is not None else None
             sock = transport.get_extra_info("socket") if transport is not None else None
             if sock is not None and not proto.should_close and pending_bytes(sock.fileno()) == 0:
+                for trace in traces:
+                    await trace.send_connection_reuseconn()
                 return conn
             conn.close()
         return None
