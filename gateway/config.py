@@ -25,6 +25,8 @@ from pydantic_settings import (
     SettingsError,
 )
 
+from gateway.transports.base import parse_target
+
 
 class ConfigError(Exception):
     """A config that cannot be served; the message is meant for one log line."""
@@ -82,11 +84,33 @@ class ServerConfig(_Strict):
     )
 
 
+class UpstreamTLS(_Strict):
+    verify: bool = Field(
+        True, description="Check engines' certificates and host names; false only on purpose"
+    )
+    ca_file: str | None = Field(None, description="PEM bundle to trust instead of the system's CAs")
+
+
 class UpstreamConfig(_Strict):
+    transport: Literal["http1", "aiohttp"] = Field(
+        "http1", description="http1: kvgate's own client (fast); aiohttp: aiohttp's client (fallback)"
+    )
     connect_timeout_s: float = Field(5.0, gt=0)
-    first_byte_timeout_s: float = Field(300.0, gt=0, description="Until the engine's response headers")
+    first_byte_timeout_s: float = Field(
+        300.0, gt=0, description="Until the engine's response headers, waiting for a free connection included"
+    )
     idle_timeout_s: float = Field(120.0, gt=0, description="Between two body chunks")
-    max_connections: int = Field(4096, gt=0)
+    max_connections: int = Field(4096, gt=0, description="Per engine host:port, idle ones included")
+    max_response_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="Largest non-streamed engine answer (streams are relayed as they come)",
+    )
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest response head (status line, headers)"
+    )
+    max_headers: int = Field(100, ge=8, description="Most headers in one engine response")
+    tls: UpstreamTLS = Field(default_factory=UpstreamTLS)
 
 
 class RetryConfig(_Strict):
@@ -227,6 +251,7 @@ class EndpointConfig(_Strict):
     def _http_url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        parse_target(v)  # a host, a port in range, no spaces or control characters
         return v.rstrip("/")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,8 +43,10 @@ class LoadScraper:
         interval_s: float = 0.5,
         timeout_s: float | None = None,
         on_update: LoadCallback | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.interval_s = interval_s
+        self._tls = tls  # the upstream TLS settings, when they are not the defaults
         # Shorter than the interval: a figure that arrives late is already out of date.
         self.timeout_s = timeout_s if timeout_s is not None else min(1.0, max(0.1, interval_s * 0.8))
         self.on_update = on_update
@@ -52,8 +55,10 @@ class LoadScraper:
         self._client: aiohttp.ClientSession | None = None
 
     @classmethod
-    def from_config(cls, config: ScrapeConfig, on_update: LoadCallback | None = None) -> LoadScraper:
-        return cls(interval_s=config.interval_s, on_update=on_update)
+    def from_config(
+        cls, config: ScrapeConfig, on_update: LoadCallback | None = None, tls: ssl.SSLContext | None = None
+    ) -> LoadScraper:
+        return cls(interval_s=config.interval_s, on_update=on_update, tls=tls)
 
     def add(self, name: str, url: str, adapter: EngineAdapter) -> None:
         """Scrape a replica (again, if it was known: a restarted replica keeps its old figure
@@ -80,7 +85,7 @@ class LoadScraper:
         # No connection cap: one poller per replica, each with at most one request in flight.
         self._client = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, ssl=self._tls if self._tls is not None else True),
             trust_env=False,
         )
         for name, target in self._targets.items():

@@ -179,7 +179,7 @@ class PrecisePrefix:
         try:
             resp = await upstream.open("POST", replica.url + "/tokenize", orjson.dumps(request), _JSON)
             try:
-                raw = await upstream.read(resp)
+                raw = await upstream.read_content(resp)
             finally:
                 resp.release()
         except UpstreamError as exc:

@@ -20,8 +20,8 @@ import orjson
 from aiohttp import web
 
 from gateway.canonicalize import canonicalize
+from gateway.claim import Claim
 from gateway.errors import GatewayError, error_body, normalize_error_body
-from gateway.http1 import UpstreamResponse
 from gateway.limits import ShedError
 from gateway.logs import clip
 from gateway.pd import DecodePlan, PDHandoff
@@ -40,7 +40,8 @@ from gateway.sanitize import (
 from gateway.stream_end import StreamEnd
 from gateway.tokens import engine_prompt_tokens
 from gateway.tracing import NOOP
-from gateway.upstream import UpstreamError
+from gateway.transports.base import Response
+from gateway.upstream import ERROR_BODY_LIMIT, UpstreamError
 
 if TYPE_CHECKING:
     from gateway.pool import Pool
@@ -62,12 +63,14 @@ _DROP_RESPONSE = frozenset(
         "transfer-encoding",
         "server",
         "date",
-        "content-encoding",
         "x-request-id",
         "x-kvgate-replica",
         "x-kvgate-pool",
     }
 )
+# An engine's Content-Encoding is relayed with its body untouched, except where the gateway
+# rewrites the body (errors, normalized after decoding).
+_DROP_REWRITTEN = _DROP_RESPONSE | {"content-encoding"}
 
 
 _USAGE = b'"prompt_tokens":'
@@ -81,7 +84,7 @@ class Proxy:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self.settings = runtime.settings
-        self.pd = PDHandoff(runtime.upstream)
+        self.pd = PDHandoff(runtime.upstream, resend=runtime.settings.retry.max_attempts >= 2)
 
     # -- entry point ------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -240,16 +243,22 @@ class Proxy:
         if not ranked:
             raise self._no_replica(f"no healthy replica in pool `{pool.name}`")
         retry_cfg = self.settings.retry
+        max_attempts = retry_cfg.max_attempts
         budget = self.rt.retry_budget
         budget.on_request()
         headers = self._upstream_headers(request, pool, rec)
         plan = DecodePlan(raw)
-        if pool.disaggregated and self.pd.wanted(pool, features, ranked[0]):
-            plan = await self.pd.prepare(pool, features, body, raw, request.path, headers)
         refused: GatewayError | None = None  # the last retryable answer, relayed if every try fails
-        unreachable: GatewayError | None = None
+        failure: UpstreamError | None = None  # the last retryable transport failure
+        # A generation is not idempotent: it may reach engines at most max_attempts times in
+        # all, a stale keep-alive connection's silent resend included.
+        deliveries = 0
         try:
-            for attempt, candidate in enumerate(_walk(ranked, retry_cfg.max_attempts)):
+            if pool.disaggregated and self.pd.wanted(pool, features, ranked[0]):
+                plan = await self.pd.prepare(pool, features, body, raw, request.path, headers)
+            for attempt, candidate in enumerate(_walk(ranked, max_attempts)):
+                if deliveries >= max_attempts:
+                    break
                 replica: Replica = candidate.replica  # type: ignore[assignment]
                 if attempt > 0:
                     if not budget.try_spend():
@@ -257,55 +266,57 @@ class Proxy:
                     rec.retries += 1
                     delay = min(retry_cfg.backoff_max_s, retry_cfg.backoff_initial_s * 2 ** (attempt - 1))
                     await asyncio.sleep(delay * (0.5 + random.random() / 2))
-                if not replica.breaker.try_acquire():
+                claim = Claim.take(replica, features.prompt_tokens)
+                if claim is None:
                     continue
-                lease = replica.lease(features.prompt_tokens)
-                # Learn at decision time, not when the answer comes: concurrent requests with the
-                # same new prefix must see where the first one went.
-                pool.learn(features, replica)
-                up = tr.upstream(replica, attempt, headers) if tr else None
-                try:
+                with claim:
+                    # Learn at decision time, not when the answer comes: concurrent requests with
+                    # the same new prefix must see where the first one went.
+                    pool.learn(features, replica)
+                    up = tr.upstream(replica, attempt, headers) if tr else None
                     try:
-                        url = replica.url + request.path
-                        resp = await self._open(url, plan, up.headers if up is not None else headers)
-                    except UpstreamError as exc:
-                        replica.breaker.record_failure()
-                        log.warning("request %s: replica %s failed: %s", request_id, replica.name, exc)
-                        if not exc.connect:
-                            raise GatewayError(504, str(exc), "upstream_error", "upstream_timeout") from None
-                        unreachable = GatewayError(502, str(exc), "upstream_error", "upstream_unreachable")
-                        continue
-                    if up is not None:
-                        up.responded(resp.status)
-                    if resp.status in retry_cfg.retry_statuses:
-                        if resp.status == 429:  # busy, not broken: no mark against its health
-                            replica.breaker.release_probe()
-                        else:
-                            replica.breaker.record_failure()
-                        error = normalize_error_body(await self._read_error(resp), resp.status)
-                        refused = GatewayError(resp.status, "refused", headers=_retry_after(resp), body=error)
-                        log.info("request %s: replica %s answered %d", request_id, replica.name, resp.status)
-                        continue
-                    if resp.status >= 500:
-                        replica.breaker.record_failure()
-                    else:
-                        replica.breaker.record_success()
-                    rec.replica = replica.name
-                    rec.matched_tokens = candidate.matched_tokens
-                    rec.route_reason = (
-                        route_reason(candidate, ranked) if pool.policy.uses_prefix_match else None
-                    )
-                    return await self._relay(request, resp, replica, rec)
-                finally:
-                    lease.release()
-                    if up is not None:
-                        up.end(rec)
+                        try:
+                            url = replica.url + request.path
+                            resend = deliveries + 2 <= max_attempts
+                            hdrs = up.headers if up is not None else headers
+                            resp = await self._open(url, plan, hdrs, resend)
+                        except UpstreamError as exc:
+                            deliveries += exc.sent
+                            if exc.replica_fault:
+                                claim.failed()
+                            log.warning("request %s: replica %s failed: %s", request_id, replica.name, exc)
+                            if not exc.retryable:
+                                raise exc.gateway_error() from None
+                            failure = exc
+                            continue
+                        deliveries += resp.sent
+                        claim.answered()  # any well-formed answer: the engine is up
+                        if up is not None:
+                            up.responded(resp.status)
+                        if resp.status in retry_cfg.retry_statuses:
+                            error = normalize_error_body(await self._read_error(resp), resp.status)
+                            refused = GatewayError(
+                                resp.status, "refused", headers=_retry_after(resp), body=error
+                            )
+                            log.info(
+                                "request %s: replica %s answered %d", request_id, replica.name, resp.status
+                            )
+                            continue
+                        rec.replica = replica.name
+                        rec.matched_tokens = candidate.matched_tokens
+                        rec.route_reason = (
+                            route_reason(candidate, ranked) if pool.policy.uses_prefix_match else None
+                        )
+                        return await self._relay(request, resp, claim, rec)
+                    finally:
+                        if up is not None:
+                            up.end(rec)
         finally:
             await plan.finish()
         if refused is not None:
             raise refused
-        if unreachable is not None:
-            raise unreachable
+        if failure is not None:
+            raise failure.gateway_error()
         raise self._no_replica(f"no replica of pool `{pool.name}` accepted the request")
 
     def _no_replica(self, message: str) -> GatewayError:
@@ -314,29 +325,39 @@ class Proxy:
             503, message, "service_unavailable", "no_healthy_replica", headers={"Retry-After": retry_after}
         )
 
-    async def _open(self, url: str, plan: DecodePlan, headers: dict[str, str]) -> UpstreamResponse:
+    async def _open(self, url: str, plan: DecodePlan, headers: dict[str, str], resend: bool) -> Response:
         """Open the decode leg; with a concurrent prefill leg, fail fast if that leg breaks first."""
+        upstream = self.rt.upstream
         if plan.guard is None:
-            return await self.rt.upstream.open("POST", url, plan.body, headers)
-        opening = asyncio.ensure_future(self.rt.upstream.open("POST", url, plan.body, headers))
-        await asyncio.wait({opening, plan.guard}, return_when=asyncio.FIRST_COMPLETED)
-        if not opening.done() and plan.guard.exception() is not None:
-            opening.cancel()
-            await asyncio.gather(opening, return_exceptions=True)
-            raise UpstreamError(f"prefill leg failed: {plan.guard.exception()}")
-        return await opening
-
-    async def _read_error(self, resp: UpstreamResponse) -> bytes:
+            return await upstream.open("POST", url, plan.body, headers, resend=resend)
+        opening = asyncio.ensure_future(upstream.open("POST", url, plan.body, headers, resend=resend))
         try:
-            return await self.rt.upstream.read(resp)
+            await asyncio.wait({opening, plan.guard}, return_when=asyncio.FIRST_COMPLETED)
+            if not opening.done() and plan.guard.exception() is not None:
+                # The decode replica is not at fault: its bootstrap partner went away.
+                raise UpstreamError(
+                    f"prefill leg failed: {plan.guard.exception()}",
+                    code="upstream_prefill_failed",
+                    replica_fault=False,
+                )
+            return await opening
+        except BaseException:
+            await _abandon(opening)
+            raise
+
+    async def _read_error(self, resp: Response) -> bytes:
+        try:
+            return await self.rt.upstream.read_content(resp, ERROR_BODY_LIMIT)
         except UpstreamError:
             return b""
         finally:
             resp.release()
 
     # -- relay -----------------------------------------------------------------------------
-    def _response_headers(self, resp: UpstreamResponse, replica: Replica, request_id: str) -> dict[str, str]:
-        headers = {k: v for k, v in resp.headers if k.lower() not in _DROP_RESPONSE}
+    def _response_headers(
+        self, resp: Response, replica: Replica, request_id: str, drop: frozenset[str] = _DROP_RESPONSE
+    ) -> dict[str, str]:
+        headers = {k: v for k, v in resp.headers if k.lower() not in drop}
         headers["x-request-id"] = request_id
         headers["x-kvgate-replica"] = replica.name
         headers["x-kvgate-pool"] = replica.pool
@@ -345,35 +366,40 @@ class Proxy:
     async def _relay(
         self,
         request: web.Request,
-        resp: UpstreamResponse,
-        replica: Replica,
+        resp: Response,
+        claim: Claim,
         rec: RequestRecord,
     ) -> web.StreamResponse:
-        headers = self._response_headers(resp, replica, rec.request_id)
         rec.status = resp.status
         if resp.status >= 400:
+            # Rewritten in the OpenAI form, decoded: the engine's Content-Encoding no longer applies.
+            headers = self._response_headers(resp, claim.replica, rec.request_id, _DROP_REWRITTEN)
             raw = await self._read_error(resp)
             headers["Content-Type"] = "application/json"
             return web.Response(
                 status=resp.status, body=normalize_error_body(raw, resp.status), headers=headers
             )
+        headers = self._response_headers(resp, claim.replica, rec.request_id)
         if not resp.content_type.startswith("text/event-stream"):
             try:
                 raw = await self.rt.upstream.read(resp)
             except UpstreamError as exc:
-                raise GatewayError(502, str(exc), "upstream_error", "upstream_disconnected") from None
+                if exc.replica_fault:
+                    claim.failed()
+                raise exc.gateway_error() from None
             finally:
                 resp.release()
             rec.first_byte_at = time.perf_counter()
             rec.engine_prompt_tokens = engine_prompt_tokens(raw)
             return web.Response(status=resp.status, body=raw, headers=headers)
-        return await self._relay_stream(request, resp, headers, rec)
+        return await self._relay_stream(request, resp, headers, claim, rec)
 
     async def _relay_stream(
         self,
         request: web.Request,
-        resp: UpstreamResponse,
+        resp: Response,
         headers: dict[str, str],
+        claim: Claim,
         rec: RequestRecord,
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status, headers=headers)
@@ -390,6 +416,8 @@ class Proxy:
                     await out.write(chunk)
                     end.feed(chunk)
             except UpstreamError as exc:
+                if exc.replica_fault:
+                    claim.failed()
                 # Never truncate silently: the client learns the stream broke.
                 log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
                 rec.error_code = "upstream_stream_error"
@@ -427,6 +455,14 @@ def _walk(ranked: list[Candidate], attempts: int) -> list[Candidate]:
     return [ranked[i % len(ranked)] for i in range(attempts)]
 
 
-def _retry_after(resp: UpstreamResponse) -> dict[str, str]:
+async def _abandon(opening: asyncio.Future[Response]) -> None:
+    """Stop an opening nobody will read; an answer that arrived anyway is closed, not leaked."""
+    opening.cancel()
+    await asyncio.gather(opening, return_exceptions=True)
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
+
+
+def _retry_after(resp: Response) -> dict[str, str]:
     value = resp.header("Retry-After")
     return {"Retry-After": value} if value else {}

@@ -27,6 +27,7 @@ from gateway.rollout import Router
 from gateway.scheduler import Scheduler
 from gateway.state import make_state
 from gateway.tracing import Tracing
+from gateway.transports.base import client_tls_context
 from gateway.upstream import Upstream
 from gateway.variant_stats import VariantStats
 
@@ -41,7 +42,10 @@ class Runtime:
         for pcfg in settings.pools:
             pool = Pool(pcfg, settings.breaker, settings.scrape)
             self.pools[pool.name] = pool
-        self.scraper = LoadScraper.from_config(settings.scrape, on_update=self._engine_load)
+        # Health checks and load scrapes reach https engines as the hot path does.
+        tls = settings.upstream.tls
+        control_tls = client_tls_context(tls.verify, tls.ca_file) if tls.ca_file or not tls.verify else None
+        self.scraper = LoadScraper.from_config(settings.scrape, on_update=self._engine_load, tls=control_tls)
         for pool in self.pools.values():
             for ep in pool.cfg.endpoints:
                 self.add_endpoint(pool, ep)
@@ -70,7 +74,7 @@ class Runtime:
         # indexes), so with Redis they hold across every gateway instance.
         self.scheduler = Scheduler(settings.scheduler, settings.tenants, take=lambda c: self.state.take(c))
         self.retry_budget = RetryBudget(settings.retry.budget_ratio)
-        self.health = HealthChecker(settings.health, self.all_replicas)
+        self.health = HealthChecker(settings.health, self.all_replicas, tls=control_tls)
         self.draining = False
         self.connections: ConnectionGuard | None = None  # set by the server once it listens
         self.observers: list[Observer] = []
