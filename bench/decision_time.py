@@ -24,7 +24,7 @@ from pathlib import Path
 from bench import text
 from bench.workloads import SharedPrefix
 from gateway.config import load_config
-from gateway.pool import Pool
+from gateway.routing.pool_router import Pool
 
 TARGET_MS = {16: 0.3, 256: 1.0}
 # The stages of a decision, as `--breakdown` times them (Pool.rank = serving, candidates, policy).

@@ -25,7 +25,7 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from gateway.transports.base import parse_target
+from gateway.path.transports.base import parse_target
 
 
 class ConfigError(Exception):
@@ -361,7 +361,7 @@ class PrefixConfig(_Strict):
 
 
 class ClientPassthrough(_Strict):
-    """Engine-steering input a pool's clients may send through (see gateway/sanitize.py)."""
+    """Engine-steering input a pool's clients may send through (see gateway/path/sanitize.py)."""
 
     body_fields: list[str] = Field(
         default_factory=list, description="e.g. kv_transfer_params, for engines that take it from clients"

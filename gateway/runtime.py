@@ -8,28 +8,28 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from gateway.access_log import access_log
-from gateway.auth import Auth
+from gateway.admission.scheduler import Scheduler
 from gateway.config import EndpointConfig, KVEventsSource, Settings
-from gateway.conn_guard import ConnectionGuard
-from gateway.discovery import make_discovery
-from gateway.engine_load import EngineLoad
-from gateway.engines.base import KV_EVENTS_TOPIC
-from gateway.health import HealthChecker
-from gateway.launcher import FleetLauncher, LaunchedReplica
-from gateway.load_scraper import LoadScraper
-from gateway.metrics import GatewayMetrics
-from gateway.pool import Pool
-from gateway.replica import Replica, Role
-from gateway.request_record import Observer, RequestRecord
-from gateway.retry_budget import RetryBudget
-from gateway.rollout import Router
-from gateway.scheduler import Scheduler
-from gateway.state import make_state
-from gateway.tracing import Tracing
-from gateway.transports.base import client_tls_context
-from gateway.upstream import Upstream
-from gateway.variant_stats import VariantStats
+from gateway.control.state import make_state
+from gateway.control.variant_stats import VariantStats
+from gateway.fleet.discovery import make_discovery
+from gateway.fleet.engine_load import EngineLoad
+from gateway.fleet.engines.base import KV_EVENTS_TOPIC
+from gateway.fleet.health import HealthChecker
+from gateway.fleet.launcher import FleetLauncher, LaunchedReplica
+from gateway.fleet.load_scraper import LoadScraper
+from gateway.fleet.replica import Replica, Role
+from gateway.http.auth import Auth
+from gateway.http.conn_guard import ConnectionGuard
+from gateway.observe.access_log import access_log
+from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.tracing import Tracing
+from gateway.path.request_record import Observer, RequestRecord
+from gateway.path.retry_budget import RetryBudget
+from gateway.path.transports.base import client_tls_context
+from gateway.path.upstream import Upstream
+from gateway.routing.pool_router import Pool
+from gateway.routing.rollout import Router
 
 log = logging.getLogger(__name__)
 

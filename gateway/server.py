@@ -14,10 +14,10 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.admin import ReloadRejected, reload_config
-from gateway.app import build_app
 from gateway.config import Settings
-from gateway.conn_guard import ConnectionGuard, connection_limit
+from gateway.control.admin import ReloadRejected, reload_config
+from gateway.http.app import build_app
+from gateway.http.conn_guard import ConnectionGuard, connection_limit
 from gateway.runtime import Runtime
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from gateway.rollout_cli import main as rollout_main
+from gateway.control.rollout_cli import main as rollout_main
 from tests.conftest import PYTHON, REPO, free_port, gateway_settings, subprocess_env, wait_until
 from tests.test_rollout import rollout_settings
 

@@ -10,10 +10,10 @@ from collections import Counter
 import httpx
 import pytest
 
-from gateway.breaker import Admission, BreakerState, CircuitBreaker
-from gateway.claim import Claim
-from gateway.replica import Replica
-from gateway.retry_budget import RetryBudget
+from gateway.fleet.breaker import Admission, BreakerState, CircuitBreaker
+from gateway.fleet.replica import Replica
+from gateway.path.claim import Claim
+from gateway.path.retry_budget import RetryBudget
 from tests.conftest import wait_until
 from tests.hostile_upstream import TRANSPORTS, HostileUpstream, ask, hostile_settings, marker, openai_error
 

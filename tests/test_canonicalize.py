@@ -13,14 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.canonicalize import (
+from gateway.config import CanonicalizeConfig, CanonicalizeRule, load_config
+from gateway.routing.canonicalize import (
     BUILTIN_PATTERNS,
     canonicalize,
     compile_rules,
     normalize_whitespace,
     split_sentences,
 )
-from gateway.config import CanonicalizeConfig, CanonicalizeRule, load_config
 
 USER_RULE = CanonicalizeRule(name="user_id", pattern=r"(?i)\buser[ _-]?(?:id)?[:#]?\s*\d+\b")
 CFG = CanonicalizeConfig(enabled=True, rules=[USER_RULE], builtin_rules=sorted(BUILTIN_PATTERNS))

@@ -13,8 +13,8 @@ import orjson
 import pytest
 
 from gateway.logs import TextFormatter
-from gateway.prefix_hash import PrefixHasher
-from gateway.stream_end import StreamEnd
+from gateway.path.stream_end import StreamEnd
+from gateway.routing.prefix_hash import PrefixHasher
 from tests.conftest import gateway_settings, wait_until
 from tests.rawhttp import closed_within, exchange, post, read_response
 
@@ -87,7 +87,7 @@ async def test_client_strings_cannot_forge_or_flood_log_lines(upstreams, gateway
     (up,) = await upstreams(1)
     gw = await gateway(gateway_settings([up.url]))
     caplog.set_level(logging.INFO)
-    forged = "m\n2026-01-01 00:00:00,000 ERROR gateway.admin: forged\r\x1b[31m"
+    forged = "m\n2026-01-01 00:00:00,000 ERROR gateway.control.admin: forged\r\x1b[31m"
     async with httpx.AsyncClient() as c:
         r1 = await c.post(gw.url + COMPLETIONS, json={"model": forged, "prompt": "p"})
         r2 = await c.post(gw.url + COMPLETIONS, json={"model": "x" * 1_000_000, "prompt": "p"})
@@ -98,7 +98,7 @@ async def test_client_strings_cannot_forge_or_flood_log_lines(upstreams, gateway
     lines = [line for rec in caplog.records for line in formatter.format(rec).split("\n")]
     stamp = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ ")
     assert lines and all(stamp.match(line) for line in lines), lines
-    assert not any("ERROR gateway.admin" in line[:40] for line in lines)
+    assert not any("ERROR gateway.control.admin" in line[:40] for line in lines)
     assert max(map(len, lines)) < 5_000
 
 

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from gateway.config import load_config
-from gateway.pool import Pool
-from gateway.tokens import (
+from gateway.routing.pool_router import Pool
+from gateway.routing.tokens import (
     WordTokenizer,
     engine_prompt_tokens,
     get_tokenizer,

@@ -154,7 +154,7 @@ async def test_a_flood_of_idle_connections_makes_room_for_real_clients(gw):
 
 
 async def test_at_the_cap_probes_are_answered_and_the_rest_refused(gw, caplog):
-    caplog.set_level(logging.WARNING, logger="gateway.conn_guard")
+    caplog.set_level(logging.WARNING, logger="gateway.http.conn_guard")
     stall = orjson.dumps({"model": "m", "prompt": "x", "stream": True})
     busy = []
     for _ in range(20):  # every connection serving a stream that does not end
@@ -174,7 +174,7 @@ async def test_at_the_cap_probes_are_answered_and_the_rest_refused(gw, caplog):
     assert await closed_within(dropped, 1)
     guard = gw.runtime.connections
     assert guard is not None and guard.closed["refused"] == 1 and guard.closed["dropped"] >= 1
-    warnings = [r.getMessage() for r in caplog.records if r.name == "gateway.conn_guard"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "gateway.http.conn_guard"]
     assert len(warnings) == 1 and "server.max_connections 20" in warnings[0]  # one warning, not one per event
     for _, writer in busy + held:
         writer.transport.abort()

@@ -19,10 +19,10 @@ import httpx
 import pytest
 import yaml
 
-from gateway.admin import apply_settings
 from gateway.config import KubernetesDiscoveryConfig
-from gateway.discovery.kubernetes import KubernetesDiscovery, pod_endpoints, slice_endpoints
-from gateway.pool import Pool
+from gateway.control.admin import apply_settings
+from gateway.fleet.discovery.kubernetes import KubernetesDiscovery, pod_endpoints, slice_endpoints
+from gateway.routing.pool_router import Pool
 from gateway.server import RunningGateway
 from tests.conftest import PYTHON, gateway_settings, subprocess_env, wait_until
 from tests.kube_api import KubeAPI, flag

@@ -12,8 +12,8 @@ import msgpack
 import pytest
 import zmq
 
-from gateway.kv_events import KVEventIndexer, KVEventSubscriber, TokenBlockHasher
-from gateway.prefix_index import PrefixIndex
+from gateway.routing.kv_events import KVEventIndexer, KVEventSubscriber, TokenBlockHasher
+from gateway.routing.prefix_index import PrefixIndex
 from tests.conftest import wait_until
 
 BS = 4
@@ -239,9 +239,9 @@ async def test_events_owed_too_long_are_missing_until_usable_ones_come(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     from gateway.config import PrefixConfig
-    from gateway.precise_prefix import PrecisePrefix
+    from gateway.routing.precise_prefix import PrecisePrefix
 
-    caplog.set_level(logging.INFO, logger="gateway.precise_prefix")
+    caplog.set_level(logging.INFO, logger="gateway.routing.precise_prefix")
     pub = Publisher()
     precise = PrecisePrefix(PrefixConfig(kv_events_timeout_s=5), "m", BS)
     precise.attach("r1", pub.endpoint, "kv-events")

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from gateway.config import EngineSpec, Settings
-from gateway.engines import adapter_for_spec, get_adapter
-from gateway.launcher import FleetLauncher, LaunchedReplica, LaunchError, dry_run
-from gateway.load_scraper import LoadScraper
+from gateway.fleet.engines import adapter_for_spec, get_adapter
+from gateway.fleet.launcher import FleetLauncher, LaunchedReplica, LaunchError, dry_run
+from gateway.fleet.load_scraper import LoadScraper
 from tests.conftest import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -171,7 +171,7 @@ DRIVER = textwrap.dedent(
     """
     import asyncio, sys
     from gateway.config import EngineSpec
-    from gateway.launcher import FleetLauncher
+    from gateway.fleet.launcher import FleetLauncher
 
     async def main():
         spec = EngineSpec(kind="sim", replicas=2, log_dir=sys.argv[1])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.admission.limits import Limits, ShedError, TokenBucket
 from gateway.config import TenantConfig
-from gateway.limits import Limits, ShedError, TokenBucket
 
 
 class Clock:

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
-from gateway.engine_load import EngineLoad
-from gateway.engines import get_adapter
-from gateway.load_scraper import LoadScraper
+from gateway.fleet.engine_load import EngineLoad
+from gateway.fleet.engines import get_adapter
+from gateway.fleet.load_scraper import LoadScraper
 from tests.conftest import wait_until
 
 

@@ -8,8 +8,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Settings
-from gateway.metrics import flatten_numbers, queued_by_class, status_label
-from gateway.request_record import RequestRecord
+from gateway.observe.metrics import flatten_numbers, queued_by_class, status_label
+from gateway.path.request_record import RequestRecord
 from gateway.server import RunningGateway
 from tests.conftest import gateway_settings, wait_until
 from tests.upstream_app import Upstream

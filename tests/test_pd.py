@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.breaker import Admission, BreakerState
+from gateway.fleet.breaker import Admission, BreakerState
 from tests.conftest import gateway_settings, wait_until
 from tests.hostile_upstream import HostileUpstream
 from tests.simfleet import seen, sim_process

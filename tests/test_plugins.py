@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.policy import PolicyLoadError, load_policy
+from gateway.routing.policy import PolicyLoadError, load_policy
 from tests.conftest import REPO, gateway_settings
 from tests.policies.helpers import candidates, replicas, request
 
@@ -17,7 +17,7 @@ EXAMPLE = REPO / "examples" / "policy_plugin"
 PLUGIN_MODULE = '''
 from pydantic import BaseModel, ConfigDict
 
-from gateway.policy import Policy
+from gateway.routing.policy import Policy
 
 
 class LastFirstParams(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench import text
 from bench.decision_time import build_pool
-from gateway.prefix_hash import PrefixHasher, prompt_text
+from gateway.routing.prefix_hash import PrefixHasher, prompt_text
 
 
 def chat(system: str, user: str) -> dict[str, object]:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from gateway.config import ConfigError, load_config
-from gateway.kv_events import TokenBlockHasher
+from gateway.routing.kv_events import TokenBlockHasher
 from tests.conftest import gateway_settings, wait_until
 from tests.simfleet import sim_process
 
@@ -169,7 +169,7 @@ async def test_missing_events_are_reported_and_routing_falls_back_visibly(gatewa
     """Events that never come (here: the topic differs, so ZMQ filters every message out) are
     reported once owed longer than kv_events_timeout_s, and the replica is routed by the
     approximate index: the second request for the prompt is a cache hit, not a cold guess."""
-    caplog.set_level(logging.WARNING, logger="gateway.precise_prefix")
+    caplog.set_level(logging.WARNING, logger="gateway.routing.precise_prefix")
     with sim_process("--kv-events-config", _publishing_sim(endpoint="tcp://127.0.0.1:*")) as url:
         endpoint = await _kv_endpoint(url)
         pool = {

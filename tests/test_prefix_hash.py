@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.canonicalize import canonicalize
 from gateway.config import CanonicalizeConfig, CanonicalizeRule
-from gateway.prefix_hash import PrefixHasher, chain_seed, prompt_pieces, prompt_text
-from gateway.tokens import get_tokenizer
+from gateway.routing.canonicalize import canonicalize
+from gateway.routing.prefix_hash import PrefixHasher, chain_seed, prompt_pieces, prompt_text
+from gateway.routing.tokens import get_tokenizer
 
 BC = 16
 words = st.text(alphabet="abcdefgh .,\n", min_size=0, max_size=200)

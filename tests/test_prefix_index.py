@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.config import PrefixConfig
-from gateway.prefix_index import PrefixIndex
+from gateway.routing.prefix_index import PrefixIndex
 
 
 class FakeClock:

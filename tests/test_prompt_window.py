@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.prefix_hash import prompt_text
-from gateway.prompt_window import fit_window
-from gateway.tokens import count_tokens
+from gateway.admission.prompt_window import fit_window
+from gateway.routing.prefix_hash import prompt_text
+from gateway.routing.tokens import count_tokens
 
 
 def _conversation(turns: int) -> list[dict[str, Any]]:

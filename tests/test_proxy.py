@@ -10,8 +10,8 @@ import openai
 import orjson
 import pytest
 
-from gateway.breaker import BreakerState
 from gateway.config import load_config
+from gateway.fleet.breaker import BreakerState
 from tests.conftest import free_port, gateway_settings, wait_until
 
 
@@ -297,8 +297,8 @@ async def test_observers_receive_one_record_per_request(upstreams, gateway):
 
 
 def test_route_reason_tells_cold_hit_and_spill():
-    from gateway.policy import Candidate
-    from gateway.proxy import route_reason
+    from gateway.path.proxy import route_reason
+    from gateway.routing.policy import Candidate
 
     a, b = Candidate(object(), 0, 0), Candidate(object(), 0, 0)  # type: ignore[arg-type]
     assert route_reason(a, [a, b]) == "cold"

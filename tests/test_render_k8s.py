@@ -13,11 +13,11 @@ import pytest
 import yaml
 
 from gateway.config import KubernetesDiscoveryConfig, Settings, load_config
-from gateway.discovery.kubernetes import pod_endpoints
-from gateway.launcher import plan_fleet
-from gateway.ports import release_ports
-from gateway.render_k8s import gateway_config, render
-from gateway.render_k8s import main as render_main
+from gateway.fleet.discovery.kubernetes import pod_endpoints
+from gateway.fleet.launcher import plan_fleet
+from gateway.fleet.ports import release_ports
+from gateway.fleet.render_k8s import gateway_config, render
+from gateway.fleet.render_k8s import main as render_main
 from tests.conftest import PYTHON, REPO, subprocess_env
 from tests.kube_api import parse_selector
 

@@ -9,9 +9,9 @@ import httpx
 import pytest
 
 from gateway.config import ConfigError, RouteConfig, load_config
-from gateway.request_record import RequestRecord
-from gateway.rollout import BUCKETS, Router, sticky_bucket
-from gateway.variant_stats import VariantStats
+from gateway.control.variant_stats import VariantStats
+from gateway.path.request_record import RequestRecord
+from gateway.routing.rollout import BUCKETS, Router, sticky_bucket
 from tests.conftest import gateway_settings
 
 POOLS = {"stable": "m-stable", "canary": "m-canary"}

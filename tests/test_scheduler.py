@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.admission.scheduler import ClassQueue, Entry, PoolQueue, QueueFull, Scheduler
 from gateway.config import BreakerConfig, PoolConfig, PriorityClass, SchedulerConfig, ScrapeConfig
-from gateway.engine_load import EngineLoad
-from gateway.policy import RequestFeatures
-from gateway.pool import Pool
-from gateway.request_record import RequestRecord
-from gateway.scheduler import ClassQueue, Entry, PoolQueue, QueueFull, Scheduler
+from gateway.fleet.engine_load import EngineLoad
+from gateway.path.request_record import RequestRecord
+from gateway.routing.policy import RequestFeatures
+from gateway.routing.pool_router import Pool
 from gateway.server import RunningGateway
 from tests.conftest import gateway_settings, wait_until
 

@@ -17,11 +17,11 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway.config import load_config
-from gateway.prefix_index import PrefixIndex
+from gateway.control.state import Bucket
+from gateway.control.state.redis_backend import SharedPrefixIndex, dedupe
+from gateway.routing.prefix_index import PrefixIndex
 from gateway.runtime import Runtime
 from gateway.server import RunningGateway
-from gateway.state import Bucket
-from gateway.state.redis_backend import SharedPrefixIndex, dedupe
 from tests.conftest import free_port, gateway_settings, wait_until
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -270,7 +270,7 @@ async def test_fleet_token_buckets_are_exact_and_all_or_nothing(key_prefix, upst
     refused = await b.runtime.state.take(both)
     assert refused[0] == 0.0 and refused[1] > 0
     assert await b.runtime.state.take([Bucket("t2:requests", 99, 0.001, 100)]) == [0.0]  # 1 + 99 = 100
-    # An oversized charge passes on a full bucket (and drives it negative), as gateway.limits does.
+    # An oversized charge passes on a full bucket (and drives it negative), as gateway.admission.limits does.
     assert await a.runtime.state.take([Bucket("t3:tokens", 500, 1.0, 100)]) == [0.0]
     assert (await b.runtime.state.take([Bucket("t3:tokens", 1, 1.0, 100)]))[0] > 300
 

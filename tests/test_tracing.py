@@ -14,8 +14,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.config import Settings, TelemetryConfig
+from gateway.observe.tracing import Tracing, _exporters
 from gateway.server import RunningGateway, start_gateway
-from gateway.tracing import Tracing, _exporters
 from tests.conftest import gateway_settings
 from tests.upstream_app import Upstream
 

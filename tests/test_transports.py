@@ -1,4 +1,4 @@
-"""The transport seam (gateway/upstream.py over gateway/transports/) for every transport,
+"""The transport seam (gateway/path/upstream.py over gateway/path/transports/) for every transport,
 against real servers on loopback: keep-alive reuse, stale and closed connections, refused
 connects, request header validation, the per-host connection cap, and TLS."""
 
@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 
 from gateway.config import ConfigError, UpstreamConfig, load_config
-from gateway.transports.base import HostSlots, InvalidHeaderError, header_block, parse_target
-from gateway.upstream import Upstream, UpstreamError
+from gateway.path.transports.base import HostSlots, InvalidHeaderError, header_block, parse_target
+from gateway.path.upstream import Upstream, UpstreamError
 from tests.conftest import free_port, wait_until
 from tests.hostile_upstream import TRANSPORTS, HostileUpstream, ask, hostile_settings, marker, openai_error
 

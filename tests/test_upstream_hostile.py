@@ -11,7 +11,7 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.breaker import BreakerState
+from gateway.fleet.breaker import BreakerState
 from tests.conftest import wait_until
 from tests.hostile_upstream import (
     MAX_ATTEMPTS,

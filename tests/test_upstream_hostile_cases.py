@@ -17,7 +17,7 @@ import orjson
 import pytest
 import pytest_asyncio
 
-from gateway.breaker import BreakerState
+from gateway.fleet.breaker import BreakerState
 from gateway.server import RunningGateway, start_gateway
 from tests.hostile_upstream import (
     MAX_ATTEMPTS,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from gateway.engines import get_adapter
+from gateway.fleet.engines import get_adapter
 
 VLLM_METRICS = """\
 # HELP python_gc_objects_collected_total Objects collected during gc

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from gateway.config import EngineSpec
-from gateway.engines import get_adapter
-from gateway.engines.base import BOOTSTRAP_PORT, ReplicaSlot, kv_events_ipc_dir
-from gateway.launcher import plan_fleet
-from gateway.ports import release_ports
+from gateway.fleet.engines import get_adapter
+from gateway.fleet.engines.base import BOOTSTRAP_PORT, ReplicaSlot, kv_events_ipc_dir
+from gateway.fleet.launcher import plan_fleet
+from gateway.fleet.ports import release_ports
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 sglang = get_adapter("sglang")

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from gateway.config import EngineSpec
-from gateway.engines import adapter_for_spec, get_adapter
-from gateway.engines.base import BOOTSTRAP_PORT, ReplicaSlot
+from gateway.fleet.engines import adapter_for_spec, get_adapter
+from gateway.fleet.engines.base import BOOTSTRAP_PORT, ReplicaSlot
 
 sim = get_adapter("sim")
 

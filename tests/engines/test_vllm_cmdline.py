@@ -7,16 +7,16 @@ import json
 import pytest
 
 from gateway.config import EngineSpec
-from gateway.engines import get_adapter
-from gateway.engines.base import (
+from gateway.fleet.engines import get_adapter
+from gateway.fleet.engines.base import (
     KV_EVENTS_PORT,
     KV_EVENTS_TOPIC,
     NIXL_SIDE_CHANNEL_PORT,
     ReplicaSlot,
     kv_events_ipc_dir,
 )
-from gateway.launcher import plan_fleet
-from gateway.ports import release_ports
+from gateway.fleet.launcher import plan_fleet
+from gateway.fleet.ports import release_ports
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 vllm = get_adapter("vllm")
@@ -178,7 +178,7 @@ def test_a_replica_bound_wider_binds_events_on_a_wildcard_and_is_reached_at_its_
 
 
 def test_base_port_gives_repeatable_ports(fleet) -> None:
-    from gateway.ports import reserve_free_port
+    from gateway.fleet.ports import reserve_free_port
 
     base = reserve_free_port("127.0.0.1", 39000)
     release_ports([base])

@@ -6,7 +6,7 @@ import time
 
 from bench import text
 from bench.decision_time import build_pool
-from gateway.engine_load import EngineLoad
+from gateway.fleet.engine_load import EngineLoad
 
 
 def test_index_capacity_follows_measured_characters_per_token() -> None:

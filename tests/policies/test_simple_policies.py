@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from bench.oracle_policy import OraclePolicy
-from gateway.policy import load_policy
+from gateway.routing.policy import load_policy
 from tests.policies.helpers import candidates, engine_report, replicas, request
 
 

@@ -1,0 +1,26 @@
+"""State shared by several gateway instances: in-flight load, prefix index, route weights, counters.
+
+`make_state(runtime)` returns the configured backend: `memory` (one instance, nothing shared) or
+`redis`. The request path only ever reads local memory; a backend keeps it in sync off the path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gateway.control.state.base import Bucket, StateBackend
+from gateway.control.state.memory import MemoryState
+
+if TYPE_CHECKING:
+    from gateway.runtime import Runtime
+
+__all__ = ["Bucket", "MemoryState", "StateBackend", "make_state"]
+
+
+def make_state(runtime: Runtime) -> StateBackend:
+    cfg = runtime.settings.state
+    if cfg.backend == "redis":
+        from gateway.control.state.redis_backend import RedisState
+
+        return RedisState(cfg, runtime)
+    return MemoryState(cfg, runtime)
