@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gateway.admission.scheduler import Scheduler
-from gateway.config import EndpointConfig, KVEventsSource, Settings
+from gateway.config import Settings
 from gateway.control.state import make_state
 from gateway.control.variant_stats import VariantStats
-from gateway.fleet.discovery import make_discovery
-from gateway.fleet.engine_load import EngineLoad
-from gateway.fleet.engines.base import KV_EVENTS_TOPIC
-from gateway.fleet.health import HealthChecker
-from gateway.fleet.launcher import FleetLauncher, LaunchedReplica
-from gateway.fleet.load_scraper import LoadScraper
-from gateway.fleet.replica import Replica, Role
+from gateway.fleet.fleet import Fleet
+from gateway.fleet.pool import Pool
+from gateway.fleet.replica import Replica
 from gateway.http.auth import Auth
 from gateway.http.conn_guard import ConnectionGuard
 from gateway.observe.access_log import access_log
@@ -28,7 +23,7 @@ from gateway.path.request_record import Observer, RequestRecord
 from gateway.path.retry_budget import RetryBudget
 from gateway.path.transports.base import client_tls_context
 from gateway.path.upstream import Upstream
-from gateway.routing.pool_router import Pool
+from gateway.routing.pool_router import PoolRouter
 from gateway.routing.rollout import Router
 
 log = logging.getLogger(__name__)
@@ -38,33 +33,14 @@ class Runtime:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.auth = Auth(settings)
-        self.pools: dict[str, Pool] = {}
-        for pcfg in settings.pools:
-            pool = Pool(pcfg, settings.breaker, settings.scrape)
-            self.pools[pool.name] = pool
         # Health checks and load scrapes reach https engines as the hot path does.
         tls = settings.upstream.tls
         control_tls = client_tls_context(tls.verify, tls.ca_file) if tls.ca_file or not tls.verify else None
-        self.scraper = LoadScraper.from_config(settings.scrape, on_update=self._engine_load, tls=control_tls)
-        for pool in self.pools.values():
-            for ep in pool.cfg.endpoints:
-                self.add_endpoint(pool, ep)
-        self.launchers = [
-            FleetLauncher(
-                pool.name,
-                pool.cfg.engines,
-                pool.cfg.engines.model or pool.model,
-                on_ready=self._launched(pool),
-                on_down=self._went_down(pool),
-                served_model_name=pool.upstream_model,
-            )
-            for pool in self.pools.values()
-            if pool.cfg.engines is not None
-        ]
-        # Pools whose replicas come and go with Kubernetes pods (pools[].discovery).
-        self.discoveries = [
-            d for pool in self.pools.values() if (d := make_discovery(self, pool)) is not None
-        ]
+        self.fleet = Fleet(settings, control_tls)
+        self.pools: dict[str, Pool] = self.fleet.pools
+        # Each pool's router listens to its pool before any replica joins.
+        self.routers: dict[str, PoolRouter] = {name: PoolRouter(pool) for name, pool in self.pools.items()}
+        self.fleet.add_configured_endpoints()
         self.router = Router(settings.routes, {p.name: p.model for p in self.pools.values()})
         self.upstream = Upstream(settings.upstream)
         # Large prompts are prepared here, off the event loop; one thread, so that the loop
@@ -74,7 +50,6 @@ class Runtime:
         # indexes), so with Redis they hold across every gateway instance.
         self.scheduler = Scheduler(settings.scheduler, settings.tenants, take=lambda c: self.state.take(c))
         self.retry_budget = RetryBudget(settings.retry.budget_ratio)
-        self.health = HealthChecker(settings.health, self.all_replicas, tls=control_tls)
         self.draining = False
         self.connections: ConnectionGuard | None = None  # set by the server once it listens
         self.observers: list[Observer] = []
@@ -93,84 +68,11 @@ class Runtime:
         self.audit: deque[dict[str, Any]] = deque(maxlen=200)  # recent admin changes
         self.state = make_state(self)
 
-    def register(
-        self,
-        pool: Pool,
-        url: str,
-        name: str | None,
-        role: Role,
-        kind: str,
-        bootstrap_port: int | None,
-        managed: bool = False,
-        kv_events: KVEventsSource | None = None,
-    ) -> Replica:
-        """Add a replica to a pool and start watching its engine's load (and KV events)."""
-        replica = pool.add_replica(
-            url, name=name, role=role, kind=kind, bootstrap_port=bootstrap_port, managed=managed
-        )
-        adapter = pool.adapter_for(replica)
-        if adapter is not None:
-            self.scraper.add(replica.name, replica.url, adapter)
-        if pool.precise is not None and kv_events is not None:
-            pool.precise.attach(replica.name, kv_events.endpoint, kv_events.topic)
-        return replica
-
-    def add_endpoint(self, pool: Pool, ep: EndpointConfig) -> Replica:
-        """Add an unmanaged replica (config file, admin API, a peer gateway through shared state)."""
-        return self.register(
-            pool, ep.url, ep.name, ep.role, ep.kind, ep.bootstrap_port, kv_events=ep.kv_events
-        )
-
-    def unregister(self, pool: Pool, name: str) -> Replica | None:
-        """Take a replica out of its pool and stop watching it."""
-        self.scraper.remove(name)
-        self.health.forget(name)
-        return pool.remove_replica(name)
-
-    def _launched(self, pool: Pool) -> Callable[[LaunchedReplica], None]:
-        def on_ready(launched: LaunchedReplica) -> None:
-            pool.remove_replica(launched.name)  # a restarted engine comes back with an empty cache
-            self.register(
-                pool,
-                launched.url,
-                launched.name,
-                launched.role,
-                launched.kind,
-                launched.bootstrap_port,
-                managed=True,
-                kv_events=KVEventsSource(endpoint=launched.kv_events_endpoint, topic=KV_EVENTS_TOPIC)
-                if launched.kv_events_endpoint
-                else None,
-            )
-
-        return on_ready
-
-    def _went_down(self, pool: Pool) -> Callable[[str], None]:
-        def on_down(name: str) -> None:
-            if self.unregister(pool, name) is not None:
-                log.warning(
-                    "pool %s: managed replica %s went down; the launcher restarts it", pool.name, name
-                )
-
-        return on_down
-
-    def _engine_load(self, name: str, load: EngineLoad) -> None:
-        for pool in self.pools.values():
-            replica = pool.replicas.get(name)
-            if replica is not None:
-                capacity_changed = replica.engine.num_gpu_blocks != load.num_gpu_blocks
-                replica.engine = load
-                if capacity_changed:
-                    pool.set_kv_capacity(replica)
-                if load.prompt_tokens_total is not None:
-                    pool.observe_prompt_counter(name, load.prompt_tokens_total)
-                return
-
     def _engine_tokens(self, record: RequestRecord) -> None:
         """The engine's own prompt token count teaches its pool the engines' tokens per character."""
-        pool = self.pools.get(record.pool) if record.pool is not None else None
-        if pool is not None and record.engine_prompt_tokens is not None and record.status < 400:
-            pool.observe_usage(record.prompt_chars, record.engine_prompt_tokens)
+        router = self.routers.get(record.pool) if record.pool is not None else None
+        if router is not None and record.engine_prompt_tokens is not None and record.status < 400:
+            router.observe_usage(record.prompt_chars, record.engine_prompt_tokens)
 
     def observe(self, record: RequestRecord) -> None:
         for observer in self.observers:
@@ -180,7 +82,7 @@ class Runtime:
                 log.exception("observer %r failed", observer)
 
     def all_replicas(self) -> list[Replica]:
-        return [r for p in self.pools.values() for r in p.replicas.values()]
+        return self.fleet.replicas()
 
     def ready(self) -> dict[str, bool]:
         return {name: pool.has_healthy() for name, pool in self.pools.items()}
@@ -200,29 +102,18 @@ class Runtime:
         """Start background work; managed replicas join their pools as each becomes ready, so
         the gateway serves (and /ready tells) while slow engines are still loading."""
         await self.state.start()
-        self.health.start()
-        await self.scraper.start()
-        for pool in self.pools.values():
-            if pool.precise is not None:
-                pool.precise.start()
-        for launcher in self.launchers:
-            await launcher.start()
-        for discovery in self.discoveries:
-            discovery.start()
+        for router in self.routers.values():
+            if router.precise is not None:
+                router.precise.start()
+        await self.fleet.start()
 
     async def stop(self) -> None:
-        # Watchers first, so that engines being stopped are not reported as failing.
-        for discovery in self.discoveries:
-            await discovery.stop()
         await self.state.stop()
-        await self.scraper.stop()
-        await self.health.stop()
         await self.scheduler.close()
-        for launcher in self.launchers:
-            await launcher.stop()
-        for pool in self.pools.values():
-            if pool.precise is not None:
-                pool.precise.close()
+        await self.fleet.stop()
+        for router in self.routers.values():
+            if router.precise is not None:
+                router.precise.close()
         await self.upstream.close()
         self.workers.shutdown(wait=False, cancel_futures=True)
         if self.tracing is not None:

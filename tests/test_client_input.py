@@ -164,7 +164,7 @@ def _access(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
 async def test_large_bodies_are_measured_off_the_loop_exactly_as_small_ones(upstreams, gateway):
     (up,) = await upstreams(1)
     gw = await gateway(gateway_settings([up.url], server={"offload_body_bytes": 1000}))
-    pool = gw.runtime.pools["p"]
+    pool = gw.runtime.routers["p"]
     text = " ".join(f"word{i % 97}" for i in range(20_000))
     body = {"model": "m", "messages": [{"role": "system", "content": text}, {"role": "user", "content": "q"}]}
     async with httpx.AsyncClient() as c:

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from gateway.config import load_config
-from gateway.routing.pool_router import Pool
+from gateway.fleet.pool import Pool
+from gateway.routing.pool_router import PoolRouter
 from gateway.routing.tokens import (
     WordTokenizer,
     engine_prompt_tokens,
@@ -82,8 +83,8 @@ async def test_usage_figures_teach_the_pool_the_engines_tokens(gateway) -> None:
             [url], pool={"policy": {"type": "prefix_affinity"}, "endpoints": [{"url": url, "kind": "sim"}]}
         )
         gw = await gateway(settings)
-        pool = gw.runtime.pools["p"]
-        replica = next(iter(pool.replicas.values()))
+        pool = gw.runtime.routers["p"]
+        replica = next(iter(pool.pool.replicas.values()))
         await wait_until(lambda: replica.kv_capacity_tokens is not None, timeout=10, what="KV capacity")
         async with httpx.AsyncClient(timeout=30) as c:
             for i in range(8):
@@ -126,7 +127,7 @@ def test_a_pool_counts_with_the_tokenizer_it_is_given(word_level_model: Path) ->
         {"engines": {"kind": "sim", "model": str(model)}},
     ):
         settings = load_config(None, {"pools": [{"name": "p", "model": "m", **pool_cfg}]})
-        pool = Pool(settings.pools[0], settings.breaker, settings.scrape)
+        pool = PoolRouter(Pool(settings.pools[0], settings.breaker, settings.scrape))
         assert pool.tokenizer is not None
         features = pool.features(body, "completions", "r", {})
         assert abs(features.prompt_tokens - 700) <= 2
@@ -147,7 +148,7 @@ async def test_without_usage_figures_the_engines_own_counters_teach_the_pool(gat
     with sim_process("--tokenizer", "builtin:words") as url:
         pool_cfg = {"policy": {"type": "prefix_affinity"}, "endpoints": [{"url": url, "kind": "sim"}]}
         gw = await gateway(gateway_settings([url], pool=pool_cfg, scrape={"interval_s": 0.1}))
-        pool = gw.runtime.pools["p"]
+        pool = gw.runtime.routers["p"]
         async with httpx.AsyncClient(timeout=30) as c:
             for i in range(8):
                 async with c.stream(

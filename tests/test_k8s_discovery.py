@@ -22,7 +22,7 @@ import yaml
 from gateway.config import KubernetesDiscoveryConfig
 from gateway.control.admin import apply_settings
 from gateway.fleet.discovery.kubernetes import KubernetesDiscovery, pod_endpoints, slice_endpoints
-from gateway.routing.pool_router import Pool
+from gateway.fleet.pool import Pool
 from gateway.server import RunningGateway
 from tests.conftest import PYTHON, gateway_settings, subprocess_env, wait_until
 from tests.kube_api import KubeAPI, flag
@@ -63,7 +63,7 @@ def pool_of(gw: RunningGateway) -> Pool:
 
 
 def source(gw: RunningGateway) -> KubernetesDiscovery:
-    (d,) = gw.runtime.discoveries
+    (d,) = gw.runtime.fleet.discoveries
     return d
 
 
@@ -143,7 +143,7 @@ async def test_removed_replica_leaves_the_prefix_index(kube, upstreams, k8s_gate
             "/v1/completions", json={"model": "m", "prompt": "a shared system prompt " * 20}
         )
         assert r.status_code == 200
-    index = pool_of(gw).prefix_index
+    index = gw.runtime.routers["p"].prefix_index
     assert index.snapshot("a"), "routing taught the index what a holds"
     kube.terminate_pod(NS, "a")
     await wait_until(lambda: "a" not in pool_of(gw).replicas, what="a to be removed")

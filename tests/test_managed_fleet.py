@@ -40,7 +40,7 @@ async def test_killed_replica_restarts_rejoins_and_no_request_fails(gateway, tmp
     gw = await gateway(settings)
     pool = gw.runtime.pools["p"]
     await wait_until(lambda: len(pool.replicas) == 3, timeout=30, what="three managed replicas")
-    launcher = gw.runtime.launchers[0]
+    launcher = gw.runtime.fleet.launchers[0]
     pids = {name: st.pid for name, st in launcher.status().items()}
     assert all(pid and _alive(pid) for pid in pids.values())
 

@@ -37,7 +37,7 @@ def test_candidates_carry_each_replicas_leading_match() -> None:
     depths = {f"r{i}": (i * 7) % (n + 1) for i in range(40)}  # many distinct depths, some 0, some all
     for name, k in depths.items():
         pool.prefix_index.record(name, features.block_hashes[:k])
-    serving = pool.serving("decode")
+    serving = pool.pool.serving("decode")
     candidates = pool.candidates(features, serving, pool.policy)
     assert [c.replica for c in candidates] == serving
     for c in candidates:
@@ -48,5 +48,5 @@ def test_candidates_carry_each_replicas_leading_match() -> None:
     blind.prefix_index.record("r0", features.block_hashes)
     assert [
         (c.matched_blocks, c.matched_tokens)
-        for c in blind.candidates(features, blind.serving("decode"), blind.policy)
+        for c in blind.candidates(features, blind.pool.serving("decode"), blind.policy)
     ] == [(0, 0)] * 3

@@ -55,7 +55,7 @@ async def test_routes_by_the_engines_events_and_forgets_what_it_drops(gateway, t
     }
     gw = await gateway(gateway_settings([], pool=pool_cfg))
     pool = gw.runtime.pools["p"]
-    precise = pool.precise
+    precise = gw.runtime.routers["p"].precise
     assert precise is not None
     await wait_until(lambda: len(pool.replicas) == 2, timeout=30, what="two managed replicas")
     await wait_until(lambda: len(precise.subscribers) == 2, timeout=5, what="two KV event subscribers")
@@ -116,7 +116,7 @@ async def test_an_engine_that_cannot_tokenize_is_routed_without_prefix_informati
         },
     )
     gw = await gateway(settings)
-    precise = gw.runtime.pools["p"].precise
+    precise = gw.runtime.routers["p"].precise
     assert precise is not None
     async with httpx.AsyncClient(timeout=10) as c:
         r = await c.post(gw.url + "/v1/chat/completions", json=_chat("hello"))
@@ -156,7 +156,7 @@ async def test_an_unmanaged_engine_with_vllms_default_topic_is_heard(gateway) ->
             "endpoints": [{"url": url, "name": "r0", "kind": "sim", "kv_events": endpoint}],
         }
         gw = await gateway(gateway_settings([url], pool=pool))
-        precise = gw.runtime.pools["p"].precise
+        precise = gw.runtime.routers["p"].precise
         assert precise is not None and precise.subscribers["r0"].topic == ""
         async with httpx.AsyncClient(timeout=30) as c:
             r = await c.post(gw.url + "/v1/chat/completions", json=_chat("When is high tide at Texel?"))
@@ -185,7 +185,7 @@ async def test_missing_events_are_reported_and_routing_falls_back_visibly(gatewa
             ],
         }
         gw = await gateway(gateway_settings([url], pool=pool))
-        precise = gw.runtime.pools["p"].precise
+        precise = gw.runtime.routers["p"].precise
         assert precise is not None
         async with httpx.AsyncClient(timeout=30) as c:
             assert precise.events_state("r0") == "waiting"  # nothing owed before any traffic

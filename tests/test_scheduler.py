@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from gateway.admission.scheduler import ClassQueue, Entry, PoolQueue, QueueFull, Scheduler
 from gateway.config import BreakerConfig, PoolConfig, PriorityClass, SchedulerConfig, ScrapeConfig
 from gateway.fleet.engine_load import EngineLoad
+from gateway.fleet.pool import Pool
 from gateway.path.request_record import RequestRecord
 from gateway.routing.policy import RequestFeatures
-from gateway.routing.pool_router import Pool
+from gateway.routing.pool_router import PoolRouter
 from gateway.server import RunningGateway
 from tests.conftest import gateway_settings, wait_until
 
@@ -533,7 +534,7 @@ async def test_no_priority_field_without_priority_scheduling(upstreams, gateway)
     ],
 )
 def test_managed_fleet_priority_direction(engines: dict[str, Any], expected: int | None) -> None:
-    pool = Pool(PoolConfig(name="p", model="m", engines=engines), BreakerConfig(), ScrapeConfig())
+    pool = PoolRouter(Pool(PoolConfig(name="p", model="m", engines=engines), BreakerConfig(), ScrapeConfig()))
     features = RequestFeatures(request_id="r", model="m", pool="p", endpoint="chat", prompt_tokens=1)
     features.priority = 2
     body: dict[str, Any] = {}

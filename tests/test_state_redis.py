@@ -79,7 +79,7 @@ async def complete(
 
 
 def blocks(gw: RunningGateway) -> int:
-    return int(gw.runtime.pools["p"].prefix_index.stats()["distinct_blocks"])  # type: ignore[call-overload]
+    return int(gw.runtime.routers["p"].prefix_index.stats()["distinct_blocks"])  # type: ignore[call-overload]
 
 
 async def test_two_instances_send_a_prefix_to_the_same_replica(key_prefix, upstreams, gateway) -> None:
@@ -378,7 +378,7 @@ async def test_redis_outage_serves_locally_and_resynchronizes(upstreams, gateway
         status = (await client.get(a.url + "/admin/state", headers=AUTH)).json()
         assert status["connected"] is False and status["last_error"]
 
-        learned_on_a = set(a.runtime.pools["canary"].prefix_index.snapshot("canary-0"))
+        learned_on_a = set(a.runtime.routers["canary"].prefix_index.snapshot("canary-0"))
         procs.append(_start_redis(port))  # an empty Redis: everything must be pushed again
         await wait_until(
             lambda: a.runtime.state.connected and b.runtime.state.connected, timeout=10, what="reconnect"
@@ -389,7 +389,7 @@ async def test_redis_outage_serves_locally_and_resynchronizes(upstreams, gateway
             what="A's outage-time weight change to reach B",
         )
         await wait_until(
-            lambda: learned_on_a <= set(b.runtime.pools["canary"].prefix_index.snapshot("canary-0")),
+            lambda: learned_on_a <= set(b.runtime.routers["canary"].prefix_index.snapshot("canary-0")),
             timeout=3,
             what="A's prefix index to be republished to B",
         )

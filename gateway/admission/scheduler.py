@@ -39,13 +39,12 @@ from gateway.admission.limits import Clock, Limits, ShedError, Take
 from gateway.admission.prompt_window import fit_window
 from gateway.config import PriorityClass, SchedulerConfig, TenantConfig
 from gateway.errors import GatewayError
-from gateway.fleet.engines.base import EngineAdapter
 from gateway.logs import clip
 from gateway.routing.policy import RequestFeatures
 
 if TYPE_CHECKING:
     from gateway.fleet.replica import Replica
-    from gateway.routing.pool_router import Pool
+    from gateway.routing.pool_router import PoolRouter
 
 SHED_REASONS = (
     "queue_full",
@@ -242,7 +241,7 @@ _UNLIMITED = Ticket(None)
 @dataclass(slots=True, eq=False)
 class _PoolState:
     scheduler: Scheduler
-    pool: Pool
+    pool: PoolRouter
     queue: PoolQueue
     outstanding: int = 0  # tickets granted and not released (admitted but maybe not leased yet)
     outstanding_tokens: int = 0
@@ -295,7 +294,7 @@ class Scheduler:
 
     # -- per request, before queueing ----------------------------------------------------------------
     def fit_prompt(
-        self, pool: Pool, features: RequestFeatures, body: dict[str, Any]
+        self, pool: PoolRouter, features: RequestFeatures, body: dict[str, Any]
     ) -> RequestFeatures | None:
         """Apply the prompt size limit (after `classify`). Returns the features of the trimmed body when the
         window policy dropped turns, None when the prompt fits as it is; raises 400 when it cannot fit."""
@@ -351,7 +350,7 @@ class Scheduler:
         features.priority = self._levels[name]
         return changed
 
-    def forward_priority(self, pool: Pool, features: RequestFeatures, body: dict[str, Any]) -> bool:
+    def forward_priority(self, pool: PoolRouter, features: RequestFeatures, body: dict[str, Any]) -> bool:
         """Set body `priority` in the engine's own direction when the pool's engines schedule by priority
         and the client did not choose an engine priority; True when the body changed.
 
@@ -361,14 +360,14 @@ class Scheduler:
         given = body.get("priority")
         if given is not None:
             return self._cap_body_priority(pool, features, body, given)
-        adapter = self._priority_adapter(pool)
+        adapter = pool.pool.priority_adapter()
         if adapter is None:
             return False
         body["priority"] = adapter.engine_priority(features.priority)
         return True
 
     def _cap_body_priority(
-        self, pool: Pool, features: RequestFeatures, body: dict[str, Any], given: Any
+        self, pool: PoolRouter, features: RequestFeatures, body: dict[str, Any], given: Any
     ) -> bool:
         tenant = self.tenants.get(features.tenant) if features.tenant else None
         if tenant is None or tenant.max_priority is None:
@@ -381,7 +380,7 @@ class Scheduler:
                 "invalid_priority",
                 "priority",
             )
-        adapter = self._direction_adapter(pool)
+        adapter = pool.pool.direction_adapter()
         if adapter is None:  # no engine known to read it: nothing to check it against
             del body["priority"]
             return True
@@ -394,30 +393,13 @@ class Scheduler:
         self.priority_lowered += 1
         return True
 
-    def _priority_adapter(self, pool: Pool) -> EngineAdapter | None:
-        cfg = pool.cfg
-        if cfg.engines is not None:  # a managed fleet runs priority scheduling only if launched so
-            return pool.adapter if cfg.engines.priority_scheduling else None
-        if not cfg.priority_scheduling:
-            return None
-        return self._direction_adapter(pool)
-
-    @staticmethod
-    def _direction_adapter(pool: Pool) -> EngineAdapter | None:
-        """The adapter that says which way the pool's engines read `priority`."""
-        if pool.adapter is not None:
-            return pool.adapter
-        # One body serves every replica the retries may walk: the pool's first replica sets the direction.
-        first = next(iter(pool.replicas.values()), None)
-        return pool.adapter_for(first) if first is not None else None
-
     def _expected_output(self, features: RequestFeatures) -> int:
         return min(
             features.max_tokens or self.cfg.expected_output_tokens, self.cfg.max_expected_output_tokens
         )
 
     # -- admission ---------------------------------------------------------------------------------------
-    async def admit(self, pool: Pool, features: RequestFeatures) -> Ticket:
+    async def admit(self, pool: PoolRouter, features: RequestFeatures) -> Ticket:
         """Charge the tenant's rate limits (429), then dispatch now or queue; see the module docstring."""
         cls = features.priority_class
         try:
@@ -510,11 +492,11 @@ class Scheduler:
                 )
             )
 
-    def _cost(self, pool: Pool, features: RequestFeatures) -> int:
+    def _cost(self, pool: PoolRouter, features: RequestFeatures) -> int:
         """Estimated job size: prompt tokens not cached on the best replica, plus expected output."""
         uncached = features.prompt_tokens
         if features.block_hashes:
-            matched = pool.prefix_index.match(features.block_hashes, list(pool.replicas))
+            matched = pool.prefix_index.match(features.block_hashes, list(pool.pool.replicas))
             best = max(matched.values(), default=0)
             uncached -= sum(features.block_tokens[:best])
         return max(0, uncached) + self._expected_output(features)
@@ -547,7 +529,7 @@ class Scheduler:
         replicas, less the slots reserved for higher classes, is not used up by granted tickets (which
         count requests not leased yet), and at least one replica has headroom by its own in-flight
         counts and, when fresh, by the engine's figures."""
-        replicas = state.pool.serving("decode")
+        replicas = state.pool.pool.serving("decode")
         if not replicas:
             return True  # nothing to wait for: dispatch answers 503 at once
         cfg = self.cfg

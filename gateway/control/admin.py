@@ -20,10 +20,10 @@ from aiohttp import web
 from gateway.config import ConfigError, EndpointConfig, Settings, load_config
 from gateway.control.preflight import preflight
 from gateway.errors import GatewayError
+from gateway.fleet.pool import Pool
 from gateway.fleet.replica import Replica
 from gateway.http.request_body import parse_json_body
 from gateway.logs import clip
-from gateway.routing.pool_router import Pool
 from gateway.routing.rollout import Router
 from gateway.runtime import Runtime
 
@@ -106,10 +106,10 @@ def apply_settings(runtime: Runtime, new: Settings, who: str) -> dict[str, Any]:
     for name, remove, add in plan:
         pool = runtime.pools[name]
         for rname in remove:
-            runtime.unregister(pool, rname)
+            runtime.fleet.unregister(pool, rname)
             changes.append(f"pool {name}: removed replica {rname}")
         for ep in add:
-            r = runtime.add_endpoint(pool, ep)
+            r = runtime.fleet.add_endpoint(pool, ep)
             changes.append(f"pool {name}: added replica {r.name} at {r.url}")
         pool.cfg = new.pool(name)
     if router.describe() != runtime.router.describe():
@@ -216,7 +216,7 @@ class Admin:
         if any(r.url == ep.url for r in pool.replicas.values()):
             raise _bad(f"pool {pool.name!r} already has {ep.url}", "replica_exists", 409)
         try:
-            replica = self.rt.add_endpoint(pool, ep)
+            replica = self.rt.fleet.add_endpoint(pool, ep)
         except ValueError as exc:
             raise _bad(str(exc), "replica_exists", 409) from None
         who = self.who(request)
@@ -234,7 +234,7 @@ class Admin:
                 else "launched by the gateway; change the pool's engines and reload"
             )
             raise _bad(f"replica {replica.name!r} is {how}", "replica_managed", 409)
-        self.rt.unregister(pool, replica.name)
+        self.rt.fleet.unregister(pool, replica.name)
         who = self.who(request)
         record_change(self.rt, who, f"pool {pool.name}: removed replica {replica.name}")
         await self.rt.state.publish_endpoint(pool.name, replica.url, None, who)

@@ -20,8 +20,9 @@ from aiohttp import web
 from gateway.observe.metrics import PoolTraffic, queued_by_class, scheduler_stats
 
 if TYPE_CHECKING:
+    from gateway.fleet.pool import Pool
     from gateway.fleet.replica import Replica
-    from gateway.routing.pool_router import Pool
+    from gateway.routing.precise_prefix import PrecisePrefix
     from gateway.runtime import Runtime
 
 # The page runs only its own inline code and talks only to this origin.
@@ -94,6 +95,7 @@ class Dashboard:
 
     def _pool(self, pool: Pool, queued: dict[str, int]) -> dict[str, Any]:
         metrics = self.rt.metrics
+        precise = self.rt.routers[pool.name].precise
         # Traffic totals come from the metrics observer: unknown (None) when metrics are off.
         traffic = None if metrics is None else metrics.traffic.get(pool.name, PoolTraffic())
         return {
@@ -108,11 +110,11 @@ class Dashboard:
             "prompt_tokens": traffic and traffic.prompt_tokens,
             "matched_tokens": traffic and traffic.matched_tokens,
             "hit_ratio": traffic and traffic.hit_ratio,
-            "replicas": [self._replica(r, pool) for r in pool.replicas.values()],
+            "replicas": [self._replica(r, precise) for r in pool.replicas.values()],
         }
 
     @staticmethod
-    def _replica(r: Replica, pool: Pool) -> dict[str, Any]:
+    def _replica(r: Replica, precise: PrecisePrefix | None) -> dict[str, Any]:
         eng = r.engine
         return {
             "name": r.name,
@@ -132,7 +134,7 @@ class Dashboard:
                 "running": eng.running,
                 "kv_usage": eng.kv_usage,
             },
-            "kv_events": _kv_events(r, pool),
+            "kv_events": _kv_events(r, precise),
         }
 
     def _routes(self) -> list[dict[str, Any]]:
@@ -156,10 +158,9 @@ class Dashboard:
         return out
 
 
-def _kv_events(r: Replica, pool: Pool) -> dict[str, Any] | None:
+def _kv_events(r: Replica, precise: PrecisePrefix | None) -> dict[str, Any] | None:
     """Precise mode: the replica's KV event stream (None when the pool is not in precise mode or the
     replica has no publisher). `missing` means it is routed by the approximate index."""
-    precise = pool.precise
     sub = precise.subscribers.get(r.name) if precise is not None else None
     if precise is None or sub is None:
         return None

@@ -341,7 +341,7 @@ class FleetCollector(Collector):
     @staticmethod
     def _precise(rt: Runtime) -> Iterator[Metric]:
         """Precise prefix mode: what the engines' KV events did to the index, and what was lost."""
-        pools = [(name, p.precise) for name, p in list(rt.pools.items()) if p.precise is not None]
+        pools = [(name, r.precise) for name, r in list(rt.routers.items()) if r.precise is not None]
         if not pools:
             return
         blocks = CounterMetricFamily(
@@ -544,9 +544,9 @@ class FleetCollector(Collector):
         tokens = GaugeMetricFamily(
             "kvgate_token_count_cache_entries", "Prompt blocks whose token count is cached", labels=["pool"]
         )
-        for name, pool in list(rt.pools.items()):
-            index.add_metric([name], pool.prefix_index.entries())
-            tokens.add_metric([name], pool.hasher.cached_blocks())
+        for name, router in list(rt.routers.items()):
+            index.add_metric([name], router.prefix_index.entries())
+            tokens.add_metric([name], router.hasher.cached_blocks())
         yield from (index, tokens)
 
         weights = GaugeMetricFamily(

@@ -33,7 +33,8 @@ from gateway.path.upstream import Upstream, UpstreamError
 from gateway.routing.policy import Candidate, RequestFeatures
 
 if TYPE_CHECKING:
-    from gateway.routing.pool_router import Pool
+    from gateway.fleet.pool import Pool
+    from gateway.routing.pool_router import PoolRouter
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +113,14 @@ class PDHandoff:
 
     async def prepare(
         self,
-        pool: Pool,
+        router: PoolRouter,
         features: RequestFeatures,
         body: dict[str, Any],
         raw: bytes,
         path: str,
         headers: Mapping[str, str],
     ) -> DecodePlan:
-        prefills = await pool.rank(features, role="prefill")
+        prefills = await router.rank(features, role="prefill")
         tokens = features.prompt_tokens
         claim: Claim | None = None
         for candidate in prefills:
@@ -128,8 +129,8 @@ class PDHandoff:
         if claim is None:
             return DecodePlan(raw)  # no prefill capacity: the decode replica does it all
         prefill = claim.replica
-        pool.learn(features, prefill, role="prefill")
-        if pool.pd_protocol == SGLANG_CONCURRENT:
+        router.learn(features, prefill, role="prefill")
+        if router.pool.pd_protocol == SGLANG_CONCURRENT:
             try:
                 leg = orjson.dumps(sglang_body(body, prefill))
             except BaseException:

@@ -44,7 +44,8 @@ from gateway.routing.prefix_hash import PrefixHasher
 from gateway.routing.tokens import engine_prompt_tokens
 
 if TYPE_CHECKING:
-    from gateway.routing.pool_router import Pool
+    from gateway.fleet.pool import Pool
+    from gateway.routing.pool_router import PoolRouter
     from gateway.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,8 @@ class Proxy:
                 "model_not_found",
                 "model",
             )
-        pool = self.rt.pools[pool_name]
+        router = self.rt.routers[pool_name]
+        pool = router.pool
         rec.pool = pool.name
         removed = strip_body(body, pool.passthrough_fields)
         if removed:
@@ -157,26 +159,26 @@ class Proxy:
         if offload:
             # The worker reads the pool's caches through a detached hasher; what it learned joins
             # them back here, on the loop.
-            hasher = pool.hasher.detached()
+            hasher = router.hasher.detached()
             call = contextvars.copy_context().run
-            job = functools.partial(call, self._prompt, pool, body, rec, request.headers, hasher)
+            job = functools.partial(call, self._prompt, router, body, rec, request.headers, hasher)
             body, canonicalized, features = await loop.run_in_executor(self.rt.workers, job)
-            pool.hasher.absorb(hasher)
-            pool.learn_token_size(len(features.text), features.prompt_tokens)
+            router.hasher.absorb(hasher)
+            router.learn_token_size(len(features.text), features.prompt_tokens)
         else:
-            body, canonicalized, features = self._prompt(pool, body, rec, request.headers)
+            body, canonicalized, features = self._prompt(router, body, rec, request.headers)
         changed = canonicalized or changed
         scheduler = self.rt.scheduler
         features.tenant = tenant
         changed = scheduler.classify(features, request.headers, body) or changed
-        trimmed = scheduler.fit_prompt(pool, features, body)
+        trimmed = scheduler.fit_prompt(router, features, body)
         if trimmed is not None:  # the window policy dropped the oldest turns
             features, changed = trimmed, True
-        changed = scheduler.forward_priority(pool, features, body) or changed
+        changed = scheduler.forward_priority(router, features, body) or changed
         tr = self.rt.tracing
-        if pool.precise is not None and pool.policy.uses_prefix_match:
+        if router.precise is not None and router.policy.uses_prefix_match:
             with tr.span("tokenize") if tr else NOOP:
-                await pool.precise.annotate(features, body, pool.serving("decode"), self.rt.upstream)
+                await router.precise.annotate(features, body, pool.serving("decode"), self.rt.upstream)
         out = orjson.dumps(body) if changed else raw
         rec.stream = features.stream
         rec.prompt_tokens = features.prompt_tokens
@@ -184,16 +186,16 @@ class Proxy:
         rec.priority_class = features.priority_class
         queued_at = time.perf_counter()
         with tr.span("queue", {"kvgate.priority_class": features.priority_class}) if tr else NOOP:
-            ticket = await self.rt.scheduler.admit(pool, features)
+            ticket = await self.rt.scheduler.admit(router, features)
         rec.queued_s = time.perf_counter() - queued_at
         try:
-            return await self._dispatch(request, pool, features, body, out, rec)
+            return await self._dispatch(request, router, features, body, out, rec)
         finally:
             ticket.release()
 
     def _prompt(
         self,
-        pool: Pool,
+        router: PoolRouter,
         body: dict[str, Any],
         rec: RequestRecord,
         headers: Mapping[str, str],
@@ -202,7 +204,7 @@ class Proxy:
         """Canonicalize (when the pool does) and measure the prompt; True when the body changed.
         With a detached `hasher` it runs off the event loop and touches none of the pool's state."""
         changed = False
-        canon = pool.cfg.canonicalize
+        canon = router.cfg.canonicalize
         if canon.enabled and not headers.get(canon.opt_out_header):
             tr = self.rt.tracing
             with tr.span("canonicalize") if tr else NOOP:
@@ -210,7 +212,7 @@ class Proxy:
             if result.body is not body:
                 body, changed = result.body, True
                 log.debug("request %s canonicalized: %s", rec.request_id, "; ".join(result.notes))
-        features = pool.features(body, rec.endpoint, rec.engine_request_id, headers, hasher)
+        features = router.features(body, rec.endpoint, rec.engine_request_id, headers, hasher)
         return body, changed, features
 
     def error_response(self, exc: GatewayError, rec: RequestRecord) -> web.Response:
@@ -230,16 +232,17 @@ class Proxy:
     async def _dispatch(
         self,
         request: web.Request,
-        pool: Pool,
+        router: PoolRouter,
         features: RequestFeatures,
         body: dict[str, Any],
         raw: bytes,
         rec: RequestRecord,
     ) -> web.StreamResponse:
+        pool = router.pool
         request_id = rec.request_id
         tr = self.rt.tracing
         with tr.span("route", {"kvgate.policy": pool.cfg.policy.type}) if tr else NOOP:
-            ranked = await pool.rank(features)
+            ranked = await router.rank(features)
         if not ranked:
             raise self._no_replica(f"no healthy replica in pool `{pool.name}`")
         retry_cfg = self.settings.retry
@@ -255,7 +258,7 @@ class Proxy:
         deliveries = 0
         try:
             if pool.disaggregated and self.pd.wanted(pool, features, ranked[0]):
-                plan = await self.pd.prepare(pool, features, body, raw, request.path, headers)
+                plan = await self.pd.prepare(router, features, body, raw, request.path, headers)
             for attempt, candidate in enumerate(_walk(ranked, max_attempts)):
                 if deliveries >= max_attempts:
                     break
@@ -272,7 +275,7 @@ class Proxy:
                 with claim:
                     # Learn at decision time, not when the answer comes: concurrent requests with
                     # the same new prefix must see where the first one went.
-                    pool.learn(features, replica)
+                    router.learn(features, replica)
                     up = tr.upstream(replica, attempt, headers) if tr else None
                     try:
                         try:
@@ -305,7 +308,7 @@ class Proxy:
                         rec.replica = replica.name
                         rec.matched_tokens = candidate.matched_tokens
                         rec.route_reason = (
-                            route_reason(candidate, ranked) if pool.policy.uses_prefix_match else None
+                            route_reason(candidate, ranked) if router.policy.uses_prefix_match else None
                         )
                         return await self._relay(request, resp, claim, rec)
                     finally:

@@ -1,18 +1,22 @@
-"""A pool: the replicas serving one model configuration, its routing policy and prefix index."""
+"""A pool's router: what is learned about its replicas for routing, and how a request is routed.
+
+Per pool: the routing policy (and the prefill policy of PD pools), the prompt hasher and token
+counter, the prefix index (and, in precise mode, the KV event index with the approximate one as
+its fallback), and the engines' tokens per character. It follows the pool's membership as a
+`PoolListener`: a replica that leaves is forgotten, a KV capacity that changes resizes its index.
+"""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.config import BreakerConfig, PoolConfig, ScrapeConfig
-from gateway.fleet.breaker import CircuitBreaker
-from gateway.fleet.engines import EngineAdapter, adapter_for_spec, get_adapter
-from gateway.fleet.replica import Replica, Role
+from gateway.config import KVEventsSource, PoolConfig
+from gateway.fleet.pool import Pool
+from gateway.fleet.replica import Replica
 from gateway.routing.policy import Candidate, Policy, RequestFeatures, load_policy
 from gateway.routing.precise_prefix import PrecisePrefix
 from gateway.routing.prefix_hash import PrefixHasher, prompt_pieces
@@ -85,34 +89,20 @@ def _matched(
     return [Candidate(r, matched[r.name], tokens[matched[r.name]]) for r in replicas]
 
 
-class Pool:
-    def __init__(
-        self,
-        cfg: PoolConfig,
-        breaker_cfg: BreakerConfig,
-        scrape_cfg: ScrapeConfig,
-        policy: Policy | None = None,
-    ) -> None:
-        self.cfg = cfg
-        self.name = cfg.name
-        self.model = cfg.model
-        self.upstream_model = cfg.served_model or cfg.model
-        self._breaker_cfg = breaker_cfg
-        self._scrape_cfg = scrape_cfg
-        self.replicas: dict[str, Replica] = {}
+class PoolRouter:
+    def __init__(self, pool: Pool, policy: Policy | None = None) -> None:
+        self.pool = pool
+        cfg = pool.cfg
         self.policy = policy or load_policy(cfg.policy.type, cfg.policy.args)
         self.prefill_policy = load_policy(cfg.pd.prefill_policy.type, cfg.pd.prefill_policy.args)
         self.tokenizer = pool_tokenizer(cfg)
         self.hasher = PrefixHasher(
             block_chars=cfg.prefix.block_chars, count=(self.tokenizer or get_tokenizer()).count
         )
-        # What clients may send engines that engines would act on (see gateway/path/sanitize.py).
-        self.passthrough_fields = frozenset(cfg.client_passthrough.body_fields)
-        self.passthrough_headers = frozenset(h.lower() for h in cfg.client_passthrough.headers)
         # Precise mode matches engine token blocks against the engines' KV events; its index
         # replaces the one learned from text blocks.
         self.precise = (
-            PrecisePrefix(cfg.prefix, self.upstream_model, cfg.engine_block_size)
+            PrecisePrefix(cfg.prefix, pool.upstream_model, cfg.engine_block_size)
             if cfg.prefix.mode == "precise"
             else None
         )
@@ -121,7 +111,6 @@ class Pool:
         approximate = PrefixIndex.from_config(cfg.prefix, prefix_closed=True)
         self.prefix_index = self.precise.index if self.precise is not None else approximate
         self.fallback_index = approximate if self.precise is not None else None
-        self._names = itertools.count()
         # Prompt characters and tokens seen: the index is sized in blocks of characters, the engine
         # in tokens, and characters per token vary with the text (code, CJK, generated benchmarks).
         self._text_chars = 0
@@ -139,82 +128,35 @@ class Pool:
         self._counter_chars = 0
         self._counter_tokens = 0.0
         self.token_scale = 1.0  # engine tokens per counted token, once measured
-        # Managed pools know their engine exactly; unmanaged ones by each endpoint's kind.
-        self.adapter = adapter_for_spec(cfg.engines) if cfg.engines is not None else None
-
-    def adapter_for(self, replica: Replica) -> EngineAdapter | None:
-        if self.adapter is not None:
-            return self.adapter
-        try:
-            return get_adapter(replica.kind)
-        except KeyError:  # e.g. a plain OpenAI-compatible server: no load figures to read
-            return None
+        pool.listen(self)
 
     @property
-    def pd_protocol(self) -> str | None:
-        prefill = next((r for r in self.replicas.values() if r.role == "prefill"), None)
-        adapter = self.adapter_for(prefill) if prefill is not None else None
-        return adapter.pd_protocol if adapter is not None else None
-
-    # -- membership -------------------------------------------------------------------
-    def add_replica(
-        self,
-        url: str,
-        *,
-        name: str | None = None,
-        role: Role = "mixed",
-        kind: str = "vllm",
-        bootstrap_port: int | None = None,
-        managed: bool = False,
-        healthy: bool = True,
-    ) -> Replica:
-        if name is None:
-            name = f"{self.name}-{next(self._names)}"
-            while name in self.replicas:
-                name = f"{self.name}-{next(self._names)}"
-        if name in self.replicas:
-            raise ValueError(f"pool {self.name}: replica {name!r} exists")
-        replica = Replica(
-            name,
-            url,
-            self.name,
-            role=role,
-            kind=kind,
-            breaker=CircuitBreaker(self._breaker_cfg.failure_threshold, self._breaker_cfg.open_s),
-            bootstrap_port=bootstrap_port,
-            managed=managed,
-            healthy=healthy,
-            stale_after_s=self._scrape_cfg.stale_after_s,
-        )
-        self.replicas[name] = replica
-        log.info("pool %s: replica %s added at %s (role %s)", self.name, name, replica.url, role)
-        return replica
-
-    def remove_replica(self, name: str) -> Replica | None:
-        replica = self.replicas.pop(name, None)
-        if replica is not None:
-            self.prefix_index.remove_replica(name)
-            if self.fallback_index is not None:
-                self.fallback_index.remove_replica(name)
-            self._chars_routed.pop(name, None)
-            self._counter_seen.pop(name, None)
-            if self.precise is not None:
-                self.precise.detach(name)
-            log.info("pool %s: replica %s removed", self.name, name)
-        return replica
+    def name(self) -> str:
+        return self.pool.name
 
     @property
-    def disaggregated(self) -> bool:
-        return any(r.role == "prefill" for r in self.replicas.values())
+    def cfg(self) -> PoolConfig:
+        return self.pool.cfg
 
-    def serving(self, role: str) -> list[Replica]:
-        """Available replicas that can take the given leg: `decode` legs also go to mixed ones."""
-        if role == "prefill":
-            return [r for r in self.replicas.values() if r.role == "prefill" and r.available]
-        return [r for r in self.replicas.values() if r.role != "prefill" and r.available]
+    # -- following the pool's membership (PoolListener) -------------------------------
+    def replica_added(self, replica: Replica, kv_events: KVEventsSource | None) -> None:
+        if self.precise is not None and kv_events is not None:
+            self.precise.attach(replica.name, kv_events.endpoint, kv_events.topic)
 
-    def has_healthy(self) -> bool:
-        return any(r.healthy and r.role != "prefill" for r in self.replicas.values())
+    def replica_removed(self, name: str) -> None:
+        self.prefix_index.remove_replica(name)
+        if self.fallback_index is not None:
+            self.fallback_index.remove_replica(name)
+        self._chars_routed.pop(name, None)
+        self._counter_seen.pop(name, None)
+        if self.precise is not None:
+            self.precise.detach(name)
+
+    def engine_reported(self, replica: Replica, capacity_changed: bool) -> None:
+        if capacity_changed:
+            self.set_kv_capacity(replica)
+        if replica.engine.prompt_tokens_total is not None:
+            self.observe_prompt_counter(replica.name, replica.engine.prompt_tokens_total)
 
     # -- per request ------------------------------------------------------------------
     def features(
@@ -231,7 +173,7 @@ class Pool:
         text = "".join(pieces)
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
-        pf = (hasher or self.hasher).features(self.upstream_model, salt, text, pieces)
+        pf = (hasher or self.hasher).features(self.pool.upstream_model, salt, text, pieces)
         if hasher is None:
             self.learn_token_size(len(text), pf.prompt_tokens)
         prompt_tokens, block_tokens = pf.prompt_tokens, pf.block_tokens
@@ -244,8 +186,8 @@ class Pool:
         )
         features = RequestFeatures(
             request_id=request_id,
-            model=self.upstream_model,
-            pool=self.name,
+            model=self.pool.upstream_model,
+            pool=self.pool.name,
             endpoint=endpoint,
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens if isinstance(max_tokens, int) else None,
@@ -289,7 +231,7 @@ class Pool:
     async def rank(self, features: RequestFeatures, role: str = "decode") -> list[Candidate]:
         """Available replicas for the leg, ranked best first by the pool's (or prefill) policy."""
         policy = self.prefill_policy if role == "prefill" else self.policy
-        return await policy.rank(features, self.candidates(features, self.serving(role), policy))
+        return await policy.rank(features, self.candidates(features, self.pool.serving(role), policy))
 
     def learn(self, features: RequestFeatures, replica: Replica, role: str = "decode") -> None:
         """The request went to `replica`: it will hold the prompt's blocks once prefilled."""
@@ -390,7 +332,7 @@ class Pool:
     def _resize_if_moved(self) -> None:
         sized = self._sized_tokens_per_block
         if sized and abs(self.tokens_per_block() - sized) > 0.2 * sized:
-            for replica in self.replicas.values():
+            for replica in self.pool.replicas.values():
                 self.set_kv_capacity(replica)
 
     def set_kv_capacity(self, replica: Replica) -> None:

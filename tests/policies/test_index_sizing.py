@@ -11,7 +11,7 @@ from gateway.fleet.engine_load import EngineLoad
 
 def test_index_capacity_follows_measured_characters_per_token() -> None:
     pool = build_pool(1, "prefix_affinity")
-    replica = pool.replicas["r0"]
+    replica = pool.pool.replicas["r0"]
     replica.engine = EngineLoad(num_gpu_blocks=4096, block_size=16, updated_at=time.monotonic())
     pool.set_kv_capacity(replica)
     capacity = pool.prefix_index.stats()["replicas"]["r0"]["capacity"]  # type: ignore[index]

@@ -33,7 +33,7 @@ class StateBackend:
 
     - in-flight load: each instance's own stays in `Replica.inflight_*`; the others' arrives in
       `Replica.remote_inflight_*` (policies add the two).
-    - prefix index: blocks one instance learns reach the other instances' `Pool.prefix_index`.
+    - prefix index: blocks one instance learns reach the other instances' `PoolRouter.prefix_index`.
     - route weights: `publish_weights` after a local change reaches every instance's router.
     - drain: `publish_drain` after a local change reaches every instance's replica.
     - endpoints: `publish_endpoint` after an admin API add or remove makes every instance do it.

@@ -138,10 +138,10 @@ class RedisState(StateBackend):
         self._outbox: dict[tuple[str, str], list[Sequence[int]]] = {}  # (pool, replica name) -> prompts
         self._outbox_blocks = 0
         self._snapshot_due = False
-        for pool in runtime.pools.values():
+        for router in runtime.routers.values():
             # Precise mode needs nothing shared: every instance subscribes to the same KV events.
-            if pool.precise is None:
-                pool.prefix_index = SharedPrefixIndex(pool.prefix_index, pool.name, self)
+            if router.precise is None:
+                router.prefix_index = SharedPrefixIndex(router.prefix_index, router.name, self)
 
     # -- keys -------------------------------------------------------------------------
     def _key(self, *parts: str) -> str:
@@ -379,7 +379,7 @@ class RedisState(StateBackend):
             replica = replicas.get((fields[b"p"].decode(), fields[b"u"].decode()))
             if replica is None:
                 continue  # a replica this instance does not route to
-            index = self.rt.pools[replica.pool].prefix_index
+            index = self.rt.routers[replica.pool].prefix_index
             hashes = array("Q")
             hashes.frombytes(fields[b"h"])
             start = 0
@@ -405,7 +405,7 @@ class RedisState(StateBackend):
     def _queue_snapshot(self) -> None:
         for pool in self.rt.pools.values():
             for name in pool.replicas:
-                blocks = pool.prefix_index.snapshot(name)  # oldest first
+                blocks = self.rt.routers[pool.name].prefix_index.snapshot(name)  # oldest first
                 if blocks:
                     # One "prompt" whose head is the most recent entry, as `merge` expects reversed.
                     self._outbox[(pool.name, name)] = [blocks[::-1]]
@@ -472,7 +472,7 @@ class RedisState(StateBackend):
             endpoint = data["endpoint"]
             try:
                 if endpoint is not None and present is None:
-                    replica = self.rt.add_endpoint(pool, EndpointConfig(**endpoint))
+                    replica = self.rt.fleet.add_endpoint(pool, EndpointConfig(**endpoint))
                     log.info(
                         "pool %s: added replica %s at %s (shared state, by %s)",
                         pool_name,
@@ -481,7 +481,7 @@ class RedisState(StateBackend):
                         data["by"],
                     )
                 elif endpoint is None and present is not None and not present.managed:
-                    self.rt.unregister(pool, present.name)
+                    self.rt.fleet.unregister(pool, present.name)
                     log.info(
                         "pool %s: removed replica %s (shared state, by %s)",
                         pool_name,

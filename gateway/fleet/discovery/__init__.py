@@ -8,21 +8,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gateway.fleet.discovery.membership import Endpoint, Membership, Reconciler, RuntimeMembership
+from gateway.fleet.discovery.membership import Endpoint, Membership, PoolMembership, Reconciler, Registry
 
 if TYPE_CHECKING:
     from gateway.fleet.discovery.kubernetes import KubernetesDiscovery
-    from gateway.routing.pool_router import Pool
-    from gateway.runtime import Runtime
+    from gateway.fleet.pool import Pool
 
 
-def make_discovery(runtime: Runtime, pool: Pool) -> KubernetesDiscovery | None:
+def make_discovery(registry: Registry, pool: Pool) -> KubernetesDiscovery | None:
     """The pool's discovery source, if its config has one (not started)."""
     if pool.cfg.discovery is None:
         return None
     from gateway.fleet.discovery.kubernetes import KubernetesDiscovery
 
-    return KubernetesDiscovery(pool.cfg.discovery.kubernetes, RuntimeMembership(runtime, pool))
+    return KubernetesDiscovery(pool.cfg.discovery.kubernetes, PoolMembership(registry, pool))
 
 
-__all__ = ["Endpoint", "Membership", "Reconciler", "RuntimeMembership", "make_discovery"]
+__all__ = ["Endpoint", "Membership", "PoolMembership", "Reconciler", "Registry", "make_discovery"]

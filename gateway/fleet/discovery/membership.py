@@ -5,7 +5,7 @@ hands that set to `Reconciler.sync`. The reconciler diffs it against what it add
 endpoint joins the pool; one that left (pod unready, deleted, out of the selector) is drained at
 once (no new requests, the ones in flight finish) and removed when it is idle or after
 `drain_timeout_s`; one that comes back while still draining is undrained, keeping its prefix
-index. The pool is reached only through `Membership`, so the source knows nothing of `Runtime`.
+index. The pool is reached only through `Membership`, so the source knows nothing of the fleet.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from gateway.config import KVEventsSource
-from gateway.fleet.replica import Role
+from gateway.fleet.replica import Replica, Role
 
 if TYPE_CHECKING:
-    from gateway.routing.pool_router import Pool
-    from gateway.runtime import Runtime
+    from gateway.fleet.pool import Pool
 
 log = logging.getLogger(__name__)
 
@@ -143,22 +142,43 @@ class Reconciler:
                 await task
 
 
-class RuntimeMembership:
-    """`Membership` over a running gateway's pool: the same calls the admin API and launcher use."""
+class Registry(Protocol):
+    """Where replicas join and leave (gateway.fleet.fleet.Fleet): the calls the admin API and the
+    launcher use too."""
 
-    def __init__(self, runtime: Runtime, pool: Pool) -> None:
-        self.rt = runtime
+    def replicas(self) -> list[Replica]: ...
+
+    def register(
+        self,
+        pool: Pool,
+        url: str,
+        name: str | None,
+        role: Role,
+        kind: str,
+        bootstrap_port: int | None,
+        managed: bool = False,
+        kv_events: KVEventsSource | None = None,
+    ) -> Replica: ...
+
+    def unregister(self, pool: Pool, name: str) -> Replica | None: ...
+
+
+class PoolMembership:
+    """`Membership` over one pool of a running gateway's fleet."""
+
+    def __init__(self, registry: Registry, pool: Pool) -> None:
+        self.registry = registry
         self._pool = pool
         self.pool = pool.name
 
     def add(self, ep: Endpoint) -> str:
         # Replica names key the load scraper across pools: a name taken anywhere gets a suffix.
-        taken = {r.name for r in self.rt.all_replicas()}
+        taken = {r.name for r in self.registry.replicas()}
         name, n = ep.name, 1
         while name in taken:
             n += 1
             name = f"{ep.name}-{n}"
-        replica = self.rt.register(
+        replica = self.registry.register(
             self._pool,
             ep.url,
             name,
@@ -183,5 +203,5 @@ class RuntimeMembership:
         return replica.inflight_requests if replica is not None else 0
 
     def remove(self, name: str) -> None:
-        if self.rt.unregister(self._pool, name) is not None:
+        if self.registry.unregister(self._pool, name) is not None:
             log.info("pool %s: replica %s removed (discovery)", self.pool, name)
