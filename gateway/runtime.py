@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gateway.admission.scheduler import Scheduler
 from gateway.config import Settings
+from gateway.control.audit import AuditTrail
+from gateway.control.reload import Reloader
 from gateway.control.state import make_state
 from gateway.control.variant_stats import VariantStats
 from gateway.fleet.fleet import Fleet
@@ -30,8 +32,12 @@ log = logging.getLogger(__name__)
 
 
 class Runtime:
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
+    def __init__(
+        self,
+        settings: Settings,
+        config_path: str | None = None,
+        server_overrides: Mapping[str, Any] | None = None,
+    ) -> None:
         self.auth = Auth(settings)
         # Health checks and load scrapes reach https engines as the hot path does.
         tls = settings.upstream.tls
@@ -62,11 +68,17 @@ class Runtime:
         self.variant_stats = VariantStats()
         self.observers.append(self.variant_stats)
         self.observers.append(self._engine_tokens)
-        # Where the settings came from, for reloads (admin API, SIGHUP); set by the server.
-        self.config_path: str | None = None
-        self.server_overrides: dict[str, Any] = {}
-        self.audit: deque[dict[str, Any]] = deque(maxlen=200)  # recent admin changes
-        self.state = make_state(self)
+        self.audit = AuditTrail()
+        self.state = make_state(settings.state, self)
+        # Reloads (admin API, SIGHUP) re-read `config_path`; the command line's server.* values win.
+        self.reloader = Reloader(
+            settings, self.fleet, self.router, self.state, self.audit, config_path, server_overrides
+        )
+
+    @property
+    def settings(self) -> Settings:
+        """The settings in force (a reload replaces them)."""
+        return self.reloader.settings
 
     def _engine_tokens(self, record: RequestRecord) -> None:
         """The engine's own prompt token count teaches its pool the engines' tokens per character."""

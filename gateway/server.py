@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.config import Settings
-from gateway.control.admin import ReloadRejected, reload_config
+from gateway.control.reload import ReloadRejected
 from gateway.http.app import build_app
 from gateway.http.conn_guard import ConnectionGuard, connection_limit
 from gateway.runtime import Runtime
@@ -72,9 +72,7 @@ async def start_gateway(
     settings: Settings, config_path: str | None = None, server_overrides: dict[str, Any] | None = None
 ) -> RunningGateway:
     """`config_path` and `server_overrides` (command-line server.* values) are what a reload re-reads."""
-    runtime = Runtime(settings)
-    runtime.config_path = config_path
-    runtime.server_overrides = dict(server_overrides or {})
+    runtime = Runtime(settings, config_path, server_overrides)
     server = settings.server
     runner = web.AppRunner(
         build_app(runtime),
@@ -111,7 +109,7 @@ async def start_gateway(
 
 async def _reload(runtime: Runtime) -> None:
     try:
-        await reload_config(runtime, "SIGHUP")
+        await runtime.reloader.reload("SIGHUP")
     except ReloadRejected as exc:
         log.warning("SIGHUP: config reload rejected: %s", exc)
 

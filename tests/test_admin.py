@@ -219,7 +219,7 @@ async def test_reload_valid_invalid_and_inflight_survives(upstreams, gateway, tm
     data = file_config(s.url, c.url, (100, 0))
     write_config(path, data)
     gw = await gateway(load_config(path))
-    gw.runtime.config_path = str(path)
+    gw.runtime.reloader.config_path = str(path)
     async with httpx.AsyncClient(timeout=10) as client:
         # A request in flight on the canary replica that the reload removes still completes.
         slow = asyncio.create_task(post(client, gw.url, **{"x-test-mode": "stall:1"}))

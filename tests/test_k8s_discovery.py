@@ -20,7 +20,6 @@ import pytest
 import yaml
 
 from gateway.config import KubernetesDiscoveryConfig
-from gateway.control.admin import apply_settings
 from gateway.fleet.discovery.kubernetes import KubernetesDiscovery, pod_endpoints, slice_endpoints
 from gateway.fleet.pool import Pool
 from gateway.server import RunningGateway
@@ -90,7 +89,7 @@ async def test_ready_pods_join_and_leave_by_readiness_and_selector(kube, upstrea
     assert a.state.seen and b.state.seen
 
     # A config reload (SIGHUP, admin API) leaves discovered replicas alone, as the admin API does.
-    assert apply_settings(gw.runtime, gw.runtime.settings, "test")["changes"] == []
+    assert gw.runtime.reloader.apply(gw.runtime.settings, "test")["changes"] == []
     admin = {"authorization": "Bearer admin-key"}
     async with httpx.AsyncClient(base_url=gw.url, headers=admin) as client:
         r = await client.delete("/admin/pools/p/replicas/a")

@@ -238,7 +238,7 @@ def test_shared_state_wraps_approximate_indexes_and_leaves_precise_ones_to_kv_ev
     ]
     settings = load_config(None, {"pools": pools, "state": {"backend": "redis", "key_prefix": key_prefix}})
     runtime = Runtime(settings)
-    approx, precise = runtime.pools["approx"], runtime.pools["precise"]
+    approx, precise = runtime.routers["approx"], runtime.routers["precise"]
     assert isinstance(approx.prefix_index, SharedPrefixIndex)
     assert approx.prefix_index.prefix_closed  # the fast match survives the wrapping
     assert precise.precise is not None and precise.prefix_index is precise.precise.index

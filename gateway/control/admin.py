@@ -2,34 +2,32 @@
 
 Every call needs the admin key (`Authorization: Bearer <server.admin_key>`); without one set the
 API answers 403. Every change is applied at once, logged with who made it, and kept in a short
-audit trail (GET /admin/audit). A config reload swaps routes, weights and pool endpoints in
-place without dropping a request, and refuses (naming the keys) anything that needs a restart.
+audit trail (GET /admin/audit). A config reload (gateway.control.reload) swaps routes, weights and
+pool endpoints in place without dropping a request, and refuses (naming the keys) anything that
+needs a restart.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from gateway.config import ConfigError, EndpointConfig, Settings, load_config
-from gateway.control.preflight import preflight
+from gateway.config import EndpointConfig
+from gateway.control.reload import ReloadRejected
 from gateway.errors import GatewayError
 from gateway.fleet.pool import Pool
 from gateway.fleet.replica import Replica
 from gateway.http.request_body import parse_json_body
 from gateway.logs import clip
-from gateway.routing.rollout import Router
 from gateway.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
-AUDIT_SIZE = 200
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
@@ -39,101 +37,6 @@ def _json(data: object, status: int = 200) -> web.Response:
 
 def _bad(message: str, code: str, status: int = 400, param: str | None = None) -> GatewayError:
     return GatewayError(status, message, "invalid_request_error", code, param)
-
-
-class ReloadRejected(Exception):
-    """The new config changes something that cannot change while serving."""
-
-
-def record_change(runtime: Runtime, who: str, what: str) -> None:
-    log.info("admin change by %s: %s", who, what)
-    runtime.audit.append({"at": time.time(), "who": who, "what": what})
-
-
-# -- reload -------------------------------------------------------------------------------
-def _live_differences(old: Settings, new: Settings) -> list[str]:
-    """Keys whose change needs a restart (everything but routes and unmanaged pool endpoints)."""
-    problems = []
-    for key in Settings.model_fields:
-        if key in ("routes", "pools") or getattr(old, key) == getattr(new, key):
-            continue
-        a, b = old.model_dump()[key], new.model_dump()[key]
-        if isinstance(a, dict) and isinstance(b, dict):
-            problems += [f"{key}.{k}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
-        else:
-            problems.append(key)
-    old_pools = {p.name: p for p in old.pools}
-    new_pools = {p.name: p for p in new.pools}
-    if old_pools.keys() != new_pools.keys():
-        problems.append(f"pools (names {sorted(old_pools)} -> {sorted(new_pools)})")
-    for name in old_pools.keys() & new_pools.keys():
-        a = old_pools[name].model_dump(exclude={"endpoints"})
-        b = new_pools[name].model_dump(exclude={"endpoints"})
-        problems += [f"pools.{name}.{k}" for k in a if a[k] != b[k]]
-    return problems
-
-
-def apply_settings(runtime: Runtime, new: Settings, who: str) -> dict[str, Any]:
-    """Swap routes, weights and unmanaged endpoints to `new`, in place and at once.
-
-    Raises ReloadRejected (nothing changed) when `new` differs in anything else.
-    """
-    problems = _live_differences(runtime.settings, new)
-    if problems:
-        raise ReloadRejected(f"these cannot change without a restart: {', '.join(problems)}")
-    try:
-        router = Router(new.routes, {p.name: p.model for p in runtime.pools.values()})
-    except ValueError as exc:
-        raise ReloadRejected(f"routes: {exc}") from None
-    plan: list[tuple[str, list[str], list[EndpointConfig]]] = []
-    for pcfg in new.pools:
-        pool = runtime.pools[pcfg.name]
-        wanted = {ep.url: ep for ep in pcfg.endpoints}
-        current = {r.url: r for r in pool.replicas.values() if not r.managed}
-        remove = [
-            r.name
-            for url, r in current.items()
-            if url not in wanted or (wanted[url].role, wanted[url].kind) != (r.role, r.kind)
-        ]
-        add = [ep for url, ep in wanted.items() if url not in current or current[url].name in remove]
-        kept = set(pool.replicas) - set(remove)
-        clash = [ep.name for ep in add if ep.name is not None and ep.name in kept]
-        if clash:
-            raise ReloadRejected(f"pools.{pcfg.name}.endpoints: names {clash} are used by other replicas")
-        plan.append((pcfg.name, remove, add))
-    # No await from here on: requests see either the old state or the new one.
-    changes: list[str] = []
-    for name, remove, add in plan:
-        pool = runtime.pools[name]
-        for rname in remove:
-            runtime.fleet.unregister(pool, rname)
-            changes.append(f"pool {name}: removed replica {rname}")
-        for ep in add:
-            r = runtime.fleet.add_endpoint(pool, ep)
-            changes.append(f"pool {name}: added replica {r.name} at {r.url}")
-        pool.cfg = new.pool(name)
-    if router.describe() != runtime.router.describe():
-        changes.append("routes replaced")
-    runtime.router = router
-    runtime.settings = new
-    record_change(runtime, who, "config reloaded: " + ("; ".join(changes) or "no changes"))
-    return {"changes": changes}
-
-
-async def reload_config(runtime: Runtime, who: str) -> dict[str, Any]:
-    """Re-read the config file the gateway was started with and apply it (SIGHUP and the API)."""
-    if runtime.config_path is None:
-        raise ReloadRejected("the gateway was not started from a config file")
-    try:
-        new = load_config(runtime.config_path)
-        preflight(new)
-    except ConfigError as exc:
-        raise ReloadRejected(f"invalid config: {exc}") from None
-    if runtime.server_overrides:  # what the command line set wins over the file, as at start
-        new = new.model_copy(update={"server": new.server.model_copy(update=runtime.server_overrides)})
-    result = apply_settings(runtime, new, who)
-    await runtime.state.publish_routes(who)
-    return result
 
 
 # -- handlers -----------------------------------------------------------------------------
@@ -189,7 +92,7 @@ class Admin:
             raise _bad(str(exc), "invalid_weights", param="weights") from None
         after = router.weights(model, index)
         who = self.who(request)
-        record_change(self.rt, who, f"route {model} rule {index} weights {before} -> {after}")
+        self.rt.audit.record(who, f"route {model} rule {index} weights {before} -> {after}")
         await self.rt.state.publish_weights(model, index, after, who)
         return _json({"model": model, "rule": index, "weights": after, "previous": before})
 
@@ -220,7 +123,7 @@ class Admin:
         except ValueError as exc:
             raise _bad(str(exc), "replica_exists", 409) from None
         who = self.who(request)
-        record_change(self.rt, who, f"pool {pool.name}: added replica {replica.name} at {replica.url}")
+        self.rt.audit.record(who, f"pool {pool.name}: added replica {replica.name} at {replica.url}")
         await self.rt.state.publish_endpoint(pool.name, ep.url, ep.model_dump(), who)
         return _json(_replica_view(replica), status=201)
 
@@ -236,7 +139,7 @@ class Admin:
             raise _bad(f"replica {replica.name!r} is {how}", "replica_managed", 409)
         self.rt.fleet.unregister(pool, replica.name)
         who = self.who(request)
-        record_change(self.rt, who, f"pool {pool.name}: removed replica {replica.name}")
+        self.rt.audit.record(who, f"pool {pool.name}: removed replica {replica.name}")
         await self.rt.state.publish_endpoint(pool.name, replica.url, None, who)
         return _json({"removed": replica.name, "inflight_requests": replica.inflight_requests})
 
@@ -251,13 +154,13 @@ class Admin:
         replica.draining = draining
         who = self.who(request)
         action = "drain" if draining else "undrain"
-        record_change(self.rt, who, f"pool {replica.pool}: {action} replica {replica.name}")
+        self.rt.audit.record(who, f"pool {replica.pool}: {action} replica {replica.name}")
         await self.rt.state.publish_drain(replica.pool, replica.url, draining, who)
         return _json(_replica_view(replica))
 
     async def reload(self, request: web.Request) -> web.Response:
         try:
-            result = await reload_config(self.rt, self.who(request))
+            result = await self.rt.reloader.reload(self.who(request))
         except ReloadRejected as exc:
             log.warning("config reload by %s rejected: %s", self.who(request), exc)
             raise _bad(f"reload rejected: {exc}", "reload_rejected", 409) from None
@@ -285,7 +188,7 @@ class Admin:
         return _json({"routes": routes, "direct": direct, "state": self.rt.state.status()})
 
     async def audit(self, request: web.Request) -> web.Response:
-        return _json({"changes": list(self.rt.audit)})
+        return _json({"changes": list(self.rt.audit.changes)})
 
     async def state(self, request: web.Request) -> web.Response:
         return _json(self.rt.state.status())

@@ -12,13 +12,13 @@ from gateway.control.state.base import Bucket, StateBackend
 from gateway.control.state.memory import MemoryState
 
 if TYPE_CHECKING:
+    from gateway.config import StateConfig
     from gateway.runtime import Runtime
 
 __all__ = ["Bucket", "MemoryState", "StateBackend", "make_state"]
 
 
-def make_state(runtime: Runtime) -> StateBackend:
-    cfg = runtime.settings.state
+def make_state(cfg: StateConfig, runtime: Runtime) -> StateBackend:
     if cfg.backend == "redis":
         from gateway.control.state.redis_backend import RedisState
 
