@@ -7,8 +7,11 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from aiohttp import web
+
 from gateway.admission.scheduler import Scheduler
 from gateway.config import Settings
+from gateway.control.admin import Admin
 from gateway.control.audit import AuditTrail
 from gateway.control.reload import Reloader
 from gateway.control.state import make_state
@@ -19,8 +22,10 @@ from gateway.fleet.replica import Replica
 from gateway.http.auth import Auth
 from gateway.http.conn_guard import ConnectionGuard
 from gateway.observe.access_log import access_log
+from gateway.observe.dashboard import Dashboard
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import Tracing
+from gateway.observe.view import GatewayView
 from gateway.path.request_record import Observer, RequestRecord
 from gateway.path.retry_budget import RetryBudget
 from gateway.path.transports.base import client_tls_context
@@ -52,15 +57,29 @@ class Runtime:
         # Large prompts are prepared here, off the event loop; one thread, so that the loop
         # competes with at most one other holder of the GIL.
         self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-prepare")
-        # Rate limits are charged through the state backend (created last: it wraps the pools'
-        # indexes), so with Redis they hold across every gateway instance.
-        self.scheduler = Scheduler(settings.scheduler, settings.tenants, take=lambda c: self.state.take(c))
+        # State shared with other gateway instances (Redis), or this instance's own (memory).
+        self.state = make_state(settings.state, self.fleet, self.router)
+        for router in self.routers.values():
+            # Precise mode needs nothing shared: every instance subscribes to the same KV events.
+            if router.precise is None:
+                router.prefix_index = self.state.share_index(router.name, router.prefix_index)
+        # Rate limits are charged through the state backend, so with Redis they hold fleet-wide.
+        self.scheduler = Scheduler(settings.scheduler, settings.tenants, take=self.state.take)
         self.retry_budget = RetryBudget(settings.retry.budget_ratio)
         self.draining = False
         self.connections: ConnectionGuard | None = None  # set by the server once it listens
         self.observers: list[Observer] = []
         self.tracing = Tracing.from_config(settings.telemetry)  # None when off: the proxy's only cost
-        self.metrics = GatewayMetrics(self) if settings.telemetry.metrics else None
+        # What the metrics and the status page read, each when asked.
+        self.view = GatewayView(
+            pools=self.pools,
+            routers=self.routers,
+            routes=self.router,
+            scheduler_stats=self.scheduler.stats,
+            draining=lambda: self.draining,
+            connections=lambda: self.connections,
+        )
+        self.metrics = GatewayMetrics(self.view) if settings.telemetry.metrics else None
         if self.metrics is not None:
             self.observers.append(self.metrics)
         if settings.server.access_log:
@@ -69,11 +88,30 @@ class Runtime:
         self.observers.append(self.variant_stats)
         self.observers.append(self._engine_tokens)
         self.audit = AuditTrail()
-        self.state = make_state(settings.state, self)
         # Reloads (admin API, SIGHUP) re-read `config_path`; the command line's server.* values win.
         self.reloader = Reloader(
             settings, self.fleet, self.router, self.state, self.audit, config_path, server_overrides
         )
+        self.admin = Admin(
+            self.fleet,
+            self.router,
+            self.state,
+            self.reloader,
+            self.audit,
+            self.variant_stats,
+            settings.server.max_json_depth,
+        )
+        self.dashboard = Dashboard(
+            self.view,
+            self.metrics,
+            tracing=self.tracing is not None,
+            check_admin=self.auth.admin if settings.server.admin_key else None,
+        )
+
+    def routes(self) -> list[web.RouteDef]:
+        """Routes beside the OpenAI ones: metrics, the status page and the admin API."""
+        routes = [] if self.metrics is None else [web.get("/metrics", self.metrics.handle)]
+        return [*routes, *self.dashboard.routes(), *self.admin.route_defs(self.auth.admin)]
 
     @property
     def settings(self) -> Settings:

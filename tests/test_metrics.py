@@ -7,7 +7,8 @@ from collections.abc import Awaitable, Callable
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import Settings
+from gateway.admission.scheduler import Scheduler
+from gateway.config import SchedulerConfig, Settings
 from gateway.observe.metrics import flatten_numbers, queued_by_class, status_label
 from gateway.path.request_record import RequestRecord
 from gateway.server import RunningGateway
@@ -166,17 +167,14 @@ def test_status_labels_are_a_small_fixed_set() -> None:
     ]
 
 
-def test_scheduler_stats_are_read_defensively() -> None:
-    stats = {
-        "queue_depth": 3,
-        "pools": {"p": {"queued": {"interactive": 1, "batch": 2}, "outstanding": 4}},
-        "shed": {"batch": {"queue_full": 5}},
-        "note": "text is skipped",
-    }
+def test_scheduler_stats_flatten_to_metric_keys() -> None:
+    stats = Scheduler(SchedulerConfig()).stats()
+    queued = {"interactive": 1, "batch": 2}
+    stats["pools"]["p"] = {"queued": queued, "outstanding": 4, "outstanding_tokens": 0, "oldest_wait_s": 0.0}
+    stats["shed"]["batch"]["queue_full"] = 5
     assert queued_by_class(stats, "p") == {"interactive": 1, "batch": 2}
     assert queued_by_class(stats, "unknown") == {}
-    assert queued_by_class({"pools": {"p": {"queued": 7}}}, "p") == {"all": 7}
-    assert queued_by_class({"pools": "garbage"}, "p") == {}
-    flat = flatten_numbers(stats)
-    assert flat["shed.batch.queue_full"] == 5 and flat["pools.p.outstanding"] == 4 and "note" not in flat
+    flat = flatten_numbers(stats)  # type: ignore[arg-type]
+    assert flat["shed.batch.queue_full"] == 5 and flat["pools.p.outstanding"] == 4
+    assert flat["priority_lowered"] == 0 and flat["wait_s.default.count"] == 0
     assert len(flatten_numbers({str(i): i for i in range(1000)}, limit=10)) == 10

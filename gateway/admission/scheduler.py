@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from gateway.admission.limits import Clock, Limits, ShedError, Take
 from gateway.admission.prompt_window import fit_window
@@ -214,6 +214,35 @@ class PoolQueue:
                     self.size -= 1
                     return e, q.name
         return None
+
+
+class PoolQueueStats(TypedDict):
+    """One pool's queue: gauges."""
+
+    queued: dict[str, int]  # per class
+    outstanding: int  # tickets granted and not yet released
+    outstanding_tokens: int
+    oldest_wait_s: float  # how long the longest-waiting queued request has waited
+
+
+class WaitStats(TypedDict):
+    count: int
+    sum: float
+    max: float
+
+
+class SchedulerStats(TypedDict):
+    """What `Scheduler.stats()` reports; counters unless said otherwise, keyed by class name."""
+
+    queue_depth: dict[str, int]  # gauge, over all pools
+    pools: dict[str, PoolQueueStats]  # pools that have seen a request
+    admitted: dict[str, int]
+    queued_total: dict[str, int]  # admitted ones that had to queue first
+    shed: dict[str, dict[str, int]]  # per class, per reason (SHED_REASONS)
+    cancelled_in_queue: dict[str, int]  # clients that left while queued
+    wait_s: dict[str, WaitStats]  # over admitted requests (0 for the fast path)
+    priority_lowered: int
+    prompts_trimmed: int
 
 
 # -- admission ---------------------------------------------------------------------------------------------
@@ -580,18 +609,8 @@ class Scheduler:
                 depth[q.name] += len(q)
         return depth
 
-    def stats(self) -> dict[str, Any]:
-        """Gauges and counters for metrics, all keyed by class name:
-
-        - queue_depth {class: n} (gauge, all pools); pools {pool: {queued {class: n}, outstanding,
-          outstanding_tokens, oldest_wait_s}} (gauges: tickets granted and not yet released, and how
-          long the longest-waiting queued request has waited);
-        - admitted {class: n}, queued_total {class: n} (admitted ones that had to queue first),
-          cancelled_in_queue {class: n} (clients that left while queued), counters;
-        - shed {class: {reason: n}}, reasons as in SHED_REASONS, counters;
-        - wait_s {class: {count, sum, max}} over admitted requests (0 for the fast path);
-        - priority_lowered, prompts_trimmed: counters.
-        """
+    def stats(self) -> SchedulerStats:
+        """Gauges and counters for metrics, all keyed by class name (see SchedulerStats)."""
         now = self.clock()
         return {
             "queue_depth": self.queue_depth(),

@@ -11,20 +11,24 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from gateway.config import EndpointConfig
-from gateway.control.reload import ReloadRejected
+from gateway.control.audit import AuditTrail
+from gateway.control.reload import Reloader, ReloadRejected
+from gateway.control.state import StateBackend
+from gateway.control.variant_stats import VariantStats
 from gateway.errors import GatewayError
+from gateway.fleet.fleet import Fleet
 from gateway.fleet.pool import Pool
 from gateway.fleet.replica import Replica
 from gateway.http.request_body import parse_json_body
 from gateway.logs import clip
-from gateway.runtime import Runtime
+from gateway.routing.rollout import Router
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +45,47 @@ def _bad(message: str, code: str, status: int = 400, param: str | None = None) -
 
 # -- handlers -----------------------------------------------------------------------------
 class Admin:
-    def __init__(self, runtime: Runtime) -> None:
-        self.rt = runtime
+    def __init__(
+        self,
+        fleet: Fleet,
+        router: Router,
+        state: StateBackend,
+        reloader: Reloader,
+        audit: AuditTrail,
+        variant_stats: VariantStats,
+        max_json_depth: int,
+    ) -> None:
+        self.fleet = fleet
+        self.router = router
+        self.state = state
+        self.reloader = reloader
+        self.audit = audit
+        self.variant_stats = variant_stats
+        self.max_json_depth = max_json_depth
+
+    def route_defs(self, check_admin: Callable[[Mapping[str, str]], None]) -> list[web.RouteDef]:
+        """The /admin/ routes, each behind `check_admin` (the admin key check)."""
+
+        def guarded(handler: Handler) -> Handler:
+            async def checked(request: web.Request) -> web.Response:
+                check_admin(request.headers)
+                return await handler(request)
+
+            return checked
+
+        return [
+            web.get("/admin/routes", guarded(self.routes)),
+            web.put("/admin/routes/{model:.+}/weights", guarded(self.set_weights)),
+            web.get("/admin/rollouts", guarded(self.rollouts)),
+            web.get("/admin/pools", guarded(self.pools)),
+            web.post("/admin/pools/{pool}/replicas", guarded(self.add_replica)),
+            web.delete("/admin/pools/{pool}/replicas/{replica}", guarded(self.remove_replica)),
+            web.post("/admin/pools/{pool}/replicas/{replica}/drain", guarded(self.drain)),
+            web.post("/admin/pools/{pool}/replicas/{replica}/undrain", guarded(self.undrain)),
+            web.post("/admin/reload", guarded(self.reload)),
+            web.get("/admin/audit", guarded(self.audit_trail)),
+            web.get("/admin/state", guarded(self.state_status)),
+        ]
 
     def who(self, request: web.Request) -> str:
         # The admin key is one shared secret: name it by a fingerprint, never by the key itself.
@@ -52,7 +95,7 @@ class Admin:
 
     def _pool(self, request: web.Request) -> Pool:
         name = request.match_info["pool"]
-        pool = self.rt.pools.get(name)
+        pool = self.fleet.pools.get(name)
         if pool is None:
             raise _bad(f"no pool {clip(name, 64)!r}", "pool_not_found", 404)
         return pool
@@ -66,10 +109,10 @@ class Admin:
         return replica
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        return parse_json_body(await request.read(), self.rt.settings.server.max_json_depth)
+        return parse_json_body(await request.read(), self.max_json_depth)
 
     async def routes(self, request: web.Request) -> web.Response:
-        return _json({"routes": self.rt.router.describe()})
+        return _json({"routes": self.router.describe()})
 
     async def set_weights(self, request: web.Request) -> web.Response:
         model = request.match_info["model"]
@@ -82,7 +125,7 @@ class Admin:
             raise _bad("weights must be numbers", "invalid_weights", param="weights")
         if rule is not None and not isinstance(rule, int):
             raise _bad("`rule` must be an integer index", "invalid_rule", param="rule")
-        router = self.rt.router
+        router = self.router
         try:
             before = router.weights(model, rule)
             index = router.set_weights(model, weights, rule)
@@ -92,8 +135,8 @@ class Admin:
             raise _bad(str(exc), "invalid_weights", param="weights") from None
         after = router.weights(model, index)
         who = self.who(request)
-        self.rt.audit.record(who, f"route {model} rule {index} weights {before} -> {after}")
-        await self.rt.state.publish_weights(model, index, after, who)
+        self.audit.record(who, f"route {model} rule {index} weights {before} -> {after}")
+        await self.state.publish_weights(model, index, after, who)
         return _json({"model": model, "rule": index, "weights": after, "previous": before})
 
     async def pools(self, request: web.Request) -> web.Response:
@@ -104,7 +147,7 @@ class Admin:
                         "model": pool.model,
                         "replicas": {r.name: _replica_view(r) for r in pool.replicas.values()},
                     }
-                    for name, pool in self.rt.pools.items()
+                    for name, pool in self.fleet.pools.items()
                 }
             }
         )
@@ -119,12 +162,12 @@ class Admin:
         if any(r.url == ep.url for r in pool.replicas.values()):
             raise _bad(f"pool {pool.name!r} already has {ep.url}", "replica_exists", 409)
         try:
-            replica = self.rt.fleet.add_endpoint(pool, ep)
+            replica = self.fleet.add_endpoint(pool, ep)
         except ValueError as exc:
             raise _bad(str(exc), "replica_exists", 409) from None
         who = self.who(request)
-        self.rt.audit.record(who, f"pool {pool.name}: added replica {replica.name} at {replica.url}")
-        await self.rt.state.publish_endpoint(pool.name, ep.url, ep.model_dump(), who)
+        self.audit.record(who, f"pool {pool.name}: added replica {replica.name} at {replica.url}")
+        await self.state.publish_endpoint(pool.name, ep.url, ep.model_dump(), who)
         return _json(_replica_view(replica), status=201)
 
     async def remove_replica(self, request: web.Request) -> web.Response:
@@ -137,10 +180,10 @@ class Admin:
                 else "launched by the gateway; change the pool's engines and reload"
             )
             raise _bad(f"replica {replica.name!r} is {how}", "replica_managed", 409)
-        self.rt.fleet.unregister(pool, replica.name)
+        self.fleet.unregister(pool, replica.name)
         who = self.who(request)
-        self.rt.audit.record(who, f"pool {pool.name}: removed replica {replica.name}")
-        await self.rt.state.publish_endpoint(pool.name, replica.url, None, who)
+        self.audit.record(who, f"pool {pool.name}: removed replica {replica.name}")
+        await self.state.publish_endpoint(pool.name, replica.url, None, who)
         return _json({"removed": replica.name, "inflight_requests": replica.inflight_requests})
 
     async def drain(self, request: web.Request) -> web.Response:
@@ -154,13 +197,13 @@ class Admin:
         replica.draining = draining
         who = self.who(request)
         action = "drain" if draining else "undrain"
-        self.rt.audit.record(who, f"pool {replica.pool}: {action} replica {replica.name}")
-        await self.rt.state.publish_drain(replica.pool, replica.url, draining, who)
+        self.audit.record(who, f"pool {replica.pool}: {action} replica {replica.name}")
+        await self.state.publish_drain(replica.pool, replica.url, draining, who)
         return _json(_replica_view(replica))
 
     async def reload(self, request: web.Request) -> web.Response:
         try:
-            result = await self.rt.reloader.reload(self.who(request))
+            result = await self.reloader.reload(self.who(request))
         except ReloadRejected as exc:
             log.warning("config reload by %s rejected: %s", self.who(request), exc)
             raise _bad(f"reload rejected: {exc}", "reload_rejected", 409) from None
@@ -169,9 +212,9 @@ class Admin:
     async def rollouts(self, request: web.Request) -> web.Response:
         """Per route: its rules, and each variant (pool) once, with its weight and share in the
         split (the route's last rule, the one `PUT .../weights` changes by default) and its stats."""
-        stats = self.rt.variant_stats.snapshot()
+        stats = self.variant_stats.snapshot()
         routes: dict[str, Any] = {}
-        for model, rules in self.rt.router.describe().items():
+        for model, rules in self.router.describe().items():
             split = {p["name"]: p["weight"] for p in rules[-1]["pools"]}
             total = sum(split.values())
             names = dict.fromkeys([*split, *(p["name"] for rule in rules for p in rule["pools"])])
@@ -185,13 +228,13 @@ class Admin:
             }
             routes[model] = {"rules": rules, "split_rule": len(rules) - 1, "variants": variants}
         direct = {m: s for m, s in stats.items() if m not in routes}
-        return _json({"routes": routes, "direct": direct, "state": self.rt.state.status()})
+        return _json({"routes": routes, "direct": direct, "state": self.state.status()})
 
-    async def audit(self, request: web.Request) -> web.Response:
-        return _json({"changes": list(self.rt.audit.changes)})
+    async def audit_trail(self, request: web.Request) -> web.Response:
+        return _json({"changes": list(self.audit.changes)})
 
-    async def state(self, request: web.Request) -> web.Response:
-        return _json(self.rt.state.status())
+    async def state_status(self, request: web.Request) -> web.Response:
+        return _json(self.state.status())
 
 
 def _replica_view(r: Replica) -> dict[str, Any]:
@@ -211,28 +254,3 @@ def _replica_view(r: Replica) -> dict[str, Any]:
         "remote_inflight_tokens": r.remote_inflight_tokens,
         "total_requests": r.total_requests,
     }
-
-
-def register_admin(app: web.Application, runtime: Runtime) -> None:
-    """Add the /admin/ routes, each behind the admin key."""
-    admin = Admin(runtime)
-
-    def guarded(handler: Handler) -> Handler:
-        async def checked(request: web.Request) -> web.Response:
-            runtime.auth.admin(request.headers)
-            return await handler(request)
-
-        return checked
-
-    r = app.router
-    r.add_get("/admin/routes", guarded(admin.routes))
-    r.add_put("/admin/routes/{model:.+}/weights", guarded(admin.set_weights))
-    r.add_get("/admin/rollouts", guarded(admin.rollouts))
-    r.add_get("/admin/pools", guarded(admin.pools))
-    r.add_post("/admin/pools/{pool}/replicas", guarded(admin.add_replica))
-    r.add_delete("/admin/pools/{pool}/replicas/{replica}", guarded(admin.remove_replica))
-    r.add_post("/admin/pools/{pool}/replicas/{replica}/drain", guarded(admin.drain))
-    r.add_post("/admin/pools/{pool}/replicas/{replica}/undrain", guarded(admin.undrain))
-    r.add_post("/admin/reload", guarded(admin.reload))
-    r.add_get("/admin/audit", guarded(admin.audit))
-    r.add_get("/admin/state", guarded(admin.state))

@@ -8,11 +8,9 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from gateway.control.admin import register_admin
 from gateway.errors import GatewayError, error_body
 from gateway.http.conn_guard import GuardedConnection
 from gateway.logs import clip
-from gateway.observe.dashboard import Dashboard
 from gateway.path.proxy import ENDPOINTS, Proxy
 from gateway.runtime import Runtime
 
@@ -119,8 +117,5 @@ def build_app(runtime: Runtime) -> web.Application:
     app.router.add_get("/health", live)
     app.router.add_get("/ready", ready)
     app.router.add_get("/ready/{model:.+}", ready_model)
-    if runtime.metrics is not None:
-        app.router.add_get("/metrics", runtime.metrics.handle)
-    app.router.add_routes(Dashboard(runtime).routes())
-    register_admin(app, runtime)
+    app.router.add_routes(runtime.routes())
     return app

@@ -1,7 +1,8 @@
 """The status page: `/dashboard` (one self-contained HTML file) and its live data, `/dashboard/state`.
 
-The state is read from the runtime when asked: pools, replicas (health, circuit, own and
-engine-reported load), estimated prefix-hit rate, admission queue depth and rollout weights.
+The state is read from the gateway's objects (a `GatewayView`) when asked: pools, replicas (health,
+circuit, own and engine-reported load), estimated prefix-hit rate, admission queue depth and
+rollout weights.
 It holds no secrets (no keys, no tenant names, no replica URLs) and no prompt text. When
 `server.admin_key` is set, `/dashboard/state` requires it as `Authorization: Bearer <key>`;
 the page itself is a static shell holding no data, takes the key once as `?key=`, keeps it
@@ -11,19 +12,20 @@ in the tab's sessionStorage and removes it from the address bar.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from importlib import metadata, resources
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
-from gateway.observe.metrics import PoolTraffic, queued_by_class, scheduler_stats
+from gateway.observe.metrics import GatewayMetrics, PoolTraffic, queued_by_class
+from gateway.observe.view import GatewayView
 
 if TYPE_CHECKING:
     from gateway.fleet.pool import Pool
     from gateway.fleet.replica import Replica
     from gateway.routing.precise_prefix import PrecisePrefix
-    from gateway.runtime import Runtime
 
 # The page runs only its own inline code and talks only to this origin.
 _PAGE_HEADERS = {
@@ -45,8 +47,19 @@ def _version() -> str:
 
 
 class Dashboard:
-    def __init__(self, runtime: Runtime) -> None:
-        self.rt = runtime
+    def __init__(
+        self,
+        view: GatewayView,
+        metrics: GatewayMetrics | None,
+        tracing: bool,
+        check_admin: Callable[[Mapping[str, str]], None] | None,
+    ) -> None:
+        """`metrics`: traffic totals (unknown when metrics are off); `check_admin`: the admin key
+        check that guards the live data, None when no admin key is set."""
+        self.view = view
+        self.metrics = metrics
+        self.tracing = tracing
+        self.check_admin = check_admin
         self.started = time.monotonic()
         self.version = _version()
         self.page_html = resources.files("gateway").joinpath("static/dashboard.html").read_bytes()
@@ -58,8 +71,8 @@ class Dashboard:
         return web.Response(body=self.page_html, content_type="text/html", headers=_PAGE_HEADERS)
 
     async def state_endpoint(self, request: web.Request) -> web.Response:
-        if self.rt.settings.server.admin_key:
-            self.rt.auth.admin(request.headers)
+        if self.check_admin is not None:
+            self.check_admin(request.headers)
         return web.Response(
             body=orjson.dumps(self.state()),
             content_type="application/json",
@@ -68,17 +81,17 @@ class Dashboard:
 
     # -- the data ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        rt = self.rt
-        sched = scheduler_stats(rt)
-        pools = [self._pool(p, queued_by_class(sched, p.name)) for p in rt.pools.values()]
+        view = self.view
+        sched = view.scheduler_stats()
+        pools = [self._pool(p, queued_by_class(sched, p.name)) for p in view.pools.values()]
         replicas = [r for p in pools for r in p["replicas"]]
         return {
             "gateway": {
                 "version": self.version,
                 "uptime_s": round(time.monotonic() - self.started, 1),
-                "draining": rt.draining,
-                "metrics": rt.metrics is not None,
-                "tracing": rt.tracing is not None,
+                "draining": view.draining(),
+                "metrics": self.metrics is not None,
+                "tracing": self.tracing,
             },
             "totals": {
                 "pools": len(pools),
@@ -94,8 +107,8 @@ class Dashboard:
         }
 
     def _pool(self, pool: Pool, queued: dict[str, int]) -> dict[str, Any]:
-        metrics = self.rt.metrics
-        precise = self.rt.routers[pool.name].precise
+        metrics = self.metrics
+        precise = self.view.routers[pool.name].precise
         # Traffic totals come from the metrics observer: unknown (None) when metrics are off.
         traffic = None if metrics is None else metrics.traffic.get(pool.name, PoolTraffic())
         return {
@@ -139,7 +152,7 @@ class Dashboard:
 
     def _routes(self) -> list[dict[str, Any]]:
         out = []
-        for model, rules in self.rt.router.routes.items():
+        for model, rules in self.view.routes.routes.items():
             described = []
             for rule in rules:
                 total = sum(rule.weights)

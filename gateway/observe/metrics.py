@@ -1,9 +1,9 @@
 """Prometheus metrics: per-request series from RequestRecords, fleet gauges read at scrape time.
 
-Request series are fed by an observer in `runtime.observers`; it caches the bound label
+Request series are fed by an observer of every request's record; it caches the bound label
 children per label tuple, so a request costs one dict lookup and a few additions. Replica
 health, load, circuit state, rollout weights and scheduler figures are not tracked per
-request at all: a custom collector reads them from the runtime when Prometheus scrapes.
+request at all: a custom collector reads them (through a `GatewayView`) when Prometheus scrapes.
 Every label is bounded: statuses are exact codes from a small set or a class, free-form
 reasons are capped per pool, and request ids and tenants never become labels.
 """
@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import (
@@ -30,12 +30,11 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.admission.scheduler import SchedulerStats
 from gateway.fleet.breaker import BreakerState
+from gateway.observe.view import GatewayView
 from gateway.path.request_record import RequestRecord
 from gateway.routing.precise_prefix import EVENTS_STATES
-
-if TYPE_CHECKING:
-    from gateway.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -67,29 +66,10 @@ def status_label(status: int) -> str:
     return f"{min(max(status // 100, 1), 5)}xx"
 
 
-def scheduler_stats(runtime: Runtime) -> Mapping[str, Any]:
-    """The scheduler's `stats()`, if it has one; read defensively (its shape is its own business)."""
-    stats = getattr(runtime.scheduler, "stats", None)
-    if not callable(stats):
-        return {}
-    try:
-        data = stats()
-    except Exception:
-        log.exception("scheduler.stats() failed")
-        return {}
-    return data if isinstance(data, Mapping) else {}
-
-
-def queued_by_class(stats: Mapping[str, Any], pool: str) -> dict[str, int]:
-    """Requests waiting for admission in a pool, per priority class (`pools.<pool>.queued`)."""
-    pools = stats.get("pools")
-    entry = pools.get(pool) if isinstance(pools, Mapping) else None
-    queued = entry.get("queued") if isinstance(entry, Mapping) else None
-    if isinstance(queued, Mapping):
-        return {str(k): int(v) for k, v in queued.items() if isinstance(v, int | float)}
-    if isinstance(queued, int | float):
-        return {"all": int(queued)}
-    return {}
+def queued_by_class(stats: SchedulerStats, pool: str) -> dict[str, int]:
+    """Requests waiting for admission in a pool, per priority class (none before its first request)."""
+    entry = stats["pools"].get(pool)
+    return dict(entry["queued"]) if entry is not None else {}
 
 
 def flatten_numbers(data: Mapping[str, Any], limit: int = 500) -> dict[str, float]:
@@ -155,8 +135,8 @@ class _Bound:
 class GatewayMetrics:
     """The registry behind `/metrics` and the observer that feeds it."""
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
+    def __init__(self, view: GatewayView) -> None:
+        self.view = view
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter(
@@ -217,12 +197,12 @@ class GatewayMetrics:
             ["pool"],
             registry=reg,
         )
-        reg.register(FleetCollector(runtime, self))
+        reg.register(FleetCollector(view, self))
         ProcessCollector(registry=reg)
         PlatformCollector(registry=reg)
         self.traffic: dict[str, PoolTraffic] = {}
         self._bound: dict[tuple[Any, ...], _Bound] = {}
-        self._models = frozenset(runtime.router.models())
+        self._models = frozenset(view.routes.models())
         self._reasons: dict[str, set[str]] = {}
 
     # -- the observer ---------------------------------------------------------------------
@@ -289,7 +269,7 @@ class GatewayMetrics:
         model = rec.model if rec.model in self._models else "other"
         status = status_label(rec.status)
         routed = rec.pool is not None and rec.replica is not None
-        pool_obj = self.runtime.pools.get(rec.pool) if rec.pool else None
+        pool_obj = self.view.pools.get(rec.pool) if rec.pool else None
         policy = pool_obj.cfg.policy.type if pool_obj is not None else NONE
         priority = rec.priority_class or NONE
         traffic = None
@@ -329,19 +309,19 @@ class GatewayMetrics:
 
 
 class FleetCollector(Collector):
-    """Gauges read from the runtime at scrape time: nothing is maintained per request.
+    """Gauges read from the gateway's objects at scrape time: nothing is maintained per request.
 
     It runs in a worker thread while the event loop may add replicas or pools, so it iterates
     over copies of the live collections."""
 
-    def __init__(self, runtime: Runtime, metrics: GatewayMetrics) -> None:
-        self.runtime = runtime
+    def __init__(self, view: GatewayView, metrics: GatewayMetrics) -> None:
+        self.view = view
         self.metrics = metrics
 
     @staticmethod
-    def _precise(rt: Runtime) -> Iterator[Metric]:
+    def _precise(view: GatewayView) -> Iterator[Metric]:
         """Precise prefix mode: what the engines' KV events did to the index, and what was lost."""
-        pools = [(name, r.precise) for name, r in list(rt.routers.items()) if r.precise is not None]
+        pools = [(name, r.precise) for name, r in list(view.routers.items()) if r.precise is not None]
         if not pools:
             return
         blocks = CounterMetricFamily(
@@ -392,8 +372,8 @@ class FleetCollector(Collector):
         yield from (blocks, batches, lost, failures, state, fallback)
 
     @staticmethod
-    def _connections(rt: Runtime) -> Iterator[Metric]:
-        guard = rt.connections
+    def _connections(view: GatewayView) -> Iterator[Metric]:
+        guard = view.connections()
         if guard is None:
             return
         open_ = GaugeMetricFamily(
@@ -413,7 +393,7 @@ class FleetCollector(Collector):
             closed.add_metric([reason], n)
         yield from (open_, closed)
 
-    def _pool_signals(self, rt: Runtime, stats: Mapping[str, Any]) -> Iterator[Metric]:
+    def _pool_signals(self, view: GatewayView, stats: SchedulerStats) -> Iterator[Metric]:
         """Per pool, what an autoscaler (HPA, KEDA) scales a pool's engines on."""
         replicas = GaugeMetricFamily(
             "kvgate_pool_replicas",
@@ -441,8 +421,8 @@ class FleetCollector(Collector):
             f"{TTFT_HALF_LIFE_S:g} s) and the oldest queued request's wait",
             labels=["pool"],
         )
-        pools = stats.get("pools")
-        for name, pool in list(rt.pools.items()):
+        pools = stats["pools"]
+        for name, pool in list(view.pools.items()):
             counts = {"available": 0, "draining": 0, "unavailable": 0}
             usage: list[float] = []
             queued_in_engines = 0
@@ -457,9 +437,8 @@ class FleetCollector(Collector):
             if usage:
                 kv.add_metric([name], sum(usage) / len(usage))
             waiting.add_metric([name], queued_in_engines)
-            entry = pools.get(name) if isinstance(pools, Mapping) else None
-            wait = entry.get("oldest_wait_s") if isinstance(entry, Mapping) else None
-            wait = float(wait) if isinstance(wait, int | float) else 0.0
+            entry = pools.get(name)
+            wait = entry["oldest_wait_s"] if entry is not None else 0.0
             oldest.add_metric([name], wait)
             traffic = self.metrics.traffic.get(name)
             recent = traffic.recent_ttft_s if traffic is not None else None
@@ -468,7 +447,7 @@ class FleetCollector(Collector):
         yield from (replicas, kv, waiting, oldest, ttft)
 
     def collect(self) -> Iterator[Metric]:
-        rt = self.runtime
+        view = self.view
         labels = ["pool", "replica", "role", "kind"]
         healthy = GaugeMetricFamily("kvgate_replica_healthy", "1 if the health check passes", labels=labels)
         available = GaugeMetricFamily(
@@ -505,7 +484,7 @@ class FleetCollector(Collector):
         fresh = GaugeMetricFamily(
             "kvgate_replica_engine_load_fresh", "1 if the engine load figures are recent", labels=labels
         )
-        for pool in list(rt.pools.values()):
+        for pool in list(view.pools.values()):
             for r in list(pool.replicas.values()):
                 lv = [pool.name, r.name, r.role, r.kind]
                 healthy.add_metric(lv, float(r.healthy))
@@ -522,8 +501,8 @@ class FleetCollector(Collector):
                 fresh.add_metric(lv, float(r.engine_fresh))
         yield from (healthy, available, draining, circuit, inflight, inflight_tokens, routed)
         yield from (waiting, running, kv, fresh)
-        stats = scheduler_stats(rt)
-        yield from self._pool_signals(rt, stats)
+        stats = view.scheduler_stats()
+        yield from self._pool_signals(view, stats)
 
         hit = GaugeMetricFamily(
             "kvgate_estimated_cache_hit_ratio",
@@ -544,7 +523,7 @@ class FleetCollector(Collector):
         tokens = GaugeMetricFamily(
             "kvgate_token_count_cache_entries", "Prompt blocks whose token count is cached", labels=["pool"]
         )
-        for name, router in list(rt.routers.items()):
+        for name, router in list(view.routers.items()):
             index.add_metric([name], router.prefix_index.entries())
             tokens.add_metric([name], router.hasher.cached_blocks())
         yield from (index, tokens)
@@ -554,30 +533,29 @@ class FleetCollector(Collector):
             "Configured weight of a pool in a route's rule (the rollout split)",
             labels=["model", "rule", "pool"],
         )
-        for model, rules in list(rt.router.routes.items()):
+        for model, rules in list(view.routes.routes.items()):
             for i, rule in enumerate(list(rules)):
                 for pool_name, weight in zip(rule.pools, rule.weights, strict=True):
                     weights.add_metric([model, str(i), pool_name], weight)
         yield weights
 
-        yield from self._precise(rt)
-        yield from self._connections(rt)
-        yield GaugeMetricFamily("kvgate_draining", "1 while the gateway drains", value=float(rt.draining))
-        if stats:
-            depth = GaugeMetricFamily(
-                "kvgate_scheduler_queue_depth",
-                "Requests waiting for admission",
-                labels=["pool", "priority"],
-            )
-            for name in list(rt.pools):
-                for cls, n in queued_by_class(stats, name).items():
-                    depth.add_metric([name, cls], n)
-            yield depth
-            sched = GaugeMetricFamily(
-                "kvgate_scheduler_stat",
-                "Other figures from the scheduler's stats(), flattened to dotted keys",
-                labels=["key"],
-            )
-            for key, value in flatten_numbers({k: v for k, v in stats.items() if k != "pools"}).items():
-                sched.add_metric([key], value)
-            yield sched
+        yield from self._precise(view)
+        yield from self._connections(view)
+        yield GaugeMetricFamily("kvgate_draining", "1 while the gateway drains", value=float(view.draining()))
+        depth = GaugeMetricFamily(
+            "kvgate_scheduler_queue_depth",
+            "Requests waiting for admission",
+            labels=["pool", "priority"],
+        )
+        for name in list(view.pools):
+            for cls, n in queued_by_class(stats, name).items():
+                depth.add_metric([name, cls], n)
+        yield depth
+        sched = GaugeMetricFamily(
+            "kvgate_scheduler_stat",
+            "Other figures from the scheduler's stats(), flattened to dotted keys",
+            labels=["key"],
+        )
+        for key, value in flatten_numbers({k: v for k, v in stats.items() if k != "pools"}).items():
+            sched.add_metric([key], value)
+        yield sched

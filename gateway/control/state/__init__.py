@@ -1,6 +1,6 @@
 """State shared by several gateway instances: in-flight load, prefix index, route weights, counters.
 
-`make_state(runtime)` returns the configured backend: `memory` (one instance, nothing shared) or
+`make_state(cfg, fleet, router)` returns the configured backend: `memory` (one instance, nothing shared) or
 `redis`. The request path only ever reads local memory; a backend keeps it in sync off the path.
 """
 
@@ -13,14 +13,15 @@ from gateway.control.state.memory import MemoryState
 
 if TYPE_CHECKING:
     from gateway.config import StateConfig
-    from gateway.runtime import Runtime
+    from gateway.fleet.fleet import Fleet
+    from gateway.routing.rollout import Router
 
 __all__ = ["Bucket", "MemoryState", "StateBackend", "make_state"]
 
 
-def make_state(cfg: StateConfig, runtime: Runtime) -> StateBackend:
+def make_state(cfg: StateConfig, fleet: Fleet, router: Router) -> StateBackend:
     if cfg.backend == "redis":
         from gateway.control.state.redis_backend import RedisState
 
-        return RedisState(cfg, runtime)
-    return MemoryState(cfg, runtime)
+        return RedisState(cfg, fleet, router)
+    return MemoryState(cfg, fleet, router)

@@ -10,7 +10,9 @@ from gateway.admission.limits import Bucket, LocalBuckets
 from gateway.config import StateConfig
 
 if TYPE_CHECKING:
-    from gateway.runtime import Runtime
+    from gateway.fleet.fleet import Fleet
+    from gateway.routing.prefix_index import PrefixIndex
+    from gateway.routing.rollout import Router
 
 
 class LocalCounters:
@@ -33,7 +35,8 @@ class StateBackend:
 
     - in-flight load: each instance's own stays in `Replica.inflight_*`; the others' arrives in
       `Replica.remote_inflight_*` (policies add the two).
-    - prefix index: blocks one instance learns reach the other instances' `PoolRouter.prefix_index`.
+    - prefix index: blocks one instance learns reach the other instances' prefix indexes, for
+      each index the composition root hands to `share_index`.
     - route weights: `publish_weights` after a local change reaches every instance's router.
     - drain: `publish_drain` after a local change reaches every instance's replica.
     - endpoints: `publish_endpoint` after an admin API add or remove makes every instance do it.
@@ -43,9 +46,10 @@ class StateBackend:
 
     name: ClassVar[str] = "base"
 
-    def __init__(self, cfg: StateConfig, runtime: Runtime) -> None:
+    def __init__(self, cfg: StateConfig, fleet: Fleet, router: Router) -> None:
         self.cfg = cfg
-        self.rt = runtime
+        self.fleet = fleet
+        self.router = router
         self.counters = LocalCounters()
         self.buckets = LocalBuckets()
 
@@ -53,6 +57,10 @@ class StateBackend:
     def connected(self) -> bool:
         """False while the shared store is unreachable (the gateway then serves from local state)."""
         return True
+
+    def share_index(self, pool: str, index: PrefixIndex) -> PrefixIndex:
+        """The index to route `pool` with: `index` itself, or one that shares what it learns."""
+        return index
 
     async def start(self) -> None:
         """Called once from Runtime.start."""

@@ -43,7 +43,8 @@ from gateway.control.state.base import Bucket, StateBackend
 from gateway.routing.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
-    from gateway.runtime import Runtime
+    from gateway.fleet.fleet import Fleet
+    from gateway.routing.rollout import Router
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +111,8 @@ class SharedPrefixIndex(PrefixIndex):
 class RedisState(StateBackend):
     name = "redis"
 
-    def __init__(self, cfg: StateConfig, runtime: Runtime) -> None:
-        super().__init__(cfg, runtime)
+    def __init__(self, cfg: StateConfig, fleet: Fleet, router: Router) -> None:
+        super().__init__(cfg, fleet, router)
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         # Blocking pool: a burst of counter calls waits for a connection instead of failing.
         pool = aioredis.BlockingConnectionPool.from_url(
@@ -138,10 +139,11 @@ class RedisState(StateBackend):
         self._outbox: dict[tuple[str, str], list[Sequence[int]]] = {}  # (pool, replica name) -> prompts
         self._outbox_blocks = 0
         self._snapshot_due = False
-        for router in runtime.routers.values():
-            # Precise mode needs nothing shared: every instance subscribes to the same KV events.
-            if router.precise is None:
-                router.prefix_index = SharedPrefixIndex(router.prefix_index, router.name, self)
+        self._indexes: dict[str, SharedPrefixIndex] = {}  # per pool, what `share_index` handed out
+
+    def share_index(self, pool: str, index: PrefixIndex) -> PrefixIndex:
+        shared = self._indexes[pool] = SharedPrefixIndex(index, pool, self)
+        return shared
 
     # -- keys -------------------------------------------------------------------------
     def _key(self, *parts: str) -> str:
@@ -261,7 +263,7 @@ class RedisState(StateBackend):
         self._connected = False
         self._outbox.clear()
         self._outbox_blocks = 0
-        for pool in self.rt.pools.values():
+        for pool in self.fleet.pools.values():
             for replica in pool.replicas.values():
                 replica.remote_inflight_requests = 0
                 replica.remote_inflight_tokens = 0
@@ -272,7 +274,7 @@ class RedisState(StateBackend):
         pipe = self._redis.pipeline(transaction=True)
         for (key, field), raw in self._dirty.items():
             pipe.hset(key, field, raw)
-        for model, rules in self.rt.router.routes.items():
+        for model, rules in self.router.routes.items():
             for i, rule in enumerate(rules):
                 if len(rule.pools) > 1:  # seed the fleet's weights from this config if it has none
                     weights = _weights(dict(zip(rule.pools, rule.weights, strict=True)))
@@ -348,12 +350,12 @@ class RedisState(StateBackend):
             await pipe.execute()
 
     def _replica_by_url(self) -> dict[tuple[str, str], Any]:
-        return {(p.name, r.url): r for p in self.rt.pools.values() for r in p.replicas.values()}
+        return {(p.name, r.url): r for p in self.fleet.pools.values() for r in p.replicas.values()}
 
     def _own_inflight(self) -> dict[str, str]:
         return {
             f"{p.name}\t{r.url}": f"{r.inflight_requests} {r.inflight_tokens}"
-            for p in self.rt.pools.values()
+            for p in self.fleet.pools.values()
             for r in p.replicas.values()
             if r.inflight_requests or r.inflight_tokens
         }
@@ -379,7 +381,9 @@ class RedisState(StateBackend):
             replica = replicas.get((fields[b"p"].decode(), fields[b"u"].decode()))
             if replica is None:
                 continue  # a replica this instance does not route to
-            index = self.rt.routers[replica.pool].prefix_index
+            index = self._indexes.get(replica.pool)
+            if index is None:
+                continue  # a pool that shares nothing (precise mode)
             hashes = array("Q")
             hashes.frombytes(fields[b"h"])
             start = 0
@@ -403,17 +407,18 @@ class RedisState(StateBackend):
             self._snapshot_due = True
 
     def _queue_snapshot(self) -> None:
-        for pool in self.rt.pools.values():
-            for name in pool.replicas:
-                blocks = self.rt.routers[pool.name].prefix_index.snapshot(name)  # oldest first
+        for pool, index in self._indexes.items():
+            for name in self.fleet.pools[pool].replicas:
+                blocks = index.snapshot(name)  # oldest first
                 if blocks:
                     # One "prompt" whose head is the most recent entry, as `merge` expects reversed.
-                    self._outbox[(pool.name, name)] = [blocks[::-1]]
+                    self._outbox[(pool, name)] = [blocks[::-1]]
 
     def _take_outbox(self) -> dict[tuple[str, str], list[Sequence[int]]]:
         out: dict[tuple[str, str], list[Sequence[int]]] = {}
         for (pool, name), prompts in self._outbox.items():
-            replica = self.rt.pools[pool].replicas.get(name) if pool in self.rt.pools else None
+            pools = self.fleet.pools
+            replica = pools[pool].replicas.get(name) if pool in pools else None
             if replica is not None:
                 out[(pool, replica.url)] = dedupe(prompts)
         self._outbox = {}
@@ -443,7 +448,7 @@ class RedisState(StateBackend):
         self._dirty[(key, field)] = raw
 
     def _apply_weights(self, stored: Mapping[bytes, bytes]) -> None:
-        router = self.rt.router
+        router = self.router
         for field, data in self._changed(self._weights_key, stored):
             model, _, index = field.rpartition("\t")
             try:
@@ -465,14 +470,14 @@ class RedisState(StateBackend):
         replicas = self._replica_by_url()  # one field per (pool, url): no field sees another's change
         for field, data in self._changed(self._endpoints_key, stored):
             pool_name, _, url = field.partition("\t")
-            pool = self.rt.pools.get(pool_name)
+            pool = self.fleet.pools.get(pool_name)
             if pool is None:
                 continue
             present = replicas.get((pool_name, url))
             endpoint = data["endpoint"]
             try:
                 if endpoint is not None and present is None:
-                    replica = self.rt.fleet.add_endpoint(pool, EndpointConfig(**endpoint))
+                    replica = self.fleet.add_endpoint(pool, EndpointConfig(**endpoint))
                     log.info(
                         "pool %s: added replica %s at %s (shared state, by %s)",
                         pool_name,
@@ -481,7 +486,7 @@ class RedisState(StateBackend):
                         data["by"],
                     )
                 elif endpoint is None and present is not None and not present.managed:
-                    self.rt.fleet.unregister(pool, present.name)
+                    self.fleet.unregister(pool, present.name)
                     log.info(
                         "pool %s: removed replica %s (shared state, by %s)",
                         pool_name,
@@ -509,7 +514,7 @@ class RedisState(StateBackend):
         await self._publish(self._weights_key, f"{model}\t{rule_index}", _weights(weights), who)
 
     async def publish_routes(self, who: str) -> None:
-        for model, rules in self.rt.router.routes.items():
+        for model, rules in self.router.routes.items():
             for i, rule in enumerate(rules):
                 if len(rule.pools) > 1:
                     await self.publish_weights(
