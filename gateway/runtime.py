@@ -1,4 +1,10 @@
-"""Everything a running gateway holds, built from the settings, and its start and stop."""
+"""The composition root: everything a running gateway holds, built from the settings and wired
+together here (the only module that knows every part), and its start and stop.
+
+Each part gets what it uses and nothing more: the fleet and its pools, each pool's router, the
+rollout router, the scheduler, the upstream client, a tracer, the observers of each request's
+record. No part is handed the runtime itself.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from gateway.control.state import make_state
 from gateway.control.variant_stats import VariantStats
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.pool import Pool
-from gateway.fleet.replica import Replica
+from gateway.http.app import DataPlane
 from gateway.http.auth import Auth
 from gateway.http.conn_guard import ConnectionGuard
 from gateway.observe.access_log import access_log
@@ -26,8 +32,11 @@ from gateway.observe.dashboard import Dashboard
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import Tracing
 from gateway.observe.view import GatewayView
+from gateway.path.prepare import Preparation
+from gateway.path.proxy import Proxy
 from gateway.path.request_record import Observer, RequestRecord
 from gateway.path.retry_budget import RetryBudget
+from gateway.path.trace import NO_TRACER, Tracer
 from gateway.path.transports.base import client_tls_context
 from gateway.path.upstream import Upstream
 from gateway.routing.pool_router import PoolRouter
@@ -69,7 +78,8 @@ class Runtime:
         self.draining = False
         self.connections: ConnectionGuard | None = None  # set by the server once it listens
         self.observers: list[Observer] = []
-        self.tracing = Tracing.from_config(settings.telemetry)  # None when off: the proxy's only cost
+        self.tracing = Tracing.from_config(settings.telemetry)
+        tracer: Tracer = self.tracing if self.tracing is not None else NO_TRACER
         # What the metrics and the status page read, each when asked.
         self.view = GatewayView(
             pools=self.pools,
@@ -108,10 +118,41 @@ class Runtime:
             check_admin=self.auth.admin if settings.server.admin_key else None,
         )
 
-    def routes(self) -> list[web.RouteDef]:
-        """Routes beside the OpenAI ones: metrics, the status page and the admin API."""
+        preparation = Preparation(
+            settings.server,
+            self.router,
+            self.routers,
+            self.scheduler.classes,
+            self.upstream,
+            self.workers,
+            tracer,
+        )
+        proxy = Proxy(
+            settings.retry,
+            settings.scheduler.retry_after_s,
+            preparation,
+            self.scheduler,
+            self.upstream,
+            self.retry_budget,
+            tracer,
+        )
+        self.data_plane = DataPlane(
+            settings.server,
+            proxy,
+            self.auth,
+            self.observe,
+            tracer,
+            self.router,
+            self.pools,
+            lambda: self.draining,
+        )
+
+    def app(self) -> web.Application:
+        """The HTTP app: the OpenAI routes and probes, metrics, the status page and the admin API."""
         routes = [] if self.metrics is None else [web.get("/metrics", self.metrics.handle)]
-        return [*routes, *self.dashboard.routes(), *self.admin.route_defs(self.auth.admin)]
+        return self.data_plane.app(
+            [*routes, *self.dashboard.routes(), *self.admin.route_defs(self.auth.admin)]
+        )
 
     @property
     def settings(self) -> Settings:
@@ -130,23 +171,6 @@ class Runtime:
                 observer(record)
             except Exception:  # an observer's bug must not fail the request it observes
                 log.exception("observer %r failed", observer)
-
-    def all_replicas(self) -> list[Replica]:
-        return self.fleet.replicas()
-
-    def ready(self) -> dict[str, bool]:
-        return {name: pool.has_healthy() for name, pool in self.pools.items()}
-
-    def is_ready(self, pools: dict[str, bool]) -> bool:
-        """Whether the gateway can serve, by `server.ready` (never while draining)."""
-        rule = self.settings.server.ready
-        if self.draining or not pools:
-            return False
-        if rule == "any":
-            return any(pools.values())
-        if rule == "all":
-            return all(pools.values())
-        return all(pools.get(name, False) for name in rule)
 
     async def start(self) -> None:
         """Start background work; managed replicas join their pools as each becomes ready, so

@@ -16,7 +16,6 @@ from aiohttp import web
 
 from gateway.config import Settings
 from gateway.control.reload import ReloadRejected
-from gateway.http.app import build_app
 from gateway.http.conn_guard import ConnectionGuard, connection_limit
 from gateway.runtime import Runtime
 
@@ -75,7 +74,7 @@ async def start_gateway(
     runtime = Runtime(settings, config_path, server_overrides)
     server = settings.server
     runner = web.AppRunner(
-        build_app(runtime),
+        runtime.app(),
         handler_cancellation=True,  # a client that leaves cancels its handler and so the upstream call
         access_log=None,
         shutdown_timeout=server.grace_period_s,

@@ -133,7 +133,7 @@ class LiveGateway:
         rt = self.gw.runtime
         return self.call(
             lambda: (
-                all(r.inflight_requests == 0 for r in rt.all_replicas())
+                all(r.inflight_requests == 0 for r in rt.fleet.replicas())
                 and all(n == 0 for n in rt.scheduler.queue_depth().values())
             )
         )

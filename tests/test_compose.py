@@ -366,7 +366,7 @@ async def test_cpu_stack_runs_and_serves_every_dashboard_series(
     gw = await start_gateway(settings)
     try:
         async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
-            await wait_until(lambda: all(gw.runtime.ready().values()), 10, "pools ready")
+            await wait_until(lambda: all(gw.runtime.data_plane.pools_ready().values()), 10, "pools ready")
             for i in range(8):
                 body = {
                     "model": "llama",

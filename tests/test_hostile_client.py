@@ -78,7 +78,7 @@ async def assert_serving_and_settled(gw: RunningGateway) -> None:
     guard = rt.connections
     assert guard is not None
     await wait_until(lambda: guard.open == 0 and guard.overflow == 0, what="client connections closed")
-    assert all(r.inflight_requests == 0 and r.inflight_tokens == 0 for r in rt.all_replicas())
+    assert all(r.inflight_requests == 0 and r.inflight_tokens == 0 for r in rt.fleet.replicas())
     assert all(n == 0 for n in rt.scheduler.queue_depth().values())
 
 

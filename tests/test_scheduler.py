@@ -14,10 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission.scheduler import ClassQueue, Entry, PoolQueue, QueueFull, Scheduler
+from gateway.admission.classes import PriorityClasses
+from gateway.admission.scheduler import ClassQueue, Entry, PoolQueue, QueueFull
 from gateway.config import BreakerConfig, PoolConfig, PriorityClass, SchedulerConfig, ScrapeConfig
 from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.pool import Pool
+from gateway.path.prepare import forward_priority
+from gateway.path.request import InferenceRequest
 from gateway.path.request_record import RequestRecord
 from gateway.routing.policy import RequestFeatures
 from gateway.routing.pool_router import PoolRouter
@@ -534,12 +537,15 @@ async def test_no_priority_field_without_priority_scheduling(upstreams, gateway)
     ],
 )
 def test_managed_fleet_priority_direction(engines: dict[str, Any], expected: int | None) -> None:
-    pool = PoolRouter(Pool(PoolConfig(name="p", model="m", engines=engines), BreakerConfig(), ScrapeConfig()))
-    features = RequestFeatures(request_id="r", model="m", pool="p", endpoint="chat", prompt_tokens=1)
-    features.priority = 2
-    body: dict[str, Any] = {}
-    assert Scheduler(SchedulerConfig()).forward_priority(pool, features, body) is (expected is not None)
-    assert body.get("priority") == expected
+    router = PoolRouter(
+        Pool(PoolConfig(name="p", model="m", engines=engines), BreakerConfig(), ScrapeConfig())
+    )
+    req = InferenceRequest("/v1/chat/completions", {}, b"{}", {}, None, RequestRecord("r", "chat"), router)
+    req.features = RequestFeatures(request_id="r", model="m", pool="p", endpoint="chat", prompt_tokens=1)
+    req.features.priority = 2
+    forward_priority(req, PriorityClasses(SchedulerConfig()))
+    assert req.dirty is (expected is not None)
+    assert req.body.get("priority") == expected
 
 
 async def test_unknown_priority_class_is_a_clear_400_and_the_gateway_keeps_serving(

@@ -20,8 +20,8 @@ A class may reserve in-flight slots (`reserved_per_replica`) that lower classes 
 high-priority arrival finds a free slot even when long low-priority jobs fill the fleet: engines do not
 preempt a running request for a waiting one, so without a reserve it would wait for one to finish.
 
-Tenants above their class (`max_priority`) are lowered to it, not rejected: the request is still
-legitimate, only not entitled to jump the queue.
+Which class a request is in, and whether its prompt fits, is decided before it gets here (the
+preparation step, by `classes`, gateway.admission.classes); the scheduler orders and admits only.
 """
 
 from __future__ import annotations
@@ -31,15 +31,13 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
+from gateway.admission.classes import PriorityClasses
 from gateway.admission.limits import Clock, Limits, ShedError, Take
-from gateway.admission.prompt_window import fit_window
 from gateway.config import PriorityClass, SchedulerConfig, TenantConfig
-from gateway.errors import GatewayError
-from gateway.logs import clip
 from gateway.routing.policy import RequestFeatures
 
 if TYPE_CHECKING:
@@ -247,13 +245,20 @@ class SchedulerStats(TypedDict):
 
 # -- admission ---------------------------------------------------------------------------------------------
 class Ticket:
-    """Permission to dispatch one request; `release()` (exactly once takes effect) when it is done."""
+    """Permission to dispatch one request, held as `with ticket:` (or `release()`d, of which only
+    the first call takes effect) until the request is done."""
 
     __slots__ = ("_state", "tokens")
 
     def __init__(self, state: _PoolState | None, tokens: int = 0) -> None:
         self._state = state
         self.tokens = tokens
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def release(self) -> None:
         state, self._state = self._state, None
@@ -270,7 +275,7 @@ _UNLIMITED = Ticket(None)
 @dataclass(slots=True, eq=False)
 class _PoolState:
     scheduler: Scheduler
-    pool: PoolRouter
+    router: PoolRouter
     queue: PoolQueue
     outstanding: int = 0  # tickets granted and not released (admitted but maybe not leased yet)
     outstanding_tokens: int = 0
@@ -302,9 +307,9 @@ class Scheduler:
     ) -> None:
         self.cfg = cfg
         self.clock = clock
-        self.tenants = {t.name: t for t in tenants}
-        self.limits = Limits(self.tenants.values(), take, clock)
-        self._levels = {c.name: c.level for c in cfg.classes}
+        self.classes = PriorityClasses(cfg, tenants)
+        self.limits = Limits(self.classes.tenants.values(), take, clock)
+        self._levels = self.classes.levels
         # Per replica, the in-flight slots a class must leave free for the classes above it.
         self._reserve_above = {
             c.name: sum(o.reserved_per_replica for o in cfg.classes if o.level > c.level) for c in cfg.classes
@@ -317,110 +322,7 @@ class Scheduler:
         self.shed: dict[str, dict[str, int]] = {c: dict.fromkeys(SHED_REASONS, 0) for c in self._levels}
         self.cancelled: dict[str, int] = dict.fromkeys(self._levels, 0)
         self.waits: dict[str, _WaitStats] = {c: _WaitStats() for c in self._levels}
-        self.priority_lowered = 0
-        self.prompts_trimmed = 0
         self._closing: str | None = None  # set at shutdown: nothing queues any more
-
-    # -- per request, before queueing ----------------------------------------------------------------
-    def fit_prompt(
-        self, pool: PoolRouter, features: RequestFeatures, body: dict[str, Any]
-    ) -> RequestFeatures | None:
-        """Apply the prompt size limit (after `classify`). Returns the features of the trimmed body when the
-        window policy dropped turns, None when the prompt fits as it is; raises 400 when it cannot fit."""
-        tenant = self.tenants.get(features.tenant) if features.tenant else None
-        limit = (
-            tenant.max_prompt_tokens if tenant and tenant.max_prompt_tokens else self.cfg.max_prompt_tokens
-        )
-        if limit is None or features.prompt_tokens <= limit:
-            return None
-        policy = tenant.prompt_overflow if tenant and tenant.max_prompt_tokens else self.cfg.prompt_overflow
-        if policy == "window" and fit_window(body, features.endpoint, limit) is not None:
-            self.prompts_trimmed += 1
-            trimmed = pool.features(body, features.endpoint, features.request_id, features.headers)
-            trimmed.tenant = features.tenant
-            trimmed.priority_class = features.priority_class
-            trimmed.priority = features.priority
-            return trimmed
-        self._count_shed(features.priority_class, "prompt_too_large")
-        raise ShedError(
-            400,
-            f"prompt is {features.prompt_tokens} tokens; the limit is {limit}",
-            "prompt_too_large",
-            type_="invalid_request_error",
-        )
-
-    def classify(self, features: RequestFeatures, headers: Mapping[str, str], body: dict[str, Any]) -> bool:
-        """Set the request's class (header `x-priority`, else a class name in body `priority`), lowered to
-        the tenant's highest. True when the body changed (a class name in `priority` is removed: engines
-        expect an integer there)."""
-        changed = False
-        name = headers.get("x-priority")
-        body_priority = body.get("priority")
-        if isinstance(body_priority, str) and body_priority in self._levels:
-            del body["priority"]
-            changed = True
-            name = name or body_priority
-        if name is None:
-            name = self.cfg.default_class
-        elif name not in self._levels:
-            # A typo must not silently demote (or promote) a request: say which classes exist.
-            raise GatewayError(
-                400,
-                f"unknown priority class {clip(name, 64)!r} in x-priority; "
-                f"expected one of: {', '.join(self._levels)}",
-                "invalid_request_error",
-                "invalid_priority",
-            )
-        tenant = self.tenants.get(features.tenant) if features.tenant else None
-        if tenant and tenant.max_priority and self._levels[name] > self._levels[tenant.max_priority]:
-            name = tenant.max_priority
-            self.priority_lowered += 1
-        features.priority_class = name
-        features.priority = self._levels[name]
-        return changed
-
-    def forward_priority(self, pool: PoolRouter, features: RequestFeatures, body: dict[str, Any]) -> bool:
-        """Set body `priority` in the engine's own direction when the pool's engines schedule by priority
-        and the client did not choose an engine priority; True when the body changed.
-
-        A client's own integer is the engine's priority, so a tenant with `max_priority` may not use it to
-        outrank its cap: it is lowered to the engine value of that class (and must be an integer: engines
-        would coerce a string or float)."""
-        given = body.get("priority")
-        if given is not None:
-            return self._cap_body_priority(pool, features, body, given)
-        adapter = pool.pool.priority_adapter()
-        if adapter is None:
-            return False
-        body["priority"] = adapter.engine_priority(features.priority)
-        return True
-
-    def _cap_body_priority(
-        self, pool: PoolRouter, features: RequestFeatures, body: dict[str, Any], given: Any
-    ) -> bool:
-        tenant = self.tenants.get(features.tenant) if features.tenant else None
-        if tenant is None or tenant.max_priority is None:
-            return False
-        if isinstance(given, bool) or not isinstance(given, int):
-            raise GatewayError(
-                400,
-                "`priority` must be an integer (the engine's priority) or a priority class name",
-                "invalid_request_error",
-                "invalid_priority",
-                "priority",
-            )
-        adapter = pool.pool.direction_adapter()
-        if adapter is None:  # no engine known to read it: nothing to check it against
-            del body["priority"]
-            return True
-        ceiling = adapter.engine_priority(self._levels[tenant.max_priority])
-        higher_first = adapter.engine_priority(1) > adapter.engine_priority(0)
-        allowed = min(given, ceiling) if higher_first else max(given, ceiling)
-        if allowed == given:
-            return False
-        body["priority"] = allowed
-        self.priority_lowered += 1
-        return True
 
     def _expected_output(self, features: RequestFeatures) -> int:
         return min(
@@ -428,7 +330,7 @@ class Scheduler:
         )
 
     # -- admission ---------------------------------------------------------------------------------------
-    async def admit(self, pool: PoolRouter, features: RequestFeatures) -> Ticket:
+    async def admit(self, router: PoolRouter, features: RequestFeatures) -> Ticket:
         """Charge the tenant's rate limits (429), then dispatch now or queue; see the module docstring."""
         cls = features.priority_class
         try:
@@ -438,9 +340,9 @@ class Scheduler:
             raise
         if not self.cfg.enabled:
             return _UNLIMITED
-        state = self._pools.get(pool.name)
-        if state is None or state.pool is not pool:
-            state = self._pools[pool.name] = _PoolState(self, pool, PoolQueue(self.cfg))
+        state = self._pools.get(router.name)
+        if state is None or state.router is not router:
+            state = self._pools[router.name] = _PoolState(self, router, PoolQueue(self.cfg))
         if not state.queue.size and self._has_room(state, features.prompt_tokens, cls):
             self.admitted[cls] += 1
             self.waits[cls].add(0.0)
@@ -459,7 +361,7 @@ class Scheduler:
         cls = features.priority_class
         loop = asyncio.get_running_loop()
         entry = Entry(
-            cost=self._cost(state.pool, features),
+            cost=self._cost(state.router, features),
             tenant=features.tenant,
             enqueued=self.clock(),
             seq=next(self._seq),
@@ -521,11 +423,11 @@ class Scheduler:
                 )
             )
 
-    def _cost(self, pool: PoolRouter, features: RequestFeatures) -> int:
+    def _cost(self, router: PoolRouter, features: RequestFeatures) -> int:
         """Estimated job size: prompt tokens not cached on the best replica, plus expected output."""
         uncached = features.prompt_tokens
         if features.block_hashes:
-            matched = pool.prefix_index.match(features.block_hashes, list(pool.pool.replicas))
+            matched = router.prefix_index.match(features.block_hashes, list(router.pool.replicas))
             best = max(matched.values(), default=0)
             uncached -= sum(features.block_tokens[:best])
         return max(0, uncached) + self._expected_output(features)
@@ -558,7 +460,7 @@ class Scheduler:
         replicas, less the slots reserved for higher classes, is not used up by granted tickets (which
         count requests not leased yet), and at least one replica has headroom by its own in-flight
         counts and, when fresh, by the engine's figures."""
-        replicas = state.pool.pool.serving("decode")
+        replicas = state.router.pool.serving("decode")
         if not replicas:
             return True  # nothing to wait for: dispatch answers 503 at once
         cfg = self.cfg
@@ -628,13 +530,13 @@ class Scheduler:
             },
             "admitted": dict(self.admitted),
             "queued_total": dict(self.queued_total),
-            "shed": {c: dict(r) for c, r in self.shed.items()},
+            "shed": {c: {**r, "prompt_too_large": self.classes.too_large[c]} for c, r in self.shed.items()},
             "cancelled_in_queue": dict(self.cancelled),
             "wait_s": {
                 c: {"count": w.count, "sum": w.total_s, "max": w.max_s} for c, w in self.waits.items()
             },
-            "priority_lowered": self.priority_lowered,
-            "prompts_trimmed": self.prompts_trimmed,
+            "priority_lowered": self.classes.priority_lowered,
+            "prompts_trimmed": self.classes.prompts_trimmed,
         }
 
     def shed_queued(self, message: str) -> int:

@@ -26,8 +26,8 @@ from gateway.errors import GatewayError
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.pool import Pool
 from gateway.fleet.replica import Replica
-from gateway.http.request_body import parse_json_body
 from gateway.logs import clip
+from gateway.path.request import parse_json_body
 from gateway.routing.rollout import Router
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
-"""A client's request body, read and parsed within bounds: size, time between reads, content coding
-and JSON nesting. Every violation is the client's: a 4xx in the OpenAI error form.
+"""A client's request body, read within bounds: size, time between reads, content coding. Every
+violation is the client's: a 4xx in the OpenAI error form. (Parsing it, within a JSON nesting
+bound, is the request object's: gateway.path.request.)
 
 Content codings: `gzip` (and `x-gzip`) and `deflate` bodies are decompressed as they arrive, and
 `server.max_body_bytes` bounds the decompressed size, so a small compressed body cannot expand into
@@ -12,18 +13,13 @@ import asyncio
 import zlib
 from typing import Any
 
-import orjson
 from aiohttp import web
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, client_error
 
 # gzip or zlib-wrapped deflate, told apart by the stream's own header.
 _ZLIB_AUTO = 32 + zlib.MAX_WBITS
 _DECODED = frozenset({"gzip", "x-gzip", "deflate"})
-
-
-def client_error(message: str, code: str, param: str | None = None, status: int = 400) -> GatewayError:
-    return GatewayError(status, message, "invalid_request_error", code, param)
 
 
 def _too_large(limit: int) -> GatewayError:
@@ -95,32 +91,3 @@ def _inflate(decoder: Any, chunk: bytes, room: int) -> bytes:
     if decoder.unused_data:
         raise client_error("data after the end of the compressed request body", "invalid_body")
     return out
-
-
-def parse_json_body(raw: bytes, max_depth: int) -> dict[str, Any]:
-    if not raw:
-        raise client_error("request body is empty; expected a JSON object", "invalid_json")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise client_error(f"request body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise client_error("request body must be a JSON object", "invalid_json")
-    # Arrays and objects nested this deep are no API's shape; past it the gateway could not
-    # re-serialize the body (orjson stops at 255 levels).
-    if raw.count(b"[") + raw.count(b"{") > max_depth and nesting_exceeds(body, max_depth):
-        raise client_error(f"request body nests JSON deeper than {max_depth} levels", "invalid_json")
-    return body
-
-
-def nesting_exceeds(doc: Any, limit: int) -> bool:
-    """Whether arrays and objects in `doc` nest more than `limit` deep (the document itself is 1)."""
-    stack = [(doc, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > limit:
-            return True
-        for child in node.values() if isinstance(node, dict) else node:
-            if isinstance(child, dict | list):
-                stack.append((child, depth + 1))
-    return False

@@ -1,7 +1,7 @@
 """OpenTelemetry spans for a request's path (queue, canonicalize, route, upstream) and W3C propagation.
 
-Off by default: then `Runtime.tracing` is None and the proxy pays one None check per stage
-(`with tr.span(...) if tr else NOOP`). On (`telemetry.tracing: true`), each request gets a
+Off by default: then the request path gets `gateway.path.trace.NO_TRACER`, whose spans do
+nothing. On (`telemetry.tracing: true`), `Tracing` is its tracer: each request gets a
 server span, parented on the client's `traceparent` if it sent one; stages are its children;
 each upstream attempt is a client span whose context replaces `traceparent`/`tracestate` in
 the headers sent to the engine. Export follows the standard variables: `OTEL_TRACES_EXPORTER`
@@ -13,7 +13,6 @@ the headers sent to the engine. Export follows the standard variables: `OTEL_TRA
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import sys
@@ -33,9 +32,6 @@ from gateway.fleet.replica import Replica
 from gateway.path.request_record import RequestRecord
 
 log = logging.getLogger(__name__)
-
-NOOP: AbstractContextManager[None] = contextlib.nullcontext()
-"""What the proxy enters instead of a span when tracing is off (reusable, allocation-free)."""
 
 _TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 

@@ -1,4 +1,6 @@
-"""The inference request path: parse, resolve the pool, canonicalize, schedule, route, relay.
+"""Admission and dispatch: a prepared request waits for its admission, is ranked across its
+pool's replicas, sent (plainly or through a prefill/decode hand-off, retried on another replica
+before the first byte), and its answer relayed.
 
 Every request ends in exactly one of: the engine's answer relayed byte-for-byte, or an
 OpenAI-style error. Load taken on a replica is released exactly once, whether the request
@@ -8,53 +10,32 @@ succeeds, fails, times out or the client goes away.
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
 import logging
 import random
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
 
-import orjson
 from aiohttp import web
 
-from gateway.admission.limits import ShedError
+from gateway.admission.scheduler import Scheduler, Ticket
+from gateway.config import RetryConfig
 from gateway.errors import GatewayError, error_body, normalize_error_body
 from gateway.fleet.replica import Replica
-from gateway.http.request_body import client_error, parse_json_body, read_body
-from gateway.logs import clip
-from gateway.observe.tracing import NOOP
 from gateway.path.claim import Claim
 from gateway.path.pd import DecodePlan, PDHandoff
+from gateway.path.prepare import Preparation
+from gateway.path.request import InferenceRequest
 from gateway.path.request_record import RequestRecord
-from gateway.path.sanitize import (
-    client_request_id,
-    invalid_header,
-    new_request_id,
-    strip_body,
-    upstream_headers,
-)
+from gateway.path.retry_budget import RetryBudget
+from gateway.path.sanitize import upstream_headers
 from gateway.path.stream_end import StreamEnd
+from gateway.path.trace import Tracer
 from gateway.path.transports.base import Response
-from gateway.path.upstream import ERROR_BODY_LIMIT, UpstreamError
-from gateway.routing.canonicalize import canonicalize
-from gateway.routing.policy import Candidate, RequestFeatures
-from gateway.routing.prefix_hash import PrefixHasher
+from gateway.path.upstream import ERROR_BODY_LIMIT, Upstream, UpstreamError
+from gateway.routing.policy import Candidate
 from gateway.routing.tokens import engine_prompt_tokens
-
-if TYPE_CHECKING:
-    from gateway.fleet.pool import Pool
-    from gateway.routing.pool_router import PoolRouter
-    from gateway.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-}
 # Not relayed to the client: hop-by-hop, framing the proxy redoes, and the gateway's own headers.
 _DROP_RESPONSE = frozenset(
     {
@@ -82,175 +63,58 @@ def sse_error_event(message: str, code: str) -> bytes:
 
 
 class Proxy:
-    def __init__(self, runtime: Runtime) -> None:
-        self.rt = runtime
-        self.settings = runtime.settings
-        self.pd = PDHandoff(runtime.upstream, resend=runtime.settings.retry.max_attempts >= 2)
+    """Admission and dispatch of prepared requests: the request path after the preparation step."""
 
-    # -- entry point ------------------------------------------------------------------------
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        # Engines get an id the gateway makes; the client's own id, when usable, names the
-        # request in logs and in the answer's X-Request-Id.
-        engine_id = new_request_id()
-        client_id = client_request_id(request.headers.get("x-request-id"))
-        rec = RequestRecord(client_id or engine_id, ENDPOINTS[request.path], engine_request_id=engine_id)
-        tr = self.rt.tracing
-        root = tr.request(request.method, request.path, request.headers, rec) if tr else None
-        try:
-            response = await self._handle(request, rec)
-        except GatewayError as exc:
-            response = self.error_response(exc, rec)
-        except asyncio.CancelledError:
-            if not rec.completed:  # a client that closes after the end of its stream got its answer
-                rec.client_disconnected = True
-                rec.status = 499  # nginx's "client closed request": nobody received an answer
-            raise
-        finally:
-            rec.ended = time.perf_counter()
-            self.rt.observe(rec)
-            if root is not None:
-                root.end(rec)
-        return response
-
-    async def _handle(self, request: web.Request, rec: RequestRecord) -> web.StreamResponse:
-        server = self.settings.server
-        bad_header = invalid_header(request.headers.items())
-        if bad_header is not None:
-            raise client_error(
-                f"header {clip(bad_header, 64)!r}: values may hold only visible ASCII, spaces and tabs",
-                "invalid_header",
-            )
-        tenant = self.rt.auth.client(request)
-        rec.tenant = tenant
-        raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
-        # A large body is parsed, canonicalized, hashed and counted in a worker thread: on the event
-        # loop a 7.5 MB prompt took 0.6 s, during which no other request moved.
-        offload = len(raw) > server.offload_body_bytes
-        loop = asyncio.get_running_loop()
-        if offload:
-            body = await loop.run_in_executor(self.rt.workers, parse_json_body, raw, server.max_json_depth)
-        else:
-            body = parse_json_body(raw, server.max_json_depth)
-        model = body.get("model")
-        if model is None or model == "":
-            raise client_error("you must provide a model parameter", "missing_model", "model")
-        if not isinstance(model, str):
-            raise client_error("`model` must be a string", "invalid_model", "model")
-        rec.model = clip(model)
-        pool_name = self.rt.router.resolve(model, request.headers, body)
-        if pool_name is None:
-            raise GatewayError(
-                404,
-                f"the model `{rec.model}` does not exist",
-                "invalid_request_error",
-                "model_not_found",
-                "model",
-            )
-        router = self.rt.routers[pool_name]
-        pool = router.pool
-        rec.pool = pool.name
-        removed = strip_body(body, pool.passthrough_fields)
-        if removed:
-            log.debug("request %s: client fields not for engines removed: %s", rec.request_id, removed)
-        changed = bool(removed)
-        if model != pool.upstream_model:
-            body["model"] = pool.upstream_model
-            changed = True
-        if offload:
-            # The worker reads the pool's caches through a detached hasher; what it learned joins
-            # them back here, on the loop.
-            hasher = router.hasher.detached()
-            call = contextvars.copy_context().run
-            job = functools.partial(call, self._prompt, router, body, rec, request.headers, hasher)
-            body, canonicalized, features = await loop.run_in_executor(self.rt.workers, job)
-            router.hasher.absorb(hasher)
-            router.learn_token_size(len(features.text), features.prompt_tokens)
-        else:
-            body, canonicalized, features = self._prompt(router, body, rec, request.headers)
-        changed = canonicalized or changed
-        scheduler = self.rt.scheduler
-        features.tenant = tenant
-        changed = scheduler.classify(features, request.headers, body) or changed
-        trimmed = scheduler.fit_prompt(router, features, body)
-        if trimmed is not None:  # the window policy dropped the oldest turns
-            features, changed = trimmed, True
-        changed = scheduler.forward_priority(router, features, body) or changed
-        tr = self.rt.tracing
-        if router.precise is not None and router.policy.uses_prefix_match:
-            with tr.span("tokenize") if tr else NOOP:
-                await router.precise.annotate(features, body, pool.serving("decode"), self.rt.upstream)
-        out = orjson.dumps(body) if changed else raw
-        rec.stream = features.stream
-        rec.prompt_tokens = features.prompt_tokens
-        rec.prompt_chars = len(features.text)
-        rec.priority_class = features.priority_class
-        queued_at = time.perf_counter()
-        with tr.span("queue", {"kvgate.priority_class": features.priority_class}) if tr else NOOP:
-            ticket = await self.rt.scheduler.admit(router, features)
-        rec.queued_s = time.perf_counter() - queued_at
-        try:
-            return await self._dispatch(request, router, features, body, out, rec)
-        finally:
-            ticket.release()
-
-    def _prompt(
+    def __init__(
         self,
-        router: PoolRouter,
-        body: dict[str, Any],
-        rec: RequestRecord,
-        headers: Mapping[str, str],
-        hasher: PrefixHasher | None = None,
-    ) -> tuple[dict[str, Any], bool, RequestFeatures]:
-        """Canonicalize (when the pool does) and measure the prompt; True when the body changed.
-        With a detached `hasher` it runs off the event loop and touches none of the pool's state."""
-        changed = False
-        canon = router.cfg.canonicalize
-        if canon.enabled and not headers.get(canon.opt_out_header):
-            tr = self.rt.tracing
-            with tr.span("canonicalize") if tr else NOOP:
-                result = canonicalize(body, canon, rec.endpoint)
-            if result.body is not body:
-                body, changed = result.body, True
-                log.debug("request %s canonicalized: %s", rec.request_id, "; ".join(result.notes))
-        features = router.features(body, rec.endpoint, rec.engine_request_id, headers, hasher)
-        return body, changed, features
+        retry: RetryConfig,
+        retry_after_s: float,
+        preparation: Preparation,
+        scheduler: Scheduler,
+        upstream: Upstream,
+        retry_budget: RetryBudget,
+        tracer: Tracer,
+    ) -> None:
+        self.retry = retry
+        self.retry_after_s = retry_after_s  # what a 503 for want of replicas tells the client
+        self.preparation = preparation
+        self.scheduler = scheduler
+        self.upstream = upstream
+        self.retry_budget = retry_budget
+        self.tracer = tracer
+        self.pd = PDHandoff(upstream, resend=retry.max_attempts >= 2)
 
-    def error_response(self, exc: GatewayError, rec: RequestRecord) -> web.Response:
-        rec.status = exc.status
-        rec.error_code = exc.code
-        if isinstance(exc, ShedError):
-            rec.shed_reason = exc.shed_reason
-        headers = {"x-request-id": rec.request_id, **exc.headers}
-        return web.Response(
-            status=exc.status, body=exc.body(), content_type="application/json", headers=headers
-        )
+    async def handle(
+        self, request: web.Request, raw: bytes, tenant: str | None, rec: RequestRecord
+    ) -> web.StreamResponse:
+        """A client's request, its body read and its tenant known: prepare, admit, dispatch."""
+        req = await self.preparation.prepare(request.path, request.headers, raw, tenant, rec)
+        with await self._admit(req):
+            return await self._dispatch(request, req)
+
+    async def _admit(self, req: InferenceRequest) -> Ticket:
+        queued_at = time.perf_counter()
+        with self.tracer.span("queue", {"kvgate.priority_class": req.features.priority_class}):
+            ticket = await self.scheduler.admit(req.router, req.features)
+        req.record.queued_s = time.perf_counter() - queued_at
+        return ticket
 
     # -- dispatch with retries ----------------------------------------------------------------
-    def _upstream_headers(self, request: web.Request, pool: Pool, rec: RequestRecord) -> dict[str, str]:
-        return upstream_headers(request.headers.items(), pool.passthrough_headers, rec.engine_request_id)
-
-    async def _dispatch(
-        self,
-        request: web.Request,
-        router: PoolRouter,
-        features: RequestFeatures,
-        body: dict[str, Any],
-        raw: bytes,
-        rec: RequestRecord,
-    ) -> web.StreamResponse:
+    async def _dispatch(self, request: web.Request, req: InferenceRequest) -> web.StreamResponse:
+        router, features, rec = req.router, req.features, req.record
         pool = router.pool
         request_id = rec.request_id
-        tr = self.rt.tracing
-        with tr.span("route", {"kvgate.policy": pool.cfg.policy.type}) if tr else NOOP:
+        tracer = self.tracer
+        with tracer.span("route", {"kvgate.policy": pool.cfg.policy.type}):
             ranked = await router.rank(features)
         if not ranked:
             raise self._no_replica(f"no healthy replica in pool `{pool.name}`")
-        retry_cfg = self.settings.retry
+        retry_cfg = self.retry
         max_attempts = retry_cfg.max_attempts
-        budget = self.rt.retry_budget
+        budget = self.retry_budget
         budget.on_request()
-        headers = self._upstream_headers(request, pool, rec)
-        plan = DecodePlan(raw)
+        headers = upstream_headers(request.headers.items(), pool.passthrough_headers, rec.engine_request_id)
+        plan = DecodePlan(req.payload())
         refused: GatewayError | None = None  # the last retryable answer, relayed if every try fails
         failure: UpstreamError | None = None  # the last retryable transport failure
         # A generation is not idempotent: it may reach engines at most max_attempts times in
@@ -258,7 +122,7 @@ class Proxy:
         deliveries = 0
         try:
             if pool.disaggregated and self.pd.wanted(pool, features, ranked[0]):
-                plan = await self.pd.prepare(router, features, body, raw, request.path, headers)
+                plan = await self.pd.prepare(router, features, req.body, req.payload(), request.path, headers)
             for attempt, candidate in enumerate(_walk(ranked, max_attempts)):
                 if deliveries >= max_attempts:
                     break
@@ -276,13 +140,12 @@ class Proxy:
                     # Learn at decision time, not when the answer comes: concurrent requests with
                     # the same new prefix must see where the first one went.
                     router.learn(features, replica)
-                    up = tr.upstream(replica, attempt, headers) if tr else None
+                    up = tracer.upstream(replica, attempt, headers)
                     try:
                         try:
                             url = replica.url + request.path
                             resend = deliveries + 2 <= max_attempts
-                            hdrs = up.headers if up is not None else headers
-                            resp = await self._open(url, plan, hdrs, resend)
+                            resp = await self._open(url, plan, up.headers, resend)
                         except UpstreamError as exc:
                             deliveries += exc.sent
                             if exc.replica_fault:
@@ -294,8 +157,7 @@ class Proxy:
                             continue
                         deliveries += resp.sent
                         claim.answered()  # any well-formed answer: the engine is up
-                        if up is not None:
-                            up.responded(resp.status)
+                        up.responded(resp.status)
                         if resp.status in retry_cfg.retry_statuses:
                             error = normalize_error_body(await self._read_error(resp), resp.status)
                             refused = GatewayError(
@@ -312,8 +174,7 @@ class Proxy:
                         )
                         return await self._relay(request, resp, claim, rec)
                     finally:
-                        if up is not None:
-                            up.end(rec)
+                        up.end(rec)
         finally:
             await plan.finish()
         if refused is not None:
@@ -323,14 +184,14 @@ class Proxy:
         raise self._no_replica(f"no replica of pool `{pool.name}` accepted the request")
 
     def _no_replica(self, message: str) -> GatewayError:
-        retry_after = str(self.settings.scheduler.retry_after_s)
+        retry_after = str(self.retry_after_s)
         return GatewayError(
             503, message, "service_unavailable", "no_healthy_replica", headers={"Retry-After": retry_after}
         )
 
     async def _open(self, url: str, plan: DecodePlan, headers: dict[str, str], resend: bool) -> Response:
         """Open the decode leg; with a concurrent prefill leg, fail fast if that leg breaks first."""
-        upstream = self.rt.upstream
+        upstream = self.upstream
         if plan.guard is None:
             return await upstream.open("POST", url, plan.body, headers, resend=resend)
         opening = asyncio.ensure_future(upstream.open("POST", url, plan.body, headers, resend=resend))
@@ -350,7 +211,7 @@ class Proxy:
 
     async def _read_error(self, resp: Response) -> bytes:
         try:
-            return await self.rt.upstream.read_content(resp, ERROR_BODY_LIMIT)
+            return await self.upstream.read_content(resp, ERROR_BODY_LIMIT)
         except UpstreamError:
             return b""
         finally:
@@ -385,7 +246,7 @@ class Proxy:
         headers = self._response_headers(resp, claim.replica, rec.request_id)
         if not resp.content_type.startswith("text/event-stream"):
             try:
-                raw = await self.rt.upstream.read(resp)
+                raw = await self.upstream.read(resp)
             except UpstreamError as exc:
                 if exc.replica_fault:
                     claim.failed()
@@ -411,7 +272,7 @@ class Proxy:
         try:
             await out.prepare(request)
             try:
-                async for chunk in self.rt.upstream.chunks(resp):
+                async for chunk in self.upstream.chunks(resp):
                     if rec.first_byte_at is None:
                         rec.first_byte_at = time.perf_counter()
                     if _USAGE in chunk:  # a substring test per chunk; only a usage chunk is read

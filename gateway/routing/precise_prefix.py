@@ -9,7 +9,8 @@ replicas' KV events keep (`KVEventIndexer`): blocks appear when an engine stores
 when it evicts them. A routing decision is recorded as speculative, covering the lag until the
 engine's events confirm it.
 
-The price is one loopback round trip to an engine per request. Prompts the engine cannot
+The price is one loopback round trip to an engine per request, made by the preparation step
+(gateway.path.prepare) with the token ids handed back here. Prompts the engine cannot
 tokenize (the Responses API; a `/tokenize` failure) are never failed: they are matched against
 the approximate index (text blocks learned from routing decisions), which the pool keeps too.
 
@@ -32,19 +33,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
-from gateway.path.upstream import UpstreamError
 from gateway.routing.kv_events import KVEventIndexer, KVEventSubscriber, TokenBlockHasher
 from gateway.routing.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
     from gateway.config import PrefixConfig
     from gateway.fleet.replica import Replica
-    from gateway.path.upstream import Upstream
     from gateway.routing.policy import RequestFeatures
 
 log = logging.getLogger(__name__)
 
-_JSON = {"Content-Type": "application/json"}
 EventsState = Literal["ok", "waiting", "missing"]
 EVENTS_STATES: tuple[EventsState, ...] = ("ok", "waiting", "missing")
 # The request fields that decide the engine's token ids (chat template input).
@@ -149,20 +147,39 @@ class PrecisePrefix:
         for sub in self.subscribers.values():
             sub.close()
 
-    # -- per request -----------------------------------------------------------------------
-    async def annotate(
-        self,
-        features: RequestFeatures,
-        body: Mapping[str, Any],
-        replicas: Sequence[Replica],
-        upstream: Upstream,
-    ) -> None:
-        """Replace the request's text-block features by engine token-block ones, in place.
+    # -- per request: the preparation step (gateway.path.prepare) asks an engine -------------
+    def tokenize_request(self, body: Mapping[str, Any], endpoint: str) -> dict[str, Any] | None:
+        """The `/tokenize` request for a request body, or None when the engine has no such form."""
+        return tokenize_body(body, endpoint, self.model)
 
-        On any failure the request keeps no token-block hashes: the pool then matches its
-        text-block hashes (kept in `text_block_hashes`) against the approximate index."""
-        request = tokenize_body(body, features.endpoint, self.model)
-        ids = await self._tokenize(request, replicas, upstream) if request is not None and replicas else None
+    def next_replica(self, replicas: Sequence[Replica]) -> Replica:
+        """The replica to ask next (in turn, so no one engine tokenizes for all)."""
+        self._next = (self._next + 1) % len(replicas)
+        return replicas[self._next]
+
+    def token_ids(self, replica: Replica, status: int, raw: bytes) -> list[int] | None:
+        """The token ids in a `/tokenize` answer; None (counted) for anything else."""
+        if status != 200:
+            return self.failed(replica, f"status {status}")
+        try:
+            ids = orjson.loads(raw)["tokens"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return self.failed(replica, "answer without a `tokens` list")
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            return self.failed(replica, "answer without a `tokens` list")
+        return ids
+
+    def failed(self, replica: Replica, why: str) -> None:
+        self.tokenize_failures += 1
+        log.debug("precise prefix: %s could not tokenize: %s", replica.name, why)
+        return None
+
+    def annotate(self, features: RequestFeatures, ids: list[int] | None) -> None:
+        """Replace the request's text-block features by the engine's token-block ones, in place.
+
+        Without token ids (none asked, or the engine could not tokenize) the request keeps no
+        token-block hashes: the pool then matches its text-block hashes (kept in
+        `text_block_hashes`) against the approximate index."""
         if ids is None:
             features.block_hashes, features.block_tokens = (), ()
             return
@@ -170,34 +187,6 @@ class PrecisePrefix:
         features.block_hashes = hashes
         features.block_tokens = [self.block_size] * len(hashes)
         features.prompt_tokens = len(ids)  # the engine's own count beats the gateway's estimate
-
-    async def _tokenize(
-        self, request: dict[str, Any], replicas: Sequence[Replica], upstream: Upstream
-    ) -> list[int] | None:
-        self._next = (self._next + 1) % len(replicas)
-        replica = replicas[self._next]
-        try:
-            resp = await upstream.open("POST", replica.url + "/tokenize", orjson.dumps(request), _JSON)
-            try:
-                raw = await upstream.read_content(resp)
-            finally:
-                resp.release()
-        except UpstreamError as exc:
-            return self._failed(replica, str(exc))
-        if resp.status != 200:
-            return self._failed(replica, f"status {resp.status}")
-        try:
-            ids = orjson.loads(raw)["tokens"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            return self._failed(replica, "answer without a `tokens` list")
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            return self._failed(replica, "answer without a `tokens` list")
-        return ids
-
-    def _failed(self, replica: Replica, why: str) -> None:
-        self.tokenize_failures += 1
-        log.debug("precise prefix: %s could not tokenize: %s", replica.name, why)
-        return None
 
     def set_capacity(self, replica: str, kv_capacity_tokens: int) -> None:
         self.index.set_capacity(replica, max(1, kv_capacity_tokens // self.block_size))

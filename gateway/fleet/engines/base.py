@@ -199,6 +199,13 @@ class EngineAdapter(ABC):
     def engine_priority(self, level: int) -> int:
         """The body `priority` value for a gateway priority level (higher level = more important)."""
 
+    def cap_priority(self, given: int, level: int) -> int:
+        """A client's own body `priority`, lowered to at most as important as gateway level `level`
+        in this engine's direction (vLLM runs lower values first, SGLang higher ones)."""
+        ceiling = self.engine_priority(level)
+        higher_first = self.engine_priority(1) > self.engine_priority(0)
+        return min(given, ceiling) if higher_first else max(given, ceiling)
+
     def normalize_error(self, body: bytes, status: int) -> bytes:
         """The engine's error body in the OpenAI `{"error": {...}}` form."""
         return normalize_error_body(body, status)
