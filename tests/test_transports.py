@@ -14,8 +14,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from gateway.config import ConfigError, UpstreamConfig, load_config
-from gateway.path.transports.base import HostSlots, InvalidHeaderError, header_block, parse_target
+from gateway.config import ConfigError, UpstreamConfig, load_config, parse_target
+from gateway.path.transports.base import HostSlots, InvalidHeaderError, header_block
 from gateway.path.upstream import Upstream, UpstreamError
 from tests.conftest import free_port, wait_until
 from tests.hostile_upstream import TRANSPORTS, HostileUpstream, ask, hostile_settings, marker, openai_error

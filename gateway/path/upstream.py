@@ -14,7 +14,7 @@ import asyncio
 import zlib
 from collections.abc import AsyncIterator, Mapping
 
-from gateway.config import UpstreamConfig
+from gateway.config import UpstreamConfig, parse_target
 from gateway.errors import GatewayError
 from gateway.path.transports import make_transport
 from gateway.path.transports.base import (
@@ -24,7 +24,6 @@ from gateway.path.transports.base import (
     InvalidHeaderError,
     Response,
     TransportError,
-    parse_target,
 )
 
 # Error bodies are read only to tell the client what the engine said.

@@ -6,7 +6,7 @@ kvgate's own keep-alive client on llhttp, the default and the fast one) and `aio
 and return a `Response` whose head has arrived, and fail only with the errors below, so the
 layer above (gateway/path/upstream.py: timeouts, caps, delivery accounting) is written once.
 
-What both share lives here: parsed targets, request header validation, the per-host
+What both share lives here: request header validation, the per-host
 connection cap, TLS contexts, and the check for bytes waiting on an idle connection.
 """
 
@@ -20,10 +20,9 @@ import struct
 import termios
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+
+from gateway.config import Target
 
 
 class TransportError(Exception):
@@ -59,49 +58,6 @@ class ProtocolError(TransportError):
 class InvalidHeaderError(ValueError):
     """A request header that must not be sent: control characters, not Latin-1, or a header
     that is the transport's own business (framing, connection management)."""
-
-
-# -- targets --------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Target:
-    scheme: str
-    host: str
-    port: int
-    path: str
-
-    @property
-    def tls(self) -> bool:
-        return self.scheme == "https"
-
-    @property
-    def origin(self) -> tuple[str, str, int]:
-        return (self.scheme, self.host, self.port)
-
-    @property
-    def host_header(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-    @property
-    def url(self) -> str:
-        return f"{self.scheme}://{self.host_header}{self.path}"
-
-
-_VISIBLE = re.compile(r"[\x21-\x7e]+")
-
-
-@lru_cache(maxsize=4096)
-def parse_target(url: str) -> Target:
-    """An engine URL as the transports use it; ValueError for what no transport can send to."""
-    if not _VISIBLE.fullmatch(url):  # urlsplit would silently drop a CR or LF
-        raise ValueError(f"engine URL has spaces or control characters: {url!r}")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(f"engine URLs are http:// or https://, not {parts.scheme!r}: {url}")
-    if not parts.hostname:
-        raise ValueError(f"engine URL without a host: {url}")
-    port = parts.port or (443 if parts.scheme == "https" else 80)  # ValueError when out of range
-    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return Target(parts.scheme, parts.hostname, port, path)
 
 
 # -- request headers --------------------------------------------------------------------------
