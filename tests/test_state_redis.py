@@ -244,17 +244,6 @@ def test_shared_state_wraps_approximate_indexes_and_leaves_precise_ones_to_kv_ev
     assert precise.precise is not None and precise.prefix_index is precise.precise.index
 
 
-async def test_fleet_counter_is_exact_under_concurrency(key_prefix, upstreams, gateway) -> None:
-    (up,) = await upstreams(1)
-    a = await gateway(shared_settings([up.url], key_prefix))
-    b = await gateway(shared_settings([up.url], key_prefix))
-    results = await asyncio.gather(
-        *(gw.runtime.state.incr("tenant-x:requests", 1, 60) for _ in range(100) for gw in (a, b))
-    )
-    assert sorted(results) == list(range(1, 201))  # every increment saw a distinct, exact total
-    assert await a.runtime.state.incr("tenant-x:tokens", 500, 60) == 500  # keys are separate
-
-
 async def test_fleet_token_buckets_are_exact_and_all_or_nothing(key_prefix, upstreams, gateway) -> None:
     (up,) = await upstreams(1)
     a = await gateway(shared_settings([up.url], key_prefix))
@@ -372,7 +361,7 @@ async def test_redis_outage_serves_locally_and_resynchronizes(upstreams, gateway
         assert r.status_code == 200
         assert (await ask(a, prompt(2))).headers["x-kvgate-pool"] == "canary"
         assert (await ask(b, prompt(2))).headers["x-kvgate-pool"] == pool_of_u1  # B cannot know yet
-        assert await a.runtime.state.incr("k", 2, 60) == 2  # counters fall back to local
+        # Rate limits fall back to local buckets.
         assert await a.runtime.state.take([Bucket("k", 1, 1.0, 1)]) == [0.0]
         assert (await a.runtime.state.take([Bucket("k", 1, 1.0, 1)]))[0] > 0
         status = (await client.get(a.url + "/admin/state", headers=AUTH)).json()

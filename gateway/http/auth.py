@@ -35,10 +35,6 @@ class Auth:
         self._client_keys = keys
         self._admin_key = settings.server.admin_key.encode() if settings.server.admin_key else None
 
-    @property
-    def required(self) -> bool:
-        return bool(self._client_keys)
-
     def client(self, request: object) -> str | None:
         """The tenant name of the request (None when anonymous or an untenanted key)."""
         headers: Mapping[str, str] = request.headers  # type: ignore[attr-defined]

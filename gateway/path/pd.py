@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from gateway.errors import GatewayError, normalize_error_body
+from gateway.fleet.engines.base import SGLANG_CONCURRENT
 from gateway.fleet.replica import Replica
 from gateway.path.claim import Claim
 from gateway.path.upstream import Upstream, UpstreamError
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VLLM_SEQUENTIAL = "vllm-nixl-sequential"
-SGLANG_CONCURRENT = "sglang-bootstrap-concurrent"
 _NO_REMOTE = {
     "do_remote_decode": True,
     "do_remote_prefill": False,

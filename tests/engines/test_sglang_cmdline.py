@@ -7,6 +7,7 @@ import json
 import pytest
 
 from gateway.config import EngineSpec
+from gateway.errors import normalize_error_body
 from gateway.fleet.engines import get_adapter
 from gateway.fleet.engines.base import BOOTSTRAP_PORT, ReplicaSlot, kv_events_ipc_dir
 from gateway.fleet.launcher import plan_fleet
@@ -115,6 +116,6 @@ def test_priority_direction_and_protocol() -> None:
 
 def test_flat_error_becomes_openai_error() -> None:
     flat = b'{"object":"error","message":"prompt too long","type":"BadRequestError","param":null,"code":400}'
-    assert json.loads(sglang.normalize_error(flat, 400)) == {
+    assert json.loads(normalize_error_body(flat, 400)) == {
         "error": {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": "400"}
     }

@@ -1,4 +1,4 @@
-"""State shared by several gateway instances: in-flight load, prefix index, route weights, counters.
+"""State shared by several gateway instances: in-flight load, prefix index, route weights, rate limits.
 
 `make_state(cfg, fleet, router)` returns the configured backend: `memory` (one instance, nothing shared) or
 `redis`. The request path only ever reads local memory; a backend keeps it in sync off the path.

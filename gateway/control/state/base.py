@@ -1,9 +1,8 @@
-"""The state backend interface, and the local counters every backend falls back on."""
+"""The state backend interface, and the local rate-limit buckets every backend falls back on."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from gateway.admission.limits import Bucket, LocalBuckets
@@ -13,21 +12,6 @@ if TYPE_CHECKING:
     from gateway.fleet.fleet import Fleet
     from gateway.routing.prefix_index import PrefixIndex
     from gateway.routing.rollout import Router
-
-
-class LocalCounters:
-    """Fixed-window counters in this process (the memory backend, and Redis' fallback when down)."""
-
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
-        self._clock = clock
-        self._counts: dict[tuple[str, float], tuple[int, int]] = {}  # (key, window_s) -> (window, count)
-
-    def incr(self, key: str, amount: int, window_s: float) -> int:
-        window = int(self._clock() // window_s)
-        current, count = self._counts.get((key, window_s), (window, 0))
-        count = count + amount if current == window else amount
-        self._counts[(key, window_s)] = (window, count)
-        return count
 
 
 class StateBackend:
@@ -40,8 +24,7 @@ class StateBackend:
     - route weights: `publish_weights` after a local change reaches every instance's router.
     - drain: `publish_drain` after a local change reaches every instance's replica.
     - endpoints: `publish_endpoint` after an admin API add or remove makes every instance do it.
-    - rate limits: `take` charges fleet-wide token buckets atomically; `incr` is an exact
-      fleet-wide fixed-window counter.
+    - rate limits: `take` charges fleet-wide token buckets atomically.
     """
 
     name: ClassVar[str] = "base"
@@ -50,7 +33,6 @@ class StateBackend:
         self.cfg = cfg
         self.fleet = fleet
         self.router = router
-        self.counters = LocalCounters()
         self.buckets = LocalBuckets()
 
     @property
@@ -82,13 +64,6 @@ class StateBackend:
     async def publish_endpoint(self, pool: str, url: str, endpoint: dict[str, Any] | None, who: str) -> None:
         """An unmanaged replica was added here (its EndpointConfig fields) or removed (None); make every
         instance do the same."""
-
-    async def incr(self, key: str, amount: int, window_s: float) -> int:
-        """Add `amount` to counter `key` in the current `window_s`-second window; the window's total.
-
-        Fleet-wide and exact with a shared backend (one round trip); local otherwise.
-        """
-        return self.counters.incr(key, amount, window_s)
 
     async def take(self, charges: Sequence[Bucket]) -> list[float]:
         """Charge every bucket at once if each can pay, else none: per bucket, the seconds until the

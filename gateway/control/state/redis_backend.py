@@ -12,8 +12,8 @@ Per instance, one background task syncs every `sync_interval_s` and another read
 - operator settings: route weights (a hash, one field per route rule) and drained replicas (a
   hash, one field per pool and URL); an admin change writes it at once, the other instances
   adopt it on their next sync, and an instance that starts later adopts the fleet's.
-- rate limits: token buckets and fixed-window counters, each charged in one Lua script, so N
-  gateways never overshoot a shared limit (several buckets are charged all or none).
+- rate limits: token buckets, charged in one Lua script, so N gateways never overshoot a
+  shared limit (several buckets are charged all or none).
 Replicas are identified across instances by (pool, URL), not by their local names.
 
 When Redis is unreachable the gateway serves from local state (remote load counts as 0), logs a
@@ -56,11 +56,6 @@ MAX_OUTBOX_BLOCKS = 500_000  # beyond this the outbox is dropped and the next sy
 READ_BATCH = 1000
 READ_BLOCK_MS = 500  # below the socket timeout
 FLUSH_GAP_S = 0.005  # learned blocks go out this soon after a routing decision, batched
-_INCR = """
-local v = redis.call('INCRBY', KEYS[1], ARGV[1])
-if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-return v
-"""
 # Token buckets as in gateway.admission.limits, on Redis' clock (one clock for every gateway). KEYS: the
 # buckets; ARGV: amount, rate, capacity per bucket. All pay or none does; returns each one's wait.
 _TAKE = """
@@ -119,7 +114,6 @@ class RedisState(StateBackend):
             cfg.redis_url, max_connections=64, timeout=2.0, socket_timeout=1.0, socket_connect_timeout=1.0
         )
         self._redis = aioredis.Redis(connection_pool=pool)
-        self._incr = self._redis.register_script(_INCR)
         self._take = self._redis.register_script(_TAKE)
         self._connected = False
         self._ever_connected = False
@@ -527,20 +521,7 @@ class RedisState(StateBackend):
     async def publish_endpoint(self, pool: str, url: str, endpoint: dict[str, Any] | None, who: str) -> None:
         await self._publish(self._endpoints_key, f"{pool}\t{url}", {"endpoint": endpoint}, who)
 
-    # -- counters ---------------------------------------------------------------------
-    async def incr(self, key: str, amount: int, window_s: float) -> int:
-        if self._connected:
-            window = int(time.time() // window_s)
-            try:
-                value = await self._incr(
-                    keys=[self._key("count", key, str(window_s), str(window))],
-                    args=[amount, int(window_s * 1000) + 1000],
-                )
-                return int(value)
-            except _DOWN as exc:
-                self._down(exc)
-        return self.counters.incr(key, amount, window_s)
-
+    # -- rate limits ------------------------------------------------------------------
     async def take(self, charges: Sequence[Bucket]) -> list[float]:
         if self._connected and charges:
             args: list[float] = []

@@ -2,8 +2,11 @@
 
 An adapter turns a fleet's `EngineSpec` into one replica's command line and environment, names
 the endpoint that reports the engine's load and parses it into `EngineLoad`, maps a gateway
-priority level onto the engine's `priority` body field, names the PD hand-off protocol, and puts
-the engine's error bodies into the OpenAI form. Adapters are stateless; one instance per kind.
+priority level onto the engine's `priority` body field (and caps a client's own value in the
+engine's direction), and names the PD hand-off protocol. Error bodies need no adapter: one
+function (`gateway.errors.normalize_error_body`) reads vLLM's `{"error": {...}}`, SGLang's flat
+`{"object": "error", ...}` and anything else. Adapters are stateless, one per engine kind
+(`get_adapter`), plus the simulator told to speak SGLang's API (`adapter_for_spec`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from pathlib import Path
 from typing import ClassVar
 
 from gateway.config import EngineSpec
-from gateway.errors import normalize_error_body
 from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.replica import Role
 
@@ -31,6 +33,10 @@ NIXL_SIDE_CHANNEL_PORT = "nixl_side_channel"
 BOOTSTRAP_PORT = "bootstrap"
 # Managed engines publish KV events under this topic, set explicitly on both ends.
 KV_EVENTS_TOPIC = "kv-events"
+# The prefill/decode hand-offs (gateway.path.pd): vLLM's NIXL relay, one leg after the other,
+# and SGLang's bootstrap, both legs at once.
+VLLM_SEQUENTIAL = "vllm-nixl-sequential"
+SGLANG_CONCURRENT = "sglang-bootstrap-concurrent"
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,10 +211,6 @@ class EngineAdapter(ABC):
         ceiling = self.engine_priority(level)
         higher_first = self.engine_priority(1) > self.engine_priority(0)
         return min(given, ceiling) if higher_first else max(given, ceiling)
-
-    def normalize_error(self, body: bytes, status: int) -> bytes:
-        """The engine's error body in the OpenAI `{"error": {...}}` form."""
-        return normalize_error_body(body, status)
 
     def gpu_env(self, slot: ReplicaSlot) -> dict[str, str]:
         if slot.gpu_ids is None:

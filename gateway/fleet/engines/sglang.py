@@ -21,6 +21,7 @@ from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.engines.base import (
     BOOTSTRAP_PORT,
     KV_EVENTS_PORT,
+    SGLANG_CONCURRENT,
     EngineAdapter,
     ReplicaSlot,
     kv_events_config,
@@ -45,7 +46,7 @@ _LOAD_SERIES = (RUNNING, WAITING, TOKEN_USAGE, MAX_TOKENS)
 
 class SGLangAdapter(EngineAdapter):
     kind: ClassVar[str] = "sglang"
-    pd_protocol = "sglang-bootstrap-concurrent"
+    pd_protocol = SGLANG_CONCURRENT
     load_path = "/v1/loads"
 
     def aux_port_names(self, spec: EngineSpec, role: Role) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.engines.base import (
     KV_EVENTS_PORT,
     NIXL_SIDE_CHANNEL_PORT,
+    VLLM_SEQUENTIAL,
     EngineAdapter,
     ReplicaSlot,
     compact_json,
@@ -48,7 +49,7 @@ _LOAD_SERIES = (RUNNING, WAITING, KV_USAGE, CACHE_CONFIG, PROMPT_TOKENS)
 
 class VLLMAdapter(EngineAdapter):
     kind: ClassVar[str] = "vllm"
-    pd_protocol = "vllm-nixl-sequential"
+    pd_protocol = VLLM_SEQUENTIAL
     load_path = "/metrics"
 
     def executable(self, spec: EngineSpec, model: str) -> list[str]:
