@@ -285,18 +285,19 @@ async def test_sighup_reloads_a_serving_process(upstreams, tmp_path) -> None:
                     return None
                 return {p["name"]: p["weight"] for p in r.json()["routes"]["llama"][0]["pools"]}
 
-            deadline = asyncio.get_running_loop().time() + 30
-            while await weights() is None:
-                assert proc.poll() is None and asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.05)
-            assert await weights() == {"stable": 100.0, "canary": 0.0}
+            async def started() -> dict[str, Any] | None:
+                assert proc.poll() is None, "kvgate serve exited"
+                return await weights()
+
+            assert await wait_until(started, 30, "kvgate serve", 0.05) == {"stable": 100.0, "canary": 0.0}
             data["routes"][0]["rules"][0]["pools"][1]["weight"] = 10
             write_config(path, data)
             os.kill(proc.pid, signal.SIGHUP)
-            deadline = asyncio.get_running_loop().time() + 10
-            while await weights() != {"stable": 100.0, "canary": 10.0}:
-                assert asyncio.get_running_loop().time() < deadline, "SIGHUP reload not applied"
-                await asyncio.sleep(0.05)
+
+            async def reloaded() -> bool:
+                return await weights() == {"stable": 100.0, "canary": 10.0}
+
+            await wait_until(reloaded, 10, "the SIGHUP reload", 0.05)
             assert proc.poll() is None
     finally:
         proc.terminate()

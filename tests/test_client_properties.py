@@ -12,7 +12,6 @@ import json
 import socket
 import string
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterator
 from http.client import HTTPResponse
 from typing import Any
@@ -22,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.server import RunningGateway, start_gateway
-from tests.conftest import gateway_settings
+from tests.conftest import gateway_settings, wait_until_sync
 from tests.upstream_app import Upstream
 
 PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
@@ -169,10 +168,7 @@ def check(live: LiveGateway, status: int, headers: dict[str, str], body: bytes) 
         assert status < 500, (status, body[:300])
         if status >= 400 and headers.get("content-type") == "application/json":
             assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
-    deadline = time.monotonic() + 5
-    while not live.settled():
-        assert time.monotonic() < deadline, "load counters did not settle"
-        time.sleep(0.01)
+    wait_until_sync(live.settled, what="load counters to settle")
 
 
 @PROPERTY

@@ -45,11 +45,7 @@ async def wired() -> AsyncIterator[tuple[Publisher, KVEventSubscriber, PrefixInd
     sub = KVEventSubscriber(pub.endpoint, "r1", KVEventIndexer(index, TokenBlockHasher(BS, "m")), "kv-events")
     sub.start()
     # ZMQ drops what a PUB sends before the SUB has joined: send no-op batches until one arrives.
-    deadline = time.monotonic() + 10
-    while sub.stats.batches == 0:
-        assert time.monotonic() < deadline, "subscriber never received a batch"
-        pub.send([])
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: sub.stats.batches or pub.send([]), timeout=10, what="a first batch")
     try:
         yield pub, sub, index
     finally:
@@ -160,11 +156,14 @@ async def test_the_simulators_publisher_is_understood() -> None:
             ("stored", ([h], engine[i - 1] if i else None, TOKENS[i * BS : (i + 1) * BS]))
             for i, h in enumerate(engine)
         ]
-        deadline = time.monotonic() + 10
-        while index.match(query, ["sim"])["sim"] < 5:
-            assert time.monotonic() < deadline, "simulator events never indexed"
+
+        def indexed() -> bool:
+            if index.match(query, ["sim"])["sim"] >= 5:
+                return True
             pub.publish(events)  # re-sent until the SUB has joined; storing twice is harmless
-            await asyncio.sleep(0.01)
+            return False
+
+        await wait_until(indexed, timeout=10, what="the simulator's events indexed")
         pub.publish([("removed", [engine[3]])])
         await wait_until(lambda: index.match(query, ["sim"])["sim"] == 3, timeout=10, what="removal")
     finally:
@@ -174,14 +173,16 @@ async def test_the_simulators_publisher_is_understood() -> None:
 
 async def _first_frames(sock: zmq.asyncio.Socket, pub: Any, deadline_s: float = 10) -> list[bytes]:
     """Publish until the SUB has joined (ZMQ drops what is sent before) and return what arrived."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        assert time.monotonic() < deadline, "no KV event batch arrived"
+
+    async def probe() -> list[bytes] | None:
         pub.publish([("cleared", None)])
         try:
             return await asyncio.wait_for(sock.recv_multipart(), 0.05)
         except TimeoutError:
-            continue
+            return None
+
+    frames: list[bytes] = await wait_until(probe, timeout=deadline_s, what="a KV event batch", interval=0)
+    return frames
 
 
 async def test_the_simulator_publisher_binds_or_connects_as_vllm_does() -> None:
@@ -248,11 +249,8 @@ async def test_events_owed_too_long_are_missing_until_usable_ones_come(
     precise.start()
     sub = precise.subscribers["r1"]
     try:
-        deadline = time.monotonic() + 10
-        while sub.stats.batches == 0:  # empty batches until the SUB has joined
-            assert time.monotonic() < deadline, "subscriber never received a batch"
-            pub.send([])
-            await asyncio.sleep(0.01)
+        # Empty batches until the SUB has joined.
+        await wait_until(lambda: sub.stats.batches or pub.send([]), timeout=10, what="a first batch")
         assert precise.events_state("r1") == "waiting"  # batches, but nothing usable yet, nothing owed
         precise.expect_events("r1")
         since = sub.stats.awaiting_since

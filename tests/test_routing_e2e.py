@@ -8,17 +8,16 @@ the gateway's x-kvgate-replica header and on the engine's cached_tokens in usage
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import subprocess
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import orjson
 import pytest
 
-from tests.conftest import PYTHON, REPO, gateway_settings, subprocess_env
+from tests.conftest import gateway_settings
+from tests.simfleet import sim_fleet
 
 MODEL = "sim-model"
 SYSTEM = "You are the support assistant of a company that sells garden tools. " * 120  # ~1700 tokens
@@ -34,27 +33,10 @@ class Answer:
 
 
 @pytest.fixture
-async def sim_fleet() -> AsyncIterator[list[str]]:
-    """Three simulated replicas in one process, on ports it picks itself."""
-    proc = await asyncio.create_subprocess_exec(
-        PYTHON, "-m", "gateway.sim", "--model", MODEL, "--port", "0", "--replicas", "3",
-        "--profile", "tiny", "--speedup", "0.25", "--log-level", "warning",
-        stdout=subprocess.PIPE, env=subprocess_env(), cwd=REPO,
-    )  # fmt: skip
-    try:
-        urls: list[str] = []
-        assert proc.stdout is not None
-        async with asyncio.timeout(30):
-            while len(urls) < 3:
-                line = (await proc.stdout.readline()).decode()
-                assert line, "simulator exited before listening"
-                if line.startswith("kvgate-sim listening on "):
-                    urls.append(line.split()[3])
-        yield urls
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        await proc.wait()
+def three_replicas() -> Iterator[list[str]]:
+    """Three simulated replicas in one process."""
+    with sim_fleet("--log-level", "warning", replicas=3, model=MODEL, speedup=0.25) as fleet:
+        yield fleet.urls
 
 
 async def ask(client: httpx.AsyncClient, url: str, question: str) -> Answer:
@@ -77,8 +59,8 @@ async def ask(client: httpx.AsyncClient, url: str, question: str) -> Answer:
     return Answer(replica, usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"])
 
 
-async def test_shared_prompt_sticks_then_spills_to_a_second_replica(sim_fleet, gateway) -> None:
-    endpoints = [{"url": u, "name": f"r{i}", "kind": "sim"} for i, u in enumerate(sim_fleet)]
+async def test_shared_prompt_sticks_then_spills_to_a_second_replica(three_replicas, gateway) -> None:
+    endpoints = [{"url": u, "name": f"r{i}", "kind": "sim"} for i, u in enumerate(three_replicas)]
     # The tiny profile prefills about 45k tokens/s (gateway.sim.cost_model); the fleet runs in slow
     # motion (speedup 0.25) so that a burst from the test client outruns a replica's prefill.
     policy = {"type": "prefix_affinity", "args": {"prefill_tokens_per_s": 45_000 * 0.25}}

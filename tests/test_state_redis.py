@@ -304,15 +304,15 @@ def own_redis() -> Iterator[tuple[int, list[subprocess.Popen[bytes]]]]:
 
 async def _wait_ping(port: int) -> None:
     client = aioredis.Redis(host="127.0.0.1", port=port)
+
+    async def pong() -> bool:
+        try:
+            return bool(await client.ping())
+        except redis.RedisError:
+            return False
+
     try:
-        deadline = asyncio.get_running_loop().time() + 10
-        while True:
-            try:
-                await client.ping()
-                return
-            except redis.RedisError:
-                assert asyncio.get_running_loop().time() < deadline, "redis-server did not start"
-                await asyncio.sleep(0.02)
+        await wait_until(pong, 10, "redis-server", 0.02)
     finally:
         await client.aclose()
 
