@@ -6,7 +6,6 @@ import copy
 import json
 import re
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +20,7 @@ from gateway.routing.canonicalize import (
     normalize_whitespace,
     split_sentences,
 )
+from tests.conftest import REPO
 
 USER_RULE = CanonicalizeRule(name="user_id", pattern=r"(?i)\buser[ _-]?(?:id)?[:#]?\s*\d+\b")
 CFG = CanonicalizeConfig(enabled=True, rules=[USER_RULE], builtin_rules=sorted(BUILTIN_PATTERNS))
@@ -285,7 +285,7 @@ def test_builtins_leave_ordinary_numbers_alone(static: str) -> None:
 
 
 def test_the_example_config_catches_a_bare_user_id() -> None:
-    settings = load_config(Path(__file__).parent.parent / "config" / "canonicalize.example.yaml")
+    settings = load_config(REPO / "config" / "canonicalize.example.yaml")
     cfg = settings.pool("support").canonicalize
     for sentence in ("User 1234.", "user_id=77.", "User id: 5."):
         body = {"messages": [{"role": "system", "content": f"{sentence} You are X."}]}

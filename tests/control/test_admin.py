@@ -16,7 +16,7 @@ import yaml
 
 from gateway.control.rollout_cli import main as rollout_main
 from tests.conftest import PYTHON, REPO, free_port, gateway_settings, subprocess_env, wait_until
-from tests.test_rollout import rollout_settings
+from tests.routing.test_rollout import rollout_settings
 
 KEY = "admin-secret"
 AUTH = {"authorization": f"Bearer {KEY}"}

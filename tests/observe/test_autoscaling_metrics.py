@@ -7,7 +7,7 @@ import asyncio
 import httpx
 
 from tests.conftest import gateway_settings, wait_until
-from tests.test_metrics import MakeGateway, MakeUpstreams, scrape
+from tests.observe.test_metrics import MakeGateway, MakeUpstreams, scrape
 
 
 async def test_pool_signals_follow_drains_and_the_queue(

@@ -138,7 +138,7 @@ async def test_remote_inflight_visible_and_expires_with_a_dead_instance(
 async def test_weight_change_on_one_instance_reaches_the_other_within_a_second(
     key_prefix, upstreams, gateway
 ) -> None:
-    from tests.test_rollout import rollout_settings
+    from tests.routing.test_rollout import rollout_settings
 
     s, c = await upstreams(2)
     state = {"backend": "redis", "key_prefix": key_prefix, "sync_interval_s": 0.05}
@@ -318,7 +318,7 @@ async def _wait_ping(port: int) -> None:
 
 
 async def test_redis_outage_serves_locally_and_resynchronizes(upstreams, gateway, own_redis) -> None:
-    from tests.test_rollout import rollout_settings
+    from tests.routing.test_rollout import rollout_settings
 
     port, procs = own_redis
     await _wait_ping(port)

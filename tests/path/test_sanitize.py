@@ -1,5 +1,5 @@
 """What of a client's request reaches engines: a real gateway and real upstreams (the PD legs are
-checked in tests/test_pd.py)."""
+checked in tests/path/test_pd.py)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,7 @@ from gateway.config import EngineSpec, Settings
 from gateway.fleet.engines import adapter_for_spec, get_adapter
 from gateway.fleet.launcher import FleetLauncher, LaunchedReplica, LaunchError, dry_run
 from gateway.fleet.load_scraper import LoadScraper
-from tests.conftest import wait_until
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.conftest import REPO, wait_until
 
 
 def alive(pid: int) -> bool:
