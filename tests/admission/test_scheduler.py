@@ -14,16 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission.classes import PriorityClasses
 from gateway.admission.scheduler import ClassQueue, Entry, PoolQueue, QueueFull
-from gateway.config import BreakerConfig, PoolConfig, PriorityClass, SchedulerConfig, ScrapeConfig
+from gateway.config import PriorityClass, SchedulerConfig
 from gateway.fleet.engine_load import EngineLoad
-from gateway.fleet.pool import Pool
-from gateway.path.prepare import forward_priority
-from gateway.path.request import InferenceRequest
 from gateway.path.request_record import RequestRecord
-from gateway.routing.policy import RequestFeatures
-from gateway.routing.pool_router import PoolRouter
 from gateway.server import RunningGateway
 from tests.conftest import gateway_settings, wait_until
 
@@ -525,27 +519,6 @@ async def test_no_priority_field_without_priority_scheduling(upstreams, gateway)
     async with httpx.AsyncClient() as c:
         await c.post(gw.url + CHAT, content=raw, headers={"x-priority": "interactive"})
     assert up.state.seen[0].raw == raw  # untouched, byte for byte
-
-
-@pytest.mark.parametrize(
-    ("engines", "expected"),
-    [
-        ({"kind": "vllm", "priority_scheduling": True}, -2),
-        ({"kind": "sglang", "priority_scheduling": True}, 2),
-        ({"kind": "sim", "priority_scheduling": True, "sim": {"extra_args": ["--api", "sglang"]}}, 2),
-        ({"kind": "vllm"}, None),  # launched without priority scheduling: vLLM would refuse the field
-    ],
-)
-def test_managed_fleet_priority_direction(engines: dict[str, Any], expected: int | None) -> None:
-    router = PoolRouter(
-        Pool(PoolConfig(name="p", model="m", engines=engines), BreakerConfig(), ScrapeConfig())
-    )
-    req = InferenceRequest("/v1/chat/completions", {}, b"{}", {}, None, RequestRecord("r", "chat"), router)
-    req.features = RequestFeatures(request_id="r", model="m", pool="p", endpoint="chat", prompt_tokens=1)
-    req.features.priority = 2
-    forward_priority(req, PriorityClasses(SchedulerConfig()))
-    assert req.dirty is (expected is not None)
-    assert req.body.get("priority") == expected
 
 
 async def test_unknown_priority_class_is_a_clear_400_and_the_gateway_keeps_serving(
