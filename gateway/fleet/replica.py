@@ -1,4 +1,16 @@
-"""One engine replica as the gateway sees it: address, role, health, breaker and live load."""
+"""One engine replica as the gateway sees it: address, role, health, breaker and live load.
+
+In-flight load is counted once, here: `inflight_requests`/`inflight_tokens` are this gateway's
+requests on the replica, changed only by a `Lease` (which every attempt takes through
+gateway.path.claim). Everything else reads these counts: the admission headroom per replica,
+the policies, and the shared state backend, which publishes them for the other gateway
+instances and writes theirs into `remote_inflight_*` (their requests, not a second count of
+ours). Two counts beside it measure other things: the scheduler's tickets count requests per
+pool from admission to the end of dispatch, including the moments they hold no lease (while
+ranked, during a PD prefill leg, between retries), so that a pool's in-flight budget is not
+overrun by requests admitted but not yet leased; and a policy's own ledger (prefix_affinity's)
+keeps each request's uncached tokens, and drops entries as the replica's count falls.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +24,8 @@ Role = Literal["mixed", "prefill", "decode"]
 
 
 class Replica:
-    """Mutable state of a replica. Policies only read it (through the same attributes);
-    the proxy changes load through `Lease`, the health checker through `mark_health`."""
+    """Mutable state of a replica. Policies only read it (through the same attributes); an
+    attempt changes its load through `Lease`, the health checker its `healthy` flag."""
 
     __slots__ = (
         "bootstrap_port",
