@@ -111,6 +111,7 @@ split() {  # B.part.00 fills call 1 up to CALL_MIB with the tree, A and the whee
     echo "limit per call: $(( 64 * 1048576 )) bytes"
     (cd "$OUTD" && sha256sum c1/* c2/* wheels/* data/*/*)
   } > "$OUTD/MANIFEST"
+  cp "$OUTD/MANIFEST" "$OUTD/wheels/MANIFEST"   # travels with call 1, lands in the results
   cat "$OUTD/MANIFEST"
 }
 

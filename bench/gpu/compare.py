@@ -175,6 +175,34 @@ def verdicts(found: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     return out if len(out) > 2 else []
 
 
+def dtype_section(kg: Path, found: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """The same routing runs on the FP8 and on the BF16 KV cache (the same bytes of KV per replica)."""
+    bf16 = found.get("bf16-routing", {})
+    if not bf16:
+        return []
+    kv = {}
+    for tag, name in (("fp8", "calib.json"), ("bf16", "calib_bf16.json")):
+        calib = _load(kg / name) or {}
+        tokens = [v["kv_tokens"] for v in calib.get("kv_capacity", {}).values() if v.get("kv_tokens")]
+        kv[tag] = min(tokens) if tokens else None
+    rows = [
+        f"KV tokens per replica: FP8 {kv['fp8']}, BF16 {kv['bf16']}",
+        "",
+        "| config | FP8 TTFT p50 / mean (ms) | BF16 TTFT p50 / mean (ms) | FP8 hit | BF16 hit | BF16 req/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, run in bf16.items():
+        fp8 = found.get("routing", {}).get(key)
+        f = fp8["ttft_ms"] if fp8 else {"p50": None, "mean": None}
+        b = run["ttft_ms"]
+        rows.append(
+            f"| {run['config']} | {_f(f['p50'])} / {_f(f['mean'])} | {_f(b['p50'])} / {_f(b['mean'])} | "
+            f"{_f(fp8['cache_hit_rate'] if fp8 else None, 3)} | {_f(run['cache_hit_rate'], 3)} | "
+            f"{_f(run.get('throughput_rps'), 2)} |"
+        )
+    return rows
+
+
 def _section(title: str, body: list[str]) -> list[str]:
     return [f"## {title}", "", *body, ""] if body else []
 
@@ -196,7 +224,7 @@ def fleet_section(kg: Path) -> list[str]:
             ev = calib.get("kv_events", {})
             reset = calib.get("prefix_cache_reset")
             lines.append(f"  KV events {ev.get('messages_per_publisher')}; cache reset {reset}")
-    cmd = kg / "launch_dryrun.txt"
+    cmd = kg / "launch_dryrun_fp8.txt"
     if cmd.exists():
         first = next((line for line in cmd.read_text().splitlines() if line and not line.startswith("#")), "")
         lines += ["", "First replica's command line (`kvgate launch --dry-run`):", "", "```", first, "```"]
@@ -245,6 +273,7 @@ def render(kg: Path, sim_root: Path | None) -> str:
     doc += _section("Scenarios", tables)
     doc += _section("Targets", verdicts(found))
     doc += _section("A replica killed under load (kill -9 of its process group)", kill_section(kg))
+    doc += _section("FP8 vs BF16 KV cache", dtype_section(kg, found))
     doc += _section("Steps", steps_section(kg))
     return "\n".join(doc) + "\n"
 

@@ -27,7 +27,7 @@ finish() {
   mkdir -p "$OUT"
   if [ -f "$KVSITE/.ok" ]; then host pack "$KG" "$OUT"; else tar -C "$ROOT" -czf "$OUT/kg.tar.gz" kg; fi
   exec >&- 2>&-
-  wait "$TEE"  # every line reaches drive.log and the call's output
+  for _ in $(seq 1 50); do kill -0 "$TEE" 2>/dev/null || break; sleep 0.1; done  # tee's last lines
   exit 0
 }
 # step NAME ESTIMATE_S COMMAND...: run COMMAND unless done (or failed) before; end this call when the
@@ -40,7 +40,7 @@ step() {
   if [ $(( $(el) + est )) -gt "$LIMIT" ]; then echo "=== no time left for $name (~$est s) at $(el) s"; finish; fi
   echo "=== $name (~$est s) at $(el) s"
   s=$(date +%s)
-  "$@"
+  bounded "$@"
   rc=$?
   printf '%s\t%s\t%s\n' "$name" $(( $(date +%s) - s )) "$CALL" >> "$KG/timing.tsv"
   case $rc in
@@ -49,12 +49,26 @@ step() {
     *) echo "=== $name FAILED (rc $rc)"; touch "$KG/failed/$name" ;;
   esac
 }
+# A step that overruns its estimate is stopped (SIGTERM to its process group, then SIGKILL) 15 s
+# after LIMIT, so that the call still packs its results before the device's own timeout.
+bounded() {
+  local budget=$(( LIMIT + 15 - $(el) )) pid dog rc
+  set -m  # each in a process group of its own
+  ( "$@" ) & pid=$!
+  ( sleep "$budget"; echo "=== $1 stopped: the call's time is up"; kill -TERM -- -"$pid" 2>/dev/null
+    sleep 5; kill -KILL -- -"$pid" 2>/dev/null ) &
+  dog=$!
+  set +m
+  wait "$pid"; rc=$?
+  kill -- -"$dog" 2>/dev/null  # the watchdog and its sleep: nothing may outlive the call holding its output
+  return $rc
+}
 need() { for n in "$@"; do [ -f "$KG/done/$n" ] || { echo "=== $n is not done: nothing else can run"; finish; }; done; }
 rate() { grep "^$1=" "$KG/rates.env" 2>/dev/null | tail -1 | cut -d= -f2; }
 setrate() { echo "$1=$2" >> "$KG/rates.env"; echo "    $1=$2"; }
 
 # ---- payload and kvgate ---------------------------------------------------------------------------------
-for d in c1 c2 wheels data; do [ -d "$GPU_SRC/$d" ] && mkdir -p "$STAGE/$d" && cp -f "$GPU_SRC/$d"/* "$STAGE/$d/"; done
+for d in c1 c2 wheels data; do [ -d "$GPU_SRC/$d" ] && mkdir -p "$STAGE/$d" && cp -rfL "$GPU_SRC/$d"/. "$STAGE/$d/"; done
 unpack_a() {
   [ -f "$STAGE/c1/A.tar.xz" ] || { echo "A.tar.xz not carried yet (call 1 carries .gpu/c1; a fresh machine starts again there)"; return 3; }
   untar "$STAGE/c1/A.tar.xz"
@@ -77,25 +91,29 @@ assert get_tokenizer().name.startswith('tiktoken'), get_tokenizer().name
 print('kvgate', gateway.__file__, 'tokenizer', get_tokenizer().name, 'pydantic', pydantic.VERSION, 'zmq', zmq.__version__)
 ") && touch "$KVSITE/.ok"
 }
+facts() {
+  { echo "python: $($PY -c 'import sys; print(sys.version.split()[0])'), cores: $(nproc)"; df -h "$ROOT" | tail -1
+    [ "${KG_DRY:-0}" = 1 ] && return 0
+    nvidia-smi -L; $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"; } | tee "$KG/facts.txt"
+}
+step facts 15 facts
 step unpack_a 40 unpack_a
 step kvgate 20 kvgate_install
 step unpack_b 30 unpack_b
 need unpack_a kvgate unpack_b
-[ "${KG_DRY:-0}" = 1 ] || { nvidia-smi -L; nproc; df -h /tmp | tail -1; }
 
 # ---- the managed fleet ------------------------------------------------------------------------------
-fleet_start() {  # TAG KV_DTYPE: render the config, record the command lines, start kvgate in its own session
-  local tag=$1 dtype=$2 cfg=$KG/fleet_$1.yaml
-  sed -e "s#@ROOT@#$ROOT#g" -e "s#kv_cache_dtype: fp8#kv_cache_dtype: $dtype#" "$HERE/fleet.yaml" > "$cfg"
+fleet_start() {  # TAG KV_DTYPE BASE_PORT: render the config, record the command lines, start kvgate in its own session
+  # A restarted fleet takes new ports: the old ones linger in TIME_WAIT, which the launcher counts as taken.
+  local tag=$1 dtype=$2 port=$3 cfg=$KG/fleet_$1.yaml
+  sed -e "s#@ROOT@#$ROOT#g" -e "s#kv_cache_dtype: fp8#kv_cache_dtype: $dtype#" \
+      -e "s#base_port: 8001#base_port: $port#" "$HERE/fleet.yaml" > "$cfg"
   (cd "$KG" && $PY -m gateway check-config "$cfg") || return 1
   (cd "$KG" && $PY -m gateway launch --dry-run "$cfg") > "$KG/launch_dryrun_$tag.txt" || return 1
   cat "$KG/launch_dryrun_$tag.txt"
   host endpoints "$KG/launch_dryrun_$tag.txt" "$KG/endpoints.json" || return 1
   date +%s.%N > "$KG/fleet_${tag}_started"
-  (cd "$KG" && KVGATE_SERVER__ADMIN_KEY=$(cat "$KG/admin_key") setsid nohup bash -c \
-    'echo $$ > "$0"; exec "$1" -m gateway serve --config "$2"' "$KG/gateway_$tag.pid" "$PY" "$cfg" \
-    > "$KG/gateway_$tag.log" 2>&1 < /dev/null &)
-  sleep 2
+  host start-gateway "$KG" "$tag" "$cfg"
 }
 fleet_stop() {  # TAG: SIGTERM the managing gateway; it stops its engines (SIGKILL after stop_grace_s)
   local pid; pid=$(cat "$KG/gateway_$1.pid")
@@ -112,14 +130,14 @@ fleet_stop() {  # TAG: SIGTERM the managing gateway; it stops its engines (SIGKI
 fleet_wait() { host wait-fleet "$KG" "$GW" --tag "$1" --deadline $(( T0 + LIMIT - 10 )); }
 gpu_mem() { [ "${KG_DRY:-0}" = 1 ] || nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$KG/nvidia-smi.txt"; }
 dtype() { if [ -f "$KG/fleet_fallback" ]; then echo auto; else echo fp8; fi; }
-step fleet_start 10 fleet_start fp8 "$(dtype)"
+step fleet_start 10 fleet_start fp8 "$(dtype)" 8001
 step fleet_wait 30 fleet_wait fp8
 if [ -f "$KG/failed/fleet_wait" ] && [ ! -f "$KG/fleet_fallback" ]; then
   # The replicas crash at start with the FP8 KV cache: rather than lose the run, every measurement
   # runs on BF16 (same bytes, half the tokens) and the FP8/BF16 pair at the end is skipped.
   echo "=== the FP8 fleet does not start: falling back to the BF16 KV cache"
   fleet_stop fp8; touch "$KG/fleet_fallback"; rm -f "$KG/failed/fleet_wait" "$KG/done/fleet_start"
-  step fleet_start 10 fleet_start fp8 auto
+  step fleet_start 10 fleet_start fp8 auto 8201
   step fleet_wait 30 fleet_wait fp8
 fi
 need fleet_start fleet_wait
@@ -127,13 +145,18 @@ calib() { host calib "$KG" --gateway "$GW" --out "$1" && gpu_mem; }
 step calib 40 calib calib.json
 
 # ---- routing: capacity probe, then every policy at 90% of round-robin's sustainable rate -----------
-probe() {  # NAME SCENARIO: overload probe; the steady completions/s go to rates.env as NAME
-  host scenario "$KG" "probe_$1" "probe/$2" -- "$2" --size h200-probe || return 1
-  local cap; cap=$(host capacity "$KG/res/probe/$2") || return 1
+probe() {  # NAME SCENARIO [OFFERED]: overload probe; its steady completions/s go to rates.env as NAME
+  local cap extra=() out=probe/$2
+  [ -n "${3:-}" ] && extra=(--rate "$3") && out=probe/$2-$3
+  host scenario "$KG" "probe_$2" "$out" -- "$2" --size h200-probe "${extra[@]}" || return 1
+  cap=$(host capacity "$KG/res/$out") || return 1
   setrate "$1" "$cap"
 }
-route_probe() {
+route_probe() {  # 40 req/s offered; if all of it was served, the fleet was not saturated: 80
   probe CAP_ROUTE routing || { setrate R_ROUTE "${R_ROUTE_FALLBACK:-10}"; return 1; }
+  if $PY -c "import sys; sys.exit(0 if $(rate CAP_ROUTE) > 0.85 * 40 else 1)"; then
+    probe CAP_ROUTE routing 80 || return 1
+  fi
   setrate R_ROUTE "$(calc "0.9 * $(rate CAP_ROUTE)")"
 }
 step probe_routing 60 route_probe
@@ -179,7 +202,7 @@ step kill_restart 200 host kill-test "$KG" "$GW" --rate "$(calc "0.5 * $R")" --m
 [ -f "$KG/fleet_fallback" ] && { echo "=== no FP8/BF16 pair: the whole run was on BF16"; finish; }
 step fp8_stop 100 fleet_stop fp8
 need fp8_stop
-step bf16_start 10 fleet_start bf16 auto
+step bf16_start 10 fleet_start bf16 auto 8301
 step bf16_wait 30 fleet_wait bf16
 need bf16_wait
 step bf16_calib 40 calib calib_bf16.json

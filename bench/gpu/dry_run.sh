@@ -8,7 +8,8 @@
 #   bench/gpu/dry_run.sh                  # every call (about 35 minutes on two cores)
 #   DRY_CALLS="1 2" bench/gpu/dry_run.sh  # the first two
 # Environment: DRY_ROOT (scratch, default /tmp/kvgate-dry), DRY_LIMITS (per call, default
-# "570 570 570 400 300"), DRY_GAP (seconds between calls, default 5), FAKE_VLLM_STARTUP_S (8).
+# "570 570 570 400 300"), DRY_GAP (seconds between calls, default 5), FAKE_VLLM_STARTUP_S (8),
+# DRY_KEEP=1 (leave the fleet running at the end, for a later DRY_CALLS; stop it with a run without).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -31,7 +32,7 @@ stop_fleets() {
     for _ in $(seq 1 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   done
 }
-trap stop_fleets EXIT
+[ -n "${DRY_KEEP:-}" ] || trap stop_fleets EXIT   # DRY_KEEP=1: the fleet outlives this script (later calls)
 case " ${DRY_CALLS:-1} " in *" 1 "*) stop_fleets; rm -rf "$DRY" ;; esac
 mkdir -p "$DRY"
 tree_bytes=$(cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)

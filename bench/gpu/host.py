@@ -3,6 +3,7 @@
 python3 -m bench.gpu.host COMMAND ...   (on the GPU host, or against the simulator in a dry run)
 
   endpoints DRYRUN OUT.json    the managed engines' URLs and KV event endpoints (`kvgate launch --dry-run`)
+  start-gateway KG TAG CONFIG  `kvgate serve` in its own session (the managed fleet outlives the call)
   wait-fleet KG GATEWAY        until every engine answers /health and the gateway routes to it
   calib KG                     tokenizer agreement, KV capacity, KV events, prefix-cache reset, warm-up
   scenario KG STEP OUT -- ARGS `kvgate bench scenario ARGS` against the managed engines, logged in steps.jsonl
@@ -31,6 +32,7 @@ import tarfile
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +89,31 @@ def endpoints(dryrun: Path, out: Path) -> int:
     doc = {"names": names, "urls": urls, "kv_events": events if all(events) else None}
     _write_json(out, doc)
     print(json.dumps(doc))
+    return 0
+
+
+# ---- start-gateway ------------------------------------------------------------------------------------
+def start_gateway(kg: Path, tag: str, config: Path) -> int:
+    """`kvgate serve --config CONFIG` in a session of its own, so that it outlives this device call,
+    holding none of the driver's file descriptors (a pipe it kept open would keep the call waiting)."""
+    env = {**os.environ, "KVGATE_SERVER__ADMIN_KEY": (kg / "admin_key").read_text().strip()}
+    with (kg / f"gateway_{tag}.log").open("ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(config)],
+            cwd=kg,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+    (kg / f"gateway_{tag}.pid").write_text(f"{proc.pid}\n")
+    time.sleep(2.0)
+    if proc.poll() is not None:
+        print(_tail(kg / f"gateway_{tag}.log", 4000).decode(errors="replace"), file=sys.stderr)
+        return 1
+    print(f"kvgate serve ({tag}) started, pid {proc.pid}")
     return 0
 
 
@@ -260,6 +287,13 @@ def calib(kg: Path, gateway: str | None, out_name: str) -> int:
 def scenario(kg: Path, step: str, out: str, args: list[str]) -> int:
     """Run one `kvgate bench scenario` against the managed engines; log the command for the simulator."""
     eps = _endpoints(kg)
+    # A replica the supervisor is restarting gets a moment; a fleet that is gone fails the step fast.
+    deadline = time.monotonic() + 90
+    while not all(_get(f"{u}/health")[0] == 200 for u in eps["urls"]):
+        if time.monotonic() > deadline:
+            print(f"engines not healthy: {[u for u in eps['urls'] if _get(f'{u}/health')[0] != 200]}")
+            return 1
+        time.sleep(1.0)
     target = kg / "res" / out
     argv_sim = [*args, "--out", f"{{RES}}/{out}"]
     argv = [
@@ -338,6 +372,7 @@ async def _kill_test(
     import aiohttp
 
     from bench.client import ClientOptions, RequestRecord, send
+    from bench.stats import error_key
     from bench.workloads import make_workload
 
     eps = _endpoints(kg)
@@ -417,10 +452,7 @@ async def _kill_test(
     served_again = [r.sent for r in sent_after if r.replica == victim and r.ok]
     in_flight = [r for r in records if r.sent is not None and r.sent <= t_kill <= r.sent + (r.e2e or 1e9)]
     # A stream the victim was serving cannot move: those are the failures a crash must cost at most.
-    errors: dict[str, int] = {}
-    for r in records:
-        if not r.ok:
-            errors[str(r.status)] = errors.get(str(r.status), 0) + 1
+    errors = dict(Counter(error_key(r) for r in records if not r.ok))
     result.update(
         traffic_off_s=round(off - t_kill, 3) if off is not None else None,
         engine_healthy_again_s=round(engine_back - t_kill, 1) if engine_back is not None else None,
@@ -510,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("endpoints")
     e.add_argument("dryrun", type=Path)
     e.add_argument("out", type=Path)
+    g = sub.add_parser("start-gateway")
+    g.add_argument("kg", type=Path)
+    g.add_argument("tag")
+    g.add_argument("config", type=Path)
     w = sub.add_parser("wait-fleet")
     w.add_argument("kg", type=Path)
     w.add_argument("gateway")
@@ -543,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "endpoints":
         return endpoints(a.dryrun, a.out)
+    if a.cmd == "start-gateway":
+        return start_gateway(a.kg, a.tag, a.config)
     if a.cmd == "wait-fleet":
         return wait_fleet(a.kg, a.gateway, a.deadline, a.tag)
     if a.cmd == "calib":
