@@ -225,11 +225,12 @@ class Admin:
         pool = self._pool(request)
         replica = self._replica(request)
         if replica.managed:
-            raise _bad(
-                f"replica {replica.name!r} is launched by the gateway; change the pool's engines and reload",
-                "replica_managed",
-                409,
+            how = (
+                "discovered from Kubernetes; it leaves with its pod (drain it to stop sending it requests)"
+                if pool.cfg.discovery is not None
+                else "launched by the gateway; change the pool's engines and reload"
             )
+            raise _bad(f"replica {replica.name!r} is {how}", "replica_managed", 409)
         self.rt.unregister(pool, replica.name)
         who = self.who(request)
         record_change(self.rt, who, f"pool {pool.name}: removed replica {replica.name}")

@@ -1,4 +1,4 @@
-"""The `kvgate` command: serve, check-config, launch --dry-run, sim, bench, rollout."""
+"""The `kvgate` command: serve, check-config, launch --dry-run, render k8s, sim, bench, rollout."""
 
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("sim", help="run the bundled engine simulator (vllm serve flags; see `kvgate sim --help`)")
     sub.add_parser("bench", help="benchmarks and side-by-side scenarios (see `kvgate bench --help`)")
     sub.add_parser("rollout", help="rollout status of a running gateway (see `kvgate rollout --help`)")
+    sub.add_parser(
+        "render", help="Kubernetes manifests for a config's engines (see `kvgate render k8s --help`)"
+    )
     return p
 
 
@@ -53,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.rollout_cli import main as rollout_main
 
         return rollout_main(argv[1:])
+    if argv and argv[0] == "render":
+        from gateway.render_k8s import main as render_main
+
+        return render_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "check-config":

@@ -7,6 +7,7 @@ Environment variables override the file, nested keys joined by `__`
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,6 +41,12 @@ class ServerConfig(_Strict):
     admin_key: str | None = Field(None, description="Key for /admin routes; unset = admin disabled")
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
     grace_period_s: float = Field(30.0, ge=0)
+    shutdown_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="On SIGTERM, fail /ready and keep serving this long before closing the listener, so a "
+        "load balancer (a Kubernetes Service) stops sending first; grace_period_s starts after it",
+    )
     access_log: bool = True
     log_json: bool = False
     log_level: str = "info"
@@ -164,6 +171,58 @@ class EndpointConfig(_Strict):
         return v.rstrip("/")
 
 
+class KubernetesDiscoveryConfig(_Strict):
+    """Replicas from the Kubernetes API: the ready pods (or EndpointSlice endpoints) a selector matches."""
+
+    namespace: str | None = Field(
+        None, description="Unset: the gateway pod's own namespace in a cluster, else the kubeconfig context's"
+    )
+    label_selector: str = Field(
+        description="Which pods (or EndpointSlices) serve the pool, e.g. kvgate.io/pool=llama"
+    )
+    resource: Literal["pods", "endpointslices"] = "pods"
+    port: int | str = Field(
+        "http", description="The engine's HTTP port: a number, or a container/Service port name"
+    )
+    kind: Literal["vllm", "sglang", "sim", "openai"] = Field(
+        "vllm", description="Engine kind when the kvgate.io/engine label or annotation is absent"
+    )
+    role: Literal["mixed", "prefill", "decode"] = Field(
+        "mixed", description="Role when the kvgate.io/role label or annotation is absent"
+    )
+    auth: Literal["auto", "in_cluster", "kubeconfig"] = Field(
+        "auto", description="auto: the pod's service account when in a cluster, else the kubeconfig"
+    )
+    kubeconfig: str | None = Field(None, description="Unset: $KUBECONFIG, else ~/.kube/config")
+    context: str | None = None
+    service_account_dir: str = "/var/run/secrets/kubernetes.io/serviceaccount"
+    watch_timeout_s: int = Field(
+        290, gt=0, description="timeoutSeconds of each watch; the watch resumes from its last resourceVersion"
+    )
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="For list requests, and for a silent watch beyond its timeout"
+    )
+    backoff_initial_s: float = Field(0.5, gt=0)
+    backoff_max_s: float = Field(30.0, gt=0)
+    drain_timeout_s: float = Field(
+        600.0, ge=0, description="A replica that left waits this long at most for its requests in flight"
+    )
+
+
+class DiscoveryConfig(_Strict):
+    kubernetes: KubernetesDiscoveryConfig
+
+    @model_validator(mode="after")
+    def _client_installed(self) -> DiscoveryConfig:
+        try:
+            found = importlib.util.find_spec("kubernetes_asyncio") is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise ValueError("needs the Kubernetes client: pip install 'kvgate[kubernetes]'")
+        return self
+
+
 class PolicyConfig(_Strict):
     type: str = "prefix_affinity"
     args: dict[str, Any] = Field(default_factory=dict)
@@ -219,6 +278,10 @@ class PoolConfig(_Strict):
     pd: PDConfig = Field(default_factory=PDConfig)
     engines: EngineSpec | None = None
     endpoints: list[EndpointConfig] = Field(default_factory=list)
+    discovery: DiscoveryConfig | None = Field(
+        None,
+        description="Replicas discovered from Kubernetes, joining and leaving as pods become ready or go",
+    )
     priority_scheduling: bool = Field(
         False,
         description="The (unmanaged) endpoints run priority scheduling: forward each request's priority "
@@ -227,10 +290,14 @@ class PoolConfig(_Strict):
 
     @model_validator(mode="after")
     def _has_replicas(self) -> PoolConfig:
-        if self.engines is None and not self.endpoints:
-            raise ValueError("needs `engines` (managed) or `endpoints` (unmanaged)")
+        if self.engines is None and not self.endpoints and self.discovery is None:
+            raise ValueError("needs `engines` (managed), `endpoints` (unmanaged) or `discovery`")
+        if self.engines is not None and self.discovery is not None:
+            raise ValueError("`engines` (launched here) and `discovery` exclude each other")
         if self.prefix.mode == "precise" and not (
-            (self.engines is not None and self.engines.kv_events) or any(e.kv_events for e in self.endpoints)
+            (self.engines is not None and self.engines.kv_events)
+            or any(e.kv_events for e in self.endpoints)
+            or self.discovery is not None  # each pod names its publisher (kvgate.io/kv-events-port)
         ):
             raise ValueError(
                 "prefix.mode precise needs KV events: set engines.kv_events: true or endpoints[].kv_events"

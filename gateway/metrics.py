@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 NONE = "none"  # label value when the request never got that far (no pool, no replica)
 # Statuses worth telling apart exactly; anything else is counted by class.
 EXACT_STATUSES = frozenset({200, 400, 401, 403, 404, 408, 413, 422, 429, 499, 500, 502, 503, 504})
+TTFT_HALF_LIFE_S = 30.0  # how fast the pool's recent-TTFT average forgets (an autoscaling signal)
 MAX_REASONS_PER_POOL = 32  # route and shed reasons are free-form strings set by plugins
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -114,6 +115,17 @@ class PoolTraffic:
     errors: int = 0
     prompt_tokens: int = 0
     matched_tokens: int = 0
+    recent_ttft_s: float | None = None  # time-decaying average, half-life TTFT_HALF_LIFE_S
+    ttft_at: float = 0.0
+
+    def observe_ttft(self, ttft_s: float, now: float) -> None:
+        if self.recent_ttft_s is None:
+            self.recent_ttft_s = ttft_s
+        else:
+            # Each sample weighs the time since the previous one: a time average, whatever the rate.
+            keep = 0.5 ** (max(0.0, now - self.ttft_at) / TTFT_HALF_LIFE_S)
+            self.recent_ttft_s = keep * self.recent_ttft_s + (1 - keep) * ttft_s
+        self.ttft_at = max(self.ttft_at, now)
 
     @property
     def hit_ratio(self) -> float | None:
@@ -233,6 +245,8 @@ class GatewayMetrics:
             ttft = rec.ttft_s
             if ttft is not None:
                 bound.ttft.observe(ttft)
+                if bound.traffic is not None:
+                    bound.traffic.observe_ttft(ttft, rec.ended or rec.first_byte_at or 0.0)
         if bound.queue is not None:
             bound.queue.observe(rec.queued_s)
         if bound.decision is not None:
@@ -355,6 +369,60 @@ class FleetCollector(Collector):
             failures.add_metric([name], precise.tokenize_failures)
         yield from (blocks, batches, lost, failures)
 
+    def _pool_signals(self, rt: Runtime, stats: Mapping[str, Any]) -> Iterator[Metric]:
+        """Per pool, what an autoscaler (HPA, KEDA) scales a pool's engines on."""
+        replicas = GaugeMetricFamily(
+            "kvgate_pool_replicas",
+            "Replicas by state: available (taking requests), draining, unavailable (unhealthy, circuit open)",
+            labels=["pool", "state"],
+        )
+        kv = GaugeMetricFamily(
+            "kvgate_pool_kv_usage_ratio",
+            "Mean engine KV cache usage over the available replicas with fresh load figures",
+            labels=["pool"],
+        )
+        waiting = GaugeMetricFamily(
+            "kvgate_pool_engine_waiting_requests",
+            "Requests waiting inside the engines of the available replicas (fresh figures only)",
+            labels=["pool"],
+        )
+        oldest = GaugeMetricFamily(
+            "kvgate_pool_queue_oldest_wait_seconds",
+            "How long the longest-waiting request in the gateway's queue has waited (0: empty)",
+            labels=["pool"],
+        )
+        ttft = GaugeMetricFamily(
+            "kvgate_pool_estimated_ttft_seconds",
+            f"Time to first byte a new request can expect: the larger of the recent average (half-life "
+            f"{TTFT_HALF_LIFE_S:g} s) and the oldest queued request's wait",
+            labels=["pool"],
+        )
+        pools = stats.get("pools")
+        for name, pool in list(rt.pools.items()):
+            counts = {"available": 0, "draining": 0, "unavailable": 0}
+            usage: list[float] = []
+            queued_in_engines = 0
+            for r in list(pool.replicas.values()):
+                state = "draining" if r.draining else "available" if r.available else "unavailable"
+                counts[state] += 1
+                if state == "available" and r.engine_fresh:
+                    usage.append(r.engine.kv_usage)
+                    queued_in_engines += r.engine.waiting
+            for state, n in counts.items():
+                replicas.add_metric([name, state], n)
+            if usage:
+                kv.add_metric([name], sum(usage) / len(usage))
+            waiting.add_metric([name], queued_in_engines)
+            entry = pools.get(name) if isinstance(pools, Mapping) else None
+            wait = entry.get("oldest_wait_s") if isinstance(entry, Mapping) else None
+            wait = float(wait) if isinstance(wait, int | float) else 0.0
+            oldest.add_metric([name], wait)
+            traffic = self.metrics.traffic.get(name)
+            recent = traffic.recent_ttft_s if traffic is not None else None
+            if recent is not None or wait:
+                ttft.add_metric([name], max(recent or 0.0, wait))
+        yield from (replicas, kv, waiting, oldest, ttft)
+
     def collect(self) -> Iterator[Metric]:
         rt = self.runtime
         labels = ["pool", "replica", "role", "kind"]
@@ -410,6 +478,8 @@ class FleetCollector(Collector):
                 fresh.add_metric(lv, float(r.engine_fresh))
         yield from (healthy, available, draining, circuit, inflight, inflight_tokens, routed)
         yield from (waiting, running, kv, fresh)
+        stats = scheduler_stats(rt)
+        yield from self._pool_signals(rt, stats)
 
         hit = GaugeMetricFamily(
             "kvgate_estimated_cache_hit_ratio",
@@ -435,7 +505,6 @@ class FleetCollector(Collector):
 
         yield from self._precise(rt)
         yield GaugeMetricFamily("kvgate_draining", "1 while the gateway drains", value=float(rt.draining))
-        stats = scheduler_stats(rt)
         if stats:
             depth = GaugeMetricFamily(
                 "kvgate_scheduler_queue_depth",

@@ -10,6 +10,7 @@ from typing import Any
 from gateway.access_log import access_log
 from gateway.auth import Auth
 from gateway.config import EndpointConfig, Settings
+from gateway.discovery import make_discovery
 from gateway.engine_load import EngineLoad
 from gateway.health import HealthChecker
 from gateway.launcher import FleetLauncher, LaunchedReplica
@@ -52,6 +53,10 @@ class Runtime:
             )
             for pool in self.pools.values()
             if pool.cfg.engines is not None
+        ]
+        # Pools whose replicas come and go with Kubernetes pods (pools[].discovery).
+        self.discoveries = [
+            d for pool in self.pools.values() if (d := make_discovery(self, pool)) is not None
         ]
         self.router = Router(settings.routes, {p.name: p.model for p in self.pools.values()})
         self.upstream = Upstream(settings.upstream)
@@ -169,9 +174,13 @@ class Runtime:
                 pool.precise.start()
         for launcher in self.launchers:
             await launcher.start()
+        for discovery in self.discoveries:
+            discovery.start()
 
     async def stop(self) -> None:
         # Watchers first, so that engines being stopped are not reported as failing.
+        for discovery in self.discoveries:
+            await discovery.stop()
         await self.state.stop()
         await self.scraper.stop()
         await self.health.stop()

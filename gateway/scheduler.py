@@ -561,13 +561,15 @@ class Scheduler:
         """Gauges and counters for metrics, all keyed by class name:
 
         - queue_depth {class: n} (gauge, all pools); pools {pool: {queued {class: n}, outstanding,
-          outstanding_tokens}} (gauges: tickets granted and not yet released);
+          outstanding_tokens, oldest_wait_s}} (gauges: tickets granted and not yet released, and how
+          long the longest-waiting queued request has waited);
         - admitted {class: n}, queued_total {class: n} (admitted ones that had to queue first),
           cancelled_in_queue {class: n} (clients that left while queued), counters;
         - shed {class: {reason: n}}, reasons as in SHED_REASONS, counters;
         - wait_s {class: {count, sum, max}} over admitted requests (0 for the fast path);
         - priority_lowered, prompts_trimmed: counters.
         """
+        now = self.clock()
         return {
             "queue_depth": self.queue_depth(),
             "pools": {
@@ -575,6 +577,10 @@ class Scheduler:
                     "queued": {q.name: len(q) for q in s.queue.classes},
                     "outstanding": s.outstanding,
                     "outstanding_tokens": s.outstanding_tokens,
+                    "oldest_wait_s": max(
+                        (now - e.enqueued for q in s.queue.classes if (e := q.oldest()) is not None),
+                        default=0.0,
+                    ),
                 }
                 for name, s in self._pools.items()
             },

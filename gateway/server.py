@@ -1,8 +1,8 @@
 """Process lifecycle: start the runtime and listener, stop gracefully on SIGTERM/SIGINT.
 
-On a stop signal the listener closes at once (new connections are refused), requests in
-flight get up to `server.grace_period_s` to finish, then managed engines are stopped and
-the process exits 0.
+On a stop signal /ready fails at once; after `server.shutdown_delay_s` (0: at once) the listener
+closes (new connections are refused), requests in flight get up to `server.grace_period_s` to
+finish, then managed engines are stopped and the process exits 0.
 """
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ class RunningGateway:
         Requests still queued shortly before the grace period ends are answered 503 with
         Retry-After (they could not finish in time anyway) instead of being dropped with it."""
         self.runtime.draining = True
+        # /ready now fails; a load balancer (a Kubernetes Service) takes a moment to notice, and
+        # until it does it still sends new connections here: serve them before closing.
+        delay = self.runtime.settings.server.shutdown_delay_s
+        if delay:
+            log.info("draining: /ready fails, serving %.1f s more before closing the listener", delay)
+            await asyncio.sleep(delay)
         grace = self.runtime.settings.server.grace_period_s
         shed = asyncio.get_running_loop().call_later(
             grace - min(1.0, grace / 10), self.runtime.scheduler.shed_queued, "the gateway is shutting down"

@@ -14,8 +14,10 @@ from tests.conftest import PYTHON, free_port, subprocess_env
 
 
 @contextmanager
-def sim_process(*args: str, profile: str = "tiny", speedup: float = 20.0) -> Iterator[str]:
-    """One simulated replica; yields its URL once /health answers 200."""
+def sim_process(
+    *args: str, profile: str = "tiny", speedup: float = 20.0, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """One simulated replica; yields its URL once /health answers 200. `env` adds environment variables."""
     port = free_port()
     argv = [
         PYTHON,
@@ -31,7 +33,9 @@ def sim_process(*args: str, profile: str = "tiny", speedup: float = 20.0) -> Ite
         str(speedup),
         *args,
     ]
-    proc = subprocess.Popen(argv, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        argv, env={**subprocess_env(), **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 20

@@ -31,6 +31,19 @@ def test_bad_config_exits_nonzero_naming_the_key(tmp_path):
     assert check.returncode == 2 and "pools.0.engines.replicas" in check.stderr
 
 
+async def wait_ready(client: httpx.AsyncClient, url: str) -> None:
+    """Until the gateway process answers /ready with 200 (it starts listening after a moment)."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if (await client.get(url + "/ready")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "gateway did not become ready"
+        await asyncio.sleep(0.05)
+
+
 async def test_sigterm_lets_inflight_stream_finish_then_exits_zero(upstreams, tmp_path):
     (up,) = await upstreams(1)
     port = free_port()
@@ -59,15 +72,7 @@ async def test_sigterm_lets_inflight_stream_finish_then_exits_zero(upstreams, tm
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient() as c:
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    if (await c.get(url + "/ready")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "gateway did not become ready"
-                await asyncio.sleep(0.05)
+            await wait_ready(c, url)
             body = {"model": "m", "prompt": "p", "stream": True}
             # The upstream holds its answer 1 s; SIGTERM arrives while the request is in flight.
             async with c.stream(
@@ -111,3 +116,53 @@ def test_taken_port_fails_with_one_line_before_launching_engines(tmp_path):
     assert out.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
     assert not logs.exists() or not any(logs.iterdir())
+
+
+async def test_sigterm_fails_readiness_first_serves_through_the_delay_then_closes(upstreams, tmp_path):
+    """A Kubernetes rollout: /ready fails at SIGTERM, new connections are still served during
+    `shutdown_delay_s` (the Service takes that long to stop sending), then the listener closes and
+    the process exits 0."""
+    (up,) = await upstreams(1)
+    port = free_port()
+    cfg = tmp_path / "gw.yaml"
+    pool = {"name": "p", "model": "m", "policy": {"type": "round_robin"}, "endpoints": [{"url": up.url}]}
+    server = {"port": port, "grace_period_s": 5, "shutdown_delay_s": 2}
+    cfg.write_text(yaml.safe_dump({"server": server, "pools": [pool]}))
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "gateway", "serve", "--config", str(cfg)],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient() as c:
+            await wait_ready(c, url)
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        # Fresh clients each time: a new connection is what a load balancer would open.
+        while True:
+            async with httpx.AsyncClient() as fresh:
+                ready = await fresh.get(url + "/ready")
+            if ready.status_code == 503:
+                break
+            assert time.monotonic() - signalled < 1.5, "readiness did not fail"
+        assert ready.json()["draining"] is True
+        async with httpx.AsyncClient() as fresh:
+            r = await fresh.post(url + "/v1/completions", json={"model": "m", "prompt": "p"})
+        assert r.status_code == 200
+        assert time.monotonic() - signalled < 2, "checked within the delay"
+        closed = False
+        while time.monotonic() - signalled < 10:
+            try:
+                async with httpx.AsyncClient() as fresh:
+                    await fresh.get(url + "/health")
+            except httpx.TransportError:
+                closed = True
+                break
+            await asyncio.sleep(0.05)
+        assert closed and time.monotonic() - signalled >= 2, "the listener closed after the delay"
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -21,6 +21,7 @@ from gateway.sim.faults import FaultConfig
 from gateway.sim.kv_events import parse_kv_events_config
 from gateway.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 from gateway.sim.server import Replica, ReplicaOptions, serve
+from gateway.sim.serving_flags import add_serving_flags, serving_options
 
 log = logging.getLogger("gateway.sim")
 
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", "--tp-size", type=int, default=None)
     p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default=None)
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=None)
+    add_serving_flags(p)  # tool calling, logprobs, LoRA, pooling (gateway.sim.serving_flags)
     sim = p.add_argument_group("simulator")
     sim.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
     sim.add_argument("--speedup", type=float, default=1.0, help="simulated seconds per wall second")
@@ -102,6 +104,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
         mode = "prefill" if kv_role == "kv_producer" else "decode"
     if sglang and mode is None and args.disaggregation_bootstrap_port is not None:
         mode = "prefill"
+    serving = serving_options(args)
     out = []
     for i in range(args.replicas):
         engine = EngineConfig(
@@ -122,6 +125,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
             else "fcfs",
             higher_priority_first=sglang,
             kv_lease_timeout_s=args.kv_lease_timeout,
+            lora=serving.lora if serving.lora.enabled else None,
         )
         boot = args.disaggregation_bootstrap_port if mode == "prefill" else None
         if boot is None and mode == "prefill":
@@ -152,6 +156,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
                 default_max_tokens=args.default_max_tokens,
                 index=i,
                 single_process_replica=args.replicas == 1,
+                serving=serving,
             )
         )
     return out

@@ -35,6 +35,7 @@ class StepShape:
     decode_ctx_tokens: int = 0  # sum ctx_j
     prompt_tokens_admitted: int = 0  # cached + new prompt tokens of requests first scheduled this step
     num_seqs: int = 0
+    stall_s: float = 0.0  # blocking work before the forward pass: LoRA swap-ins, adapter loads
 
 
 class CostModel:
@@ -62,7 +63,7 @@ class CostModel:
         t = gemm + attn + p.step_overhead_s + p.per_seq_s * s.num_seqs
         if s.prefill_tokens:
             t += p.prefill_step_overhead_s
-        return t + p.per_prompt_token_s * s.prompt_tokens_admitted
+        return t + p.per_prompt_token_s * s.prompt_tokens_admitted + s.stall_s
 
     def frontend_time(self, prompt_tokens: int) -> float:
         return self.profile.frontend_s + self.profile.frontend_per_token_s * prompt_tokens

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from gateway.sim.cost_model import CostModel, StepShape
 from gateway.sim.kv_cache import BlockPool, block_hashes, chain_hash, root_hash
+from gateway.sim.lora import AdapterSlots, LoraConfig
 from gateway.sim.metrics import EngineMetrics
 from gateway.sim.profiles import Profile
 
@@ -53,6 +54,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority"
     higher_priority_first: bool = False  # SGLang semantics
     kv_lease_timeout_s: float = 30.0  # prefill-side blocks held for a remote decode
+    lora: LoraConfig | None = None  # --enable-lora and its limits
 
 
 class Request:
@@ -66,6 +68,7 @@ class Request:
         "hashes",
         "id",
         "kv_lease",
+        "lora",
         "max_tokens",
         "num_cached",
         "num_computed",
@@ -101,14 +104,16 @@ class Request:
         kv_lease: bool = False,
         sink: Sink | None = None,
         output_ids: Callable[[int, int], list[int]] | None = None,
+        lora: str | None = None,
     ) -> None:
         self.id = req_id
         self.prompt_ids = prompt_ids
         self.prompt_len = len(prompt_ids)
         self.max_tokens = max_tokens
         self.priority = priority
-        self.hashes = block_hashes(prompt_ids, block_size, cache_salt)  # grows with output blocks
-        self.root = root_hash(cache_salt)
+        self.lora = lora  # the LoRA adapter serving it: its blocks are hashed apart from the base model's
+        self.hashes = block_hashes(prompt_ids, block_size, cache_salt, lora)  # grows with output blocks
+        self.root = root_hash(cache_salt, lora)
         # Token ids of outputs [a, b): lets full blocks of generated tokens enter the prefix cache, as in
         # vLLM, so that the next turn of a conversation hits on this answer too.
         self.output_ids = output_ids
@@ -169,6 +174,10 @@ class _WaitQueue:
         self.live -= 1
         return heapq.heappop(self._heap)[1] if self._priority else self._dq.popleft()
 
+    def requests(self) -> list[Request]:
+        items = [r for _, r in self._heap] if self._priority else list(self._dq)
+        return [r for r in items if not r.aborted]
+
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
@@ -193,6 +202,10 @@ class Engine:
         self.on_step: Callable[[], None] | None = None  # after each step (KV events flush)
         self.steps = 0
         self.last_step_s = 0.0
+        lc = c.lora
+        self.lora_slots = AdapterSlots(lc, c.profile.model, self.cost.tp) if lc and lc.enabled else None
+        self.lora_running: dict[str, int] = {}  # adapter -> running requests using it
+        self.stall_s = 0.0  # engine time owed to work between steps (a dynamic adapter load)
 
     # ---- requests ------------------------------------------------------------------------------
     @property
@@ -214,6 +227,7 @@ class Engine:
         req.aborted = True  # in _pending or the wait queue it is skipped when it surfaces
         if req.state == RUNNING:
             self.running.remove(req)
+            self._lora_release(req)
         elif req.state == WAITING:
             self.waiting.live -= 1
         elif req.state in (PENDING, TRANSFER):
@@ -277,8 +291,26 @@ class Engine:
             return max(self.running, key=lambda r: r.sort_key)
         return self.running[-1]
 
+    def _lora_release(self, req: Request) -> None:
+        if req.lora is not None:
+            left = self.lora_running[req.lora] - 1
+            if left:
+                self.lora_running[req.lora] = left
+            else:
+                del self.lora_running[req.lora]
+
+    def _lora_blocked(self, req: Request) -> bool:
+        """vLLM's --max-loras: a batch uses at most that many adapters."""
+        return (
+            req.lora is not None
+            and req.lora not in self.lora_running
+            and self.lora_slots is not None
+            and len(self.lora_running) >= self.lora_slots.max_loras
+        )
+
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
+        self._lora_release(victim)
         self.pool.free(victim.blocks)
         victim.blocks = []
         victim.num_computed = 0
@@ -330,12 +362,16 @@ class Engine:
             i += 1
 
         admitted_tokens = 0
+        skipped: list[Request] = []
         if not preempted:
             waiting = self.waiting
             while budget > 0 and len(running) < c.max_num_seqs:
                 req = waiting.peek()
                 if req is None:
                     break
+                if req.lora is not None and self._lora_blocked(req):
+                    skipped.append(waiting.pop())  # like vLLM V1: skip it, keep scanning
+                    continue
                 target = req.prefill_target
                 hit = pool.match_prefix(req.hashes[: (target - 1) // bs])
                 start = len(hit) * bs
@@ -354,6 +390,8 @@ class Engine:
                 req.num_computed = start
                 req.num_registered = len(hit)
                 req.state = RUNNING
+                if req.lora is not None:
+                    self.lora_running[req.lora] = self.lora_running.get(req.lora, 0) + 1
                 m = self.metrics
                 m.prefix_cache_queries += req.prompt_len
                 m.prefix_cache_hits += len(hit) * bs
@@ -365,7 +403,13 @@ class Engine:
                 running.append(req)
                 sched[req] = n
                 budget -= n
+            for req in reversed(skipped):
+                waiting.push(req, front=True)
 
+        # Work owed between steps delays the next step that runs; an idle engine owes nothing.
+        stall, self.stall_s = (self.stall_s if sched else 0.0), 0.0
+        if self.lora_slots is not None and self.lora_running:
+            stall += self.lora_slots.activate(r.lora for r in sched if r.lora is not None)
         p_tok = d_seqs = d_ctx = p_ctx = 0
         pairs = 0.0
         for req, n in sched.items():
@@ -376,7 +420,7 @@ class Engine:
             else:
                 d_seqs += 1
                 d_ctx += req.num_computed + 1
-        shape = StepShape(p_tok, pairs, p_ctx, d_seqs, d_ctx, admitted_tokens, len(sched))
+        shape = StepShape(p_tok, pairs, p_ctx, d_seqs, d_ctx, admitted_tokens, len(sched), stall)
         return sched, shape
 
     def complete(self, sched: dict[Request, int], step_s: float) -> list[Request]:
@@ -432,6 +476,7 @@ class Engine:
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)
+        self._lora_release(req)
         req.state = FINISHED
         req.finished_at = self.now
         req.finish_reason = req.finish_reason or "length"
@@ -498,6 +543,15 @@ class Engine:
             "steps": self.steps,
             "last_step_ms": self.last_step_s * 1e3,
             "counters": self.metrics.as_dict(),
+            "lora": None
+            if self.lora_slots is None
+            else {
+                "running": dict(self.lora_running),
+                "gpu_slots": list(self.lora_slots.gpu),
+                "cpu_cache": list(self.lora_slots.cpu),
+                "swaps": self.lora_slots.swaps,
+                "disk_loads": self.lora_slots.disk_loads,
+            },
         }
 
 

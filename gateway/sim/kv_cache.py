@@ -2,8 +2,10 @@
 eviction of unreferenced cached blocks, and the block events vLLM publishes.
 
 A block's hash chains its parent's hash with its token ids (xxh3-64, so hashes agree across processes); the
-first block also takes the request's `cache_salt`. A hash is registered only once the block's prefill has
-finished, so a request that arrives while the same prefix is still being computed does not hit it.
+first block also takes the request's `cache_salt` and LoRA adapter (vLLM adds the adapter's name to every
+block's hash as an extra key: blocks of different adapters never match). A hash is registered only once the
+block's prefill has finished, so a request that arrives while the same prefix is still being computed does
+not hit it.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import xxhash
 BlockEvent = tuple[str, object]
 
 
-def root_hash(salt: str | None = None) -> int:
+def root_hash(salt: str | None = None, lora: str | None = None) -> int:
     """The parent of a chain's first block."""
+    if lora:
+        return xxhash.xxh3_64_intdigest(f"{salt or ''}\x00lora:{lora}".encode())
     return xxhash.xxh3_64_intdigest(salt.encode()) if salt else 0
 
 
@@ -27,10 +31,12 @@ def chain_hash(parent: int, block_tokens: Sequence[int]) -> int:
     return xxhash.xxh3_64_intdigest(array("q", block_tokens).tobytes(), seed=parent)
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, salt: str | None = None, lora: str | None = None
+) -> list[int]:
     """Chained hashes of the full blocks of `token_ids`."""
     out: list[int] = []
-    parent = root_hash(salt)
+    parent = root_hash(salt, lora)
     full = len(token_ids) - len(token_ids) % block_size
     for start in range(0, full, block_size):
         parent = chain_hash(parent, token_ids[start : start + block_size])

@@ -26,7 +26,9 @@ _VOCAB_JSON = [orjson.dumps(w)[1:-1] for w in VOCAB]
 _STRIDE = 7  # coprime with len(VOCAB): the cycle visits every word
 
 
-def render_chat(messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+def render_chat(
+    messages: list[dict[str, Any]], tools: list[Any] | None = None, add_generation_prompt: bool = True
+) -> str:
     """A simple deterministic template: tools as JSON first, then per message a role marker and content."""
     parts: list[str] = []
     if tools:
@@ -34,14 +36,20 @@ def render_chat(messages: list[dict[str, Any]], tools: list[Any] | None = None) 
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        elif content is None:
+            content = "".join(p if isinstance(p, str) else _part_text(p) for p in content)
+        elif not isinstance(content, str):
             content = ""
         if m.get("tool_calls"):
             content += orjson.dumps(m["tool_calls"]).decode()
         parts.append(f"<|{m.get('role', 'user')}|>\n{content}\n")
-    parts.append("<|assistant|>\n")
+    if add_generation_prompt:
+        parts.append("<|assistant|>\n")
     return "".join(parts)
+
+
+def _part_text(part: Any) -> str:
+    text = part.get("text") if isinstance(part, dict) else None
+    return text if isinstance(text, str) else ""
 
 
 def output_seed(prompt_len: int, index: int, seed: int | None) -> int:
@@ -68,6 +76,11 @@ def output_token_ids(seed: int, start: int, end: int) -> list[int]:
     return [ids[(seed + k * _STRIDE) % n] for k in range(start, end)]
 
 
+def output_words(seed: int, start: int, end: int) -> list[str]:
+    n = len(VOCAB)
+    return [VOCAB[(seed + k * _STRIDE) % n] for k in range(start, end)]
+
+
 def output_json(seed: int, start: int, end: int) -> bytes:
     n = len(VOCAB)
     return b'"' + b"".join(_VOCAB_JSON[(seed + k * _STRIDE) % n] for k in range(start, end)) + b'"'
@@ -76,18 +89,21 @@ def output_json(seed: int, start: int, end: int) -> bytes:
 class ChunkFormat:
     """Byte templates for one response's SSE chunks (chat or text completion)."""
 
-    __slots__ = ("_head", "_mid", "_tail_fmt", "chat")
+    __slots__ = ("_head", "_mid", "chat", "seeds")
 
-    def __init__(self, chat: bool, resp_id: str, model: str, created: int) -> None:
+    def __init__(self, chat: bool, resp_id: str, model: str, created: int, seeds: list[int]) -> None:
         self.chat = chat
+        self.seeds = seeds
         obj = "chat.completion.chunk" if chat else "text_completion"
         self._head = orjson.dumps({"id": resp_id, "object": obj, "created": created, "model": model})[:-1]
         self._mid = b',"choices":[{"index":'
 
-    def chunk(self, index: int, content: bytes, first: bool, finish: str | None) -> bytes:
+    def piece(self, index: int, start: int, end: int, finish: str | None) -> bytes:
+        """The chunk of choice `index`'s output tokens [start, end)."""
+        content = output_json(self.seeds[index], start, end)
         fin = b"null" if finish is None else b'"' + finish.encode() + b'"'
         if self.chat:
-            role = b'"role":"assistant",' if first else b""
+            role = b'"role":"assistant",' if start == 0 else b""
             body = (
                 b',"delta":{' + role + b'"content":' + content + b'},"logprobs":null,"finish_reason":' + fin
             )
@@ -115,14 +131,36 @@ def now_s() -> int:
     return int(time.time())
 
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    429: "RateLimitError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
 
 
-def error_body(status: int, message: str, flat: bool = False, param: str | None = None) -> dict[str, Any]:
+class HTTPError(Exception):
+    """An error answered in vLLM's `ErrorResponse` shape. `err_type` defaults by status (vLLM's serving
+    layer); request-schema errors carry "Bad Request" (its validation handler), LoRA admin errors
+    "InvalidUserInput"."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, err_type: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.err_type = err_type
+
+
+def error_body(
+    status: int, message: str, flat: bool = False, param: str | None = None, err_type: str | None = None
+) -> dict[str, Any]:
     """vLLM's `{"error": {...}}`, or SGLang's flat non-streaming form."""
     err = {
         "message": message,
-        "type": _TYPES.get(status, "InternalServerError"),
+        "type": err_type or _TYPES.get(status, "InternalServerError"),
         "param": param,
         "code": status,
     }

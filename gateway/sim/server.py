@@ -2,13 +2,15 @@
 
 One `Replica` is one engine with its own port, cache, metrics and request log; `serve` runs several in one
 event loop. Streaming output is written once per engine step for all requests that produced tokens (one task
-per step, not one wake-up per token).
+per step, not one wake-up per token). Requests are validated as vLLM validates them (`validation`); the
+endpoints beside generation (models, tokenize, LoRA admin, pooling) live in `api`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 import uuid
@@ -21,16 +23,32 @@ import orjson
 from aiohttp import ClientSession, ClientTimeout, web
 
 from gateway.sim import protocol as proto
+from gateway.sim import structured
+from gateway.sim import validation as V
+from gateway.sim.api import ApiExtras
 from gateway.sim.engine import FINISHED, Engine, EngineConfig, RealtimeRunner, Request
 from gateway.sim.faults import HEADER as FAULT_HEADER
 from gateway.sim.faults import FaultConfig, FaultSpec, FaultSyntaxError
 from gateway.sim.kv_events import KVEventPublisher
+from gateway.sim.outputs import (
+    Plan,
+    ResponseEvents,
+    ResponseMeta,
+    RichChunks,
+    chat_message,
+    response_object,
+    responses_usage,
+)
+from gateway.sim.protocol import HTTPError
+from gateway.sim.serving_flags import ServingOptions
 from gateway.tokens import get_tokenizer
 
 log = logging.getLogger("gateway.sim")
 
 RING_SIZE = 256
 _ECHO_HEADERS = ("x-request-id", "x-vllm-priority", FAULT_HEADER, "authorization", "traceparent")
+_JSON_ONLY = "Unsupported Media Type: Only 'application/json' is allowed"
+VOCAB_SIZE = 128_256  # Llama 3.1's, the model the default profile simulates (what top_logprobs=-1 asks for)
 
 
 @dataclass
@@ -52,17 +70,11 @@ class ReplicaOptions:
     default_max_tokens: int = 64
     index: int = 0
     single_process_replica: bool = True  # a crash fault exits the process
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.param = param
+    serving: ServingOptions = field(default_factory=ServingOptions)
 
 
 class _Response:
-    """One HTTP response fed by one or more engine requests (`n` choices)."""
+    """One HTTP response fed by one or more engine requests (`n` choices per prompt)."""
 
     __slots__ = (
         "children",
@@ -71,27 +83,27 @@ class _Response:
         "done",
         "fmt",
         "include_usage",
+        "plan",
         "release",
         "resp",
         "room",
-        "seeds",
         "sent",
         "stream",
         "writes",
         "writing",
     )
 
-    def __init__(self, stream: bool) -> None:
+    def __init__(self, stream: bool, plan: Plan) -> None:
         self.stream = stream
+        self.plan = plan
         self.children: list[Request] = []
-        self.seeds: list[int] = []
         self.sent: list[int] = []
         self.done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.dirty = False
         self.writing = False
         self.writes = 0
         self.cut_after: int | None = None
-        self.fmt: proto.ChunkFormat | None = None
+        self.fmt: proto.ChunkFormat | RichChunks | ResponseEvents | None = None
         self.resp: web.StreamResponse | None = None
         self.include_usage = False
         self.release: dict[str, Any] | None = None  # PD decode: where to release the prefill's blocks
@@ -104,13 +116,16 @@ class _Response:
             self.done.set_result("ok")
 
     def usage(self) -> dict[str, Any]:
-        c0 = self.children[0]
-        return proto.usage(c0.prompt_len, sum(c.num_output for c in self.children), c0.num_cached)
+        # vLLM reports the cached tokens of the first output a stream sees, of the last prompt otherwise.
+        cached = self.children[0 if self.stream else -1].num_cached
+        return proto.usage(self.plan.prompt_tokens, sum(c.num_output for c in self.children), cached)
 
     async def flush(self) -> None:
         if self.writing or self.done.done() or self.resp is None or self.fmt is None:
             return
         self.writing = True
+        fmt = self.fmt
+        plan = self.plan
         try:
             while self.dirty:
                 self.dirty = False
@@ -118,12 +133,11 @@ class _Response:
                 for i, c in enumerate(self.children):
                     start, end = self.sent[i], c.num_output
                     if end > start:
-                        fin = c.finish_reason if c.state == FINISHED else None
+                        fin = plan.finish(c.finish_reason) if c.state == FINISHED else None
                         # A midstream fault counts chunks: then one token per chunk, never coalesced.
                         step = 1 if self.cut_after is not None else end - start
                         for a in range(start, end, step):
-                            content = proto.output_json(self.seeds[i], a, a + step)
-                            parts.append(self.fmt.chunk(i, content, a == 0, fin if a + step >= end else None))
+                            parts.append(fmt.piece(i, a, a + step, fin if a + step >= end else None))
                         self.sent[i] = end
                 finished = all(c.state == FINISHED for c in self.children)
                 if self.cut_after is not None and (finished or self.writes + len(parts) >= self.cut_after):
@@ -134,9 +148,15 @@ class _Response:
                     self.done.set_result("cut")
                     return
                 if finished:
-                    if self.include_usage:
-                        parts.append(self.fmt.usage_chunk(self.usage()))
-                    parts.append(proto.DONE)
+                    if isinstance(fmt, ResponseEvents):
+                        c0 = self.children[0]
+                        parts.append(
+                            fmt.closing(c0, responses_usage(plan.prompt_tokens, c0.num_output, c0.num_cached))
+                        )
+                    else:
+                        if self.include_usage:
+                            parts.append(fmt.usage_chunk(self.usage()))
+                        parts.append(proto.DONE)
                 self.writes += len(parts)
                 await self.resp.write(b"".join(parts))
                 if finished:
@@ -153,6 +173,9 @@ class Replica:
     def __init__(self, opts: ReplicaOptions) -> None:
         self.opts = opts
         self.sglang = opts.api == "sglang"
+        self.serving = opts.serving
+        if self.serving.lora.enabled and opts.engine.lora is None:
+            opts.engine.lora = self.serving.lora
         self.engine = Engine(opts.engine)
         self.runner = RealtimeRunner(self.engine, opts.speedup)
         self.engine.on_output = self._on_output
@@ -170,17 +193,34 @@ class Replica:
         self._sites: list[web.TCPSite] = []
         self._http: ClientSession | None = None
         self._bg: set[asyncio.Task[Any]] = set()
+        self.extras = ApiExtras(self)
         self.app = self._build_app()
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         r = app.router
-        r.add_post("/v1/chat/completions", self.chat_completions)
-        r.add_post("/v1/completions", self.completions)
+        x = self.extras
+        # Like vLLM, which registers routes by the model's tasks: a pooling model has no generation routes
+        # and a generative one no pooling routes (404 either way).
+        if self.serving.runner == "pooling":
+            r.add_post("/v1/embeddings", x.embeddings)
+            r.add_post("/pooling", x.pooling)
+            for path in ("/score", "/v1/score"):
+                r.add_post(path, x.score)
+            for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+                r.add_post(path, x.rerank)
+        else:
+            r.add_post("/v1/chat/completions", self.chat_completions)
+            r.add_post("/v1/completions", self.completions)
+            r.add_post("/v1/responses", self.responses)
         r.add_get("/health", self.health)
-        r.add_get("/v1/models", self.models)
-        r.add_post("/tokenize", self.tokenize)
+        r.add_get("/v1/models", x.models)
+        r.add_post("/tokenize", x.tokenize)
+        r.add_post("/detokenize", x.detokenize)
+        if self.serving.lora.runtime_updating:
+            r.add_post("/v1/load_lora_adapter", x.load_lora_adapter)
+            r.add_post("/v1/unload_lora_adapter", x.unload_lora_adapter)
         r.add_get("/metrics", self.metrics)
         r.add_get("/sim/state", self.sim_state)
         r.add_get("/sim/requests", self.sim_requests)
@@ -193,10 +233,12 @@ class Replica:
             r.add_get("/get_load", self.loads)
             r.add_get("/health_generate", self.health)
             r.add_get("/server_info", self.sim_state)
+        r.add_route("*", "/{tail:.*}", self.not_found)  # last: only what nothing else matched
         return app
 
     async def start(self) -> None:
         o = self.opts
+        self.extras.load_static_adapters()
         if o.kv_events is not None:
             endpoint = str(o.kv_events.get("endpoint", "tcp://*:5557")).replace("*", o.host)
             if o.index and not endpoint.endswith(":0"):
@@ -274,9 +316,14 @@ class Replica:
             self.kv_pub.publish(self.engine.pool.take_events())
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _error(self, status: int, message: str, param: str | None = None) -> web.Response:
-        body = proto.error_body(status, message, flat=self.sglang, param=param)
+    def _error(
+        self, status: int, message: str, param: str | None = None, err_type: str | None = None
+    ) -> web.Response:
+        body = proto.error_body(status, message, flat=self.sglang, param=param, err_type=err_type)
         return web.json_response(body, status=status, dumps=lambda o: orjson.dumps(o).decode())
+
+    def error_response(self, exc: HTTPError) -> web.Response:
+        return self._error(exc.status, str(exc), exc.param, exc.err_type)
 
     def _starting(self) -> bool:
         return time.monotonic() - self.started_at < self.opts.startup_delay_s
@@ -285,6 +332,51 @@ class Replica:
         return web.Response(
             body=orjson.dumps(obj), status=status, content_type="application/json", headers=headers
         )
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        """FastAPI's answer to a path it has no route for (vLLM's exception handlers leave it alone)."""
+        return self._json({"detail": "Not Found"}, status=404)
+
+    async def read_json(self, request: web.Request) -> dict[str, Any]:
+        """The body of a JSON endpoint, refused as vLLM refuses it: another media type, bad JSON, or JSON
+        that is not an object."""
+        if request.content_type != "application/json" and not self.sglang:  # SGLang reads any body
+            raise V.schema_error([_JSON_ONLY])
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            err = {"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error", "input": {}}
+            raise V.schema_error([{**err, "ctx": {"error": exc.msg}}]) from None
+        if not isinstance(body, dict):
+            cls = _REQUEST_CLASS.get(request.path, "ChatCompletionRequest")
+            err = {
+                "type": "model_type",
+                "loc": ("body",),
+                "msg": f"Input should be a valid dictionary or instance of {cls}",
+            }
+            raise V.schema_error([{**err, "input": body, "ctx": {"class_name": cls}}])
+        return body
+
+    def resolve_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the base model; 404 otherwise."""
+        if name is None or name in self.opts.served_model_names:
+            return None
+        if name in self.extras.adapters:
+            return name
+        raise HTTPError(404, f"The model `{name}` does not exist.", "model", "NotFoundError")
+
+    def model_name(self, lora: str | None) -> str:
+        """What responses call the model: the adapter, else the first served name (whichever alias the
+        request used), as vLLM's OpenAIServingModels.model_name does."""
+        return lora or self.opts.served_model_names[0]
+
+    def context_limit(self) -> int:
+        ec = self.opts.engine
+        limit = min(ec.max_model_len, self.engine.pool.num_blocks * self.engine.block_size)
+        if not ec.enable_chunked_prefill:
+            limit = min(limit, ec.max_num_batched_tokens)  # a prompt must fit one step's budget
+        return limit
 
     async def _crash(self) -> None:
         self.crashed = True
@@ -303,25 +395,13 @@ class Replica:
 
     # ---- generation ----------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        return await self._generate(request, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        return await self._generate(request, "completion")
 
-    def _tokens(self, body: dict[str, Any], chat: bool) -> list[int]:
-        if chat:
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs:
-                raise HTTPError(400, "messages must be a non-empty list", "messages")
-            return self.tokenizer.encode(proto.render_chat(msgs, body.get("tools")))
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return prompt
-        raise HTTPError(400, "prompt must be a string or a list of token ids (one prompt)", "prompt")
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "responses")
 
     def _record(self, request: web.Request, body: dict[str, Any], rid: str) -> None:
         self.requests.append(
@@ -339,43 +419,87 @@ class Replica:
             }
         )
 
-    def _max_tokens(self, body: dict[str, Any], prompt_len: int) -> int:
-        ec = self.opts.engine
-        limit = min(ec.max_model_len, self.engine.pool.num_blocks * self.engine.block_size)
-        if not ec.enable_chunked_prefill:
-            limit = min(limit, ec.max_num_batched_tokens)  # a prompt must fit one step's budget
-        if prompt_len >= limit:
-            raise HTTPError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, your request has "
-                f"{prompt_len} input tokens. Please reduce the length of the input messages.",
-                "messages",
+    def _check_length(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
+        """vLLM's TokenizeParams checks; returns the context limit."""
+        limit = self.context_limit()
+        if max_tokens is not None and max_tokens > limit:
+            raise V.bad_request(
+                f"{param}={max_tokens} cannot be greater than max_model_len=max_total_tokens={limit}. "
+                "Please request fewer output tokens.",
+                param,
+                max_tokens,
             )
-        mt = body.get("max_completion_tokens", body.get("max_tokens"))
-        if mt is None:
-            return min(self.opts.default_max_tokens, limit - prompt_len)
-        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
-            raise HTTPError(400, "max_tokens must be a positive integer", "max_tokens")
-        if prompt_len + mt > limit:
-            raise HTTPError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + mt} tokens ({prompt_len} in the messages, {mt} in the completion).",
-                "max_tokens",
+        out = max(max_tokens or 0, 0)
+        if prompt_len > limit - out or prompt_len >= limit:
+            raise V.bad_request(
+                f"You passed {prompt_len} input tokens and requested {out} output tokens. However, the "
+                f"model's context length is only {limit} tokens, resulting in a maximum input length of "
+                f"{limit - out} tokens. Please reduce the length of the input prompt.",
+                "input_tokens",
+                prompt_len,
             )
-        return mt
+        return limit
 
-    def _priority(self, request: web.Request, body: dict[str, Any]) -> int:
-        raw = request.headers.get("x-vllm-priority", body.get("priority", 0))
+    def _check_sampling(self, req: Any, max_tokens: int | None, n: int) -> None:
+        """SamplingParams._verify_args, in its order, for the parameters the simulator reads."""
+        if n < 1:
+            raise V.bad_request(f"n must be at least 1, got {n}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(req, name, None)
+            if v is not None and not -2.0 <= v <= 2.0:
+                raise V.bad_request(f"{name} must be in [-2, 2], got {v}.")
+        t = req.temperature
+        if t is not None:
+            if not math.isfinite(t):
+                raise V.bad_request(f"temperature must be a finite number, got {t}.", "temperature", t)
+            if t < 0.0:
+                raise V.bad_request(f"temperature must be non-negative, got {t}.", "temperature", t)
+            if t > 2.0:
+                raise V.bad_request(f"temperature must be in [0, 2], got {t}.", "temperature", t)
+        if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+            raise V.bad_request(f"top_p must be in (0, 1], got {req.top_p}.", "top_p", req.top_p)
+        if max_tokens is not None and max_tokens < 1:
+            raise V.bad_request(f"max_tokens must be at least 1, got {max_tokens}.")
+
+    def _check_logprobs(self, k: int | None) -> None:
+        if k is None:
+            return
+        cap = self.serving.max_logprobs
+        asked = VOCAB_SIZE if k == -1 else k  # -1: the whole vocabulary
+        if cap != -1 and asked > cap:
+            raise V.bad_request(
+                f"Requested sample logprobs of {asked}, which is greater than max allowed: {cap}",
+                "logprobs",
+                asked,
+            )
+
+    def _priority(self, request: web.Request, prio_field: int) -> int:
+        raw = request.headers.get("x-vllm-priority", prio_field)
         try:
             prio = int(raw or 0)
         except (TypeError, ValueError):
-            raise HTTPError(400, "priority must be an integer", "priority") from None
+            raise V.bad_request("priority must be an integer", "priority") from None
         if prio and self.opts.engine.scheduling_policy != "priority" and not self.sglang:
-            raise HTTPError(400, f"Got priority {prio} but Priority scheduling is not enabled.", "priority")
+            raise V.bad_request(f"Got priority {prio} but Priority scheduling is not enabled.")
         return prio
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    def _check_tools(self, req: V.ChatCompletionRequest) -> None:
+        """vLLM refuses tool choices its configuration cannot parse (render_chat_request)."""
+        choice = req.tool_choice
+        if self.sglang or choice in (None, "none") or self.serving.tool_call_parser:
+            return
+        if choice == "auto":
+            if not self.serving.enable_auto_tool_choice:
+                raise V.bad_request(
+                    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+                )
+            return
+        shown = (
+            f'function "{choice.function.name}"' if isinstance(choice, V.NamedToolChoice) else f'"{choice}"'
+        )
+        raise V.bad_request(f"tool_choice={shown} requires --tool-call-parser to be set")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         rid = request.headers.get("x-request-id") or ""
         headers = {"x-request-id": rid} if rid else {}
         try:
@@ -392,50 +516,116 @@ class Replica:
                 await asyncio.sleep(spec.stall_s)
             if spec.status:
                 raise HTTPError(spec.status, f"injected fault: status {spec.status}")
-            try:
-                body = orjson.loads(await request.read())
-            except orjson.JSONDecodeError:
-                raise HTTPError(400, "request body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise HTTPError(400, "request body must be a JSON object")
+            body = await self.read_json(request)
             rid = rid or str(body.get("request_id") or uuid.uuid4().hex)
             self._record(request, body, rid)
-            return await self._serve(request, body, chat, rid, spec, headers)
+            return await self._serve(request, body, kind, rid, spec, headers)
         except FaultSyntaxError as exc:
             return self._error(400, str(exc), FAULT_HEADER)
         except HTTPError as exc:
-            resp = self._error(exc.status, str(exc), exc.param)
+            resp = self.error_response(exc)
             resp.headers.update(headers)
             if exc.status in (429, 503):
                 resp.headers["Retry-After"] = "1"
             return resp
 
+    def _prompts(self, kind: str, req: Any, body: dict[str, Any]) -> list[list[int]]:
+        """The token ids of each prompt (several only for a batched completion)."""
+        enc = self.tokenizer.encode
+        if kind == "chat":
+            if not req.messages:
+                # The chat template reads messages[0]; jinja's error becomes vLLM's 400.
+                raise HTTPError(400, "list object has no element 0", None, "BadRequestError")
+            return [enc(proto.render_chat(req.messages, body.get("tools")))]  # the tools as sent
+        if kind == "responses":
+            return [enc(proto.render_chat(responses_messages(req.instructions, req.input)))]
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            return [enc(prompt)]
+        if not prompt:
+            raise V.bad_request("please provide at least one prompt")
+        if isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = [enc(p) if isinstance(p, str) else p for p in prompt]
+        if any(not p for p in prompts):
+            raise V.bad_request("The decoder prompt cannot be empty")
+        return prompts
+
+    def _plan(self, kind: str, req: Any, lora: str | None) -> tuple[Plan, Any]:
+        """What the choices will say: the forced tool (and its parameters' schema), or a structured output
+        format, and logprobs. Returns the plan and the schema source for scripted outputs (or None)."""
+        plan = Plan(kind, self.model_name(lora))
+        source: Any = None
+        if kind == "chat":
+            if req.logprobs:
+                plan.logprobs = req.top_logprobs or 0
+            choice = req.tool_choice
+            if req.tools and (isinstance(choice, V.NamedToolChoice) or choice == "required"):
+                name = (
+                    choice.function.name
+                    if isinstance(choice, V.NamedToolChoice)
+                    else req.tools[0].function.name
+                )
+                tool = next(t for t in req.tools if t.function.name == name)
+                plan.tool, plan.tool_required = name, choice == "required"
+                return plan, ("schema", tool.function.parameters or {"type": "object"})
+        elif kind == "completion" and req.logprobs is not None:
+            plan.logprobs = req.logprobs
+        rf = getattr(req, "response_format", None)
+        if rf is not None and rf.type == "json_object":
+            source = ("object", None)
+        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            source = ("schema", rf.json_schema.json_schema or {})
+        return plan, source
+
     async def _serve(
         self,
         request: web.Request,
         body: dict[str, Any],
-        chat: bool,
+        kind: str,
         rid: str,
         spec: FaultSpec,
         headers: dict[str, str],
     ) -> web.StreamResponse:
         o = self.opts
-        model = body.get("model") or o.served_model_names[0]
-        if model not in o.served_model_names:
-            raise HTTPError(404, f"The model `{model}` does not exist.", "model")
-        stream = bool(body.get("stream", False))
-        if body.get("stream_options") is not None and not stream:
-            raise HTTPError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
-        n = body.get("n", 1)
-        if not isinstance(n, int) or n < 1:
-            raise HTTPError(400, "n must be a positive integer", "n")
-        priority = self._priority(request, body)
-        prompt_ids = self._tokens(body, chat)
-        max_tokens = self._max_tokens(body, len(prompt_ids))
+        if kind == "chat":
+            req: Any = V.check_chat(body)
+            max_tokens = (
+                req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            )
+            mt_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        elif kind == "completion":
+            req = V.check_completion(body)
+            # Without max_tokens the simulator ends the output naturally (--default-max-tokens).
+            max_tokens, mt_param = (
+                (req.max_tokens if body.get("max_tokens") is not None else None),
+                "max_tokens",
+            )
+        else:
+            req = V.parse(V.ResponsesRequest, body)
+            max_tokens, mt_param = req.max_output_tokens, "max_output_tokens"
+        lora = self.resolve_model(req.model)
+        if kind == "responses" and req.previous_response_id:
+            # The simulator stores no responses (vLLM: only with VLLM_ENABLE_RESPONSES_API_STORE).
+            raise HTTPError(
+                404, f"Response with id '{req.previous_response_id}' not found.", None, "NotFoundError"
+            )
+        if kind == "chat":
+            self._check_tools(req)
+        prompts = self._prompts(kind, req, body)
+        for ids in prompts:
+            limit = self._check_length(len(ids), max_tokens, mt_param)
+        n = 1 if kind == "responses" or req.n is None else req.n
+        self._check_sampling(req, max_tokens, n)
+        plan, source = self._plan(kind, req, lora)
+        self._check_logprobs(plan.logprobs)
+        priority = self._priority(request, req.priority)
+        stream = bool(req.stream)
         if o.max_waiting is not None and self.engine.num_waiting >= o.max_waiting:
             raise HTTPError(429, f"engine overloaded: {self.engine.num_waiting} requests waiting")
 
-        out = _Response(stream)
+        out = _Response(stream, plan)
         remote_kv = kv_lease = False
         ktp = body.get("kv_transfer_params") if o.kv_role else None
         if isinstance(ktp, dict):
@@ -455,40 +645,67 @@ class Replica:
             await self._await_bootstrap(str(body["bootstrap_host"]), body.get("bootstrap_port"), int(room))
             remote_kv = True
 
-        seed = body.get("seed") if isinstance(body.get("seed"), int) else None
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        seed = req.seed if isinstance(getattr(req, "seed", None), int) else None
+        salt = req.cache_salt
         bs = self.engine.block_size
-        for i in range(n):
-            seed_i = proto.output_seed(len(prompt_ids), i, seed)
-            req = Request(
-                rid if n == 1 else f"{rid}-{i}",
-                prompt_ids,
-                max_tokens,
-                priority=priority,
-                cache_salt=salt,
-                block_size=bs,
-                remote_kv=remote_kv,
-                kv_lease=kv_lease,
-                sink=out,
-                output_ids=partial(proto.output_token_ids, seed_i) if proto.vocab_token_ids() else None,
-            )
-            if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-                req.finish_reason = "stop"  # a natural end, as an unbounded request would have
-            out.children.append(req)
-            out.seeds.append(seed_i)
-            out.sent.append(0)
+        vocab_ids = proto.vocab_token_ids() is not None
+        for ids in prompts:
+            plan.prompt_tokens += len(ids)
+            room_left = limit - len(ids)
+            for i in range(n):
+                seed_i = proto.output_seed(len(ids), i, seed)
+                script = None if source is None else _script(source, seed_i)
+                plan.add_choice(seed_i, script)
+                natural = max_tokens is None
+                if script is not None:
+                    cap = min(max_tokens if max_tokens is not None else room_left, room_left)
+                    natural = len(script) <= cap
+                    mt = min(len(script), cap)
+                    output_ids = partial(_slice, script.ids)
+                else:
+                    mt = max_tokens if max_tokens is not None else min(o.default_max_tokens, room_left)
+                    output_ids = partial(proto.output_token_ids, seed_i) if vocab_ids else None
+                k = len(out.children)
+                child = Request(
+                    rid if len(prompts) * n == 1 else f"{rid}-{k}",
+                    ids,
+                    mt,
+                    priority=priority,
+                    cache_salt=salt,
+                    block_size=bs,
+                    remote_kv=remote_kv,
+                    kv_lease=kv_lease,
+                    sink=out,
+                    output_ids=output_ids,
+                    lora=lora,
+                )
+                if natural:
+                    child.finish_reason = "stop"  # a natural end, as an unbounded request would have
+                out.children.append(child)
+                out.sent.append(0)
         created = proto.now_s()
-        resp_id = ("chatcmpl-" if chat else "cmpl-") + rid
+        prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_"}[kind]
+        resp_id = prefix + rid
         try:
             if stream:
-                so = body.get("stream_options") or {}
-                out.include_usage = bool(so.get("include_usage"))
+                so = getattr(req, "stream_options", None)
+                out.include_usage = bool(so and so.include_usage)
                 out.cut_after = spec.midstream
-                out.fmt = proto.ChunkFormat(chat, resp_id, model, created)
+                opening = b""
+                if kind == "responses":
+                    events = ResponseEvents(plan, _response_meta(req, resp_id, rid, created, plan.model))
+                    opening = events.opening()
+                    out.fmt = events
+                elif plan.rich:
+                    out.fmt = RichChunks(plan, resp_id, created)
+                else:
+                    out.fmt = proto.ChunkFormat(kind == "chat", resp_id, plan.model, created, plan.seeds)
                 resp = web.StreamResponse(
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
                 )
                 await resp.prepare(request)
+                if opening:
+                    await resp.write(opening)
                 out.resp = resp
                 for c in out.children:
                     self.runner.submit(c)
@@ -498,31 +715,36 @@ class Replica:
             for c in out.children:
                 self.runner.submit(c)
             await out.done
-            return self._json(self._full_body(out, chat, resp_id, model, created, kv_lease), headers=headers)
+            if kind == "responses":
+                result = self._responses_body(out, req, resp_id, rid, created)
+            else:
+                result = self._full_body(out, resp_id, created, kv_lease)
+            return self._json(result, headers=headers)
         finally:
             if any(c.state != FINISHED for c in out.children):
                 for c in out.children:
                     self.engine.abort(c)  # frees the blocks of a gone client
                 self.runner.wake()
 
-    def _full_body(
-        self, out: _Response, chat: bool, resp_id: str, model: str, created: int, kv_lease: bool
-    ) -> dict[str, Any]:
+    def _full_body(self, out: _Response, resp_id: str, created: int, kv_lease: bool) -> dict[str, Any]:
+        plan = out.plan
+        chat = plan.kind == "chat"
         choices = []
         for i, c in enumerate(out.children):
-            text = proto.output_text(out.seeds[i], 0, c.num_output)
             choice: dict[str, Any] = {"index": i}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+                choice["message"] = chat_message(plan, i, c.num_output)
+                choice["logprobs"] = plan.chat_logprobs(i, 0, c.num_output)
             else:
-                choice["text"] = text
-            choice.update(logprobs=None, finish_reason=c.finish_reason, stop_reason=None)
+                choice["text"] = plan.text(i, 0, c.num_output)
+                choice["logprobs"] = plan.completion_logprobs(i, 0, c.num_output, 0)
+            choice.update(finish_reason=plan.finish(c.finish_reason), stop_reason=None)
             choices.append(choice)
         result: dict[str, Any] = {
             "id": resp_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
-            "model": model,
+            "model": plan.model,
             "choices": choices,
             "usage": out.usage(),
         }
@@ -544,6 +766,16 @@ class Replica:
         else:
             result["kv_transfer_params"] = None
         return result
+
+    def _responses_body(
+        self, out: _Response, req: Any, resp_id: str, rid: str, created: int
+    ) -> dict[str, Any]:
+        c0 = out.children[0]
+        meta = _response_meta(req, resp_id, rid, created, out.plan.model)
+        usage = responses_usage(out.plan.prompt_tokens, c0.num_output, c0.num_cached)
+        text = out.plan.text(0, 0, c0.num_output)
+        incomplete = c0.finish_reason == "length"
+        return response_object(meta, "incomplete" if incomplete else "completed", text, usage, incomplete)
 
     # ---- PD ------------------------------------------------------------------------------------
     async def _release_remote(self, ktp: dict[str, Any]) -> None:
@@ -599,32 +831,6 @@ class Replica:
         if self.crashed or self._starting():
             return web.Response(status=503)
         return web.Response(status=200)
-
-    async def models(self, request: web.Request) -> web.Response:
-        o = self.opts
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": "sglang" if self.sglang else "vllm",
-                "root": o.model,
-                "parent": None,
-                "max_model_len": o.engine.max_model_len,
-            }
-            for name in o.served_model_names
-        ]
-        return self._json({"object": "list", "data": data})
-
-    async def tokenize(self, request: web.Request) -> web.Response:
-        try:
-            body = orjson.loads(await request.read())
-            ids = self._tokens(body, chat="messages" in body)
-        except HTTPError as exc:
-            return self._error(exc.status, str(exc), exc.param)
-        except orjson.JSONDecodeError:
-            return self._error(400, "request body is not valid JSON")
-        return self._json({"count": len(ids), "max_model_len": self.opts.engine.max_model_len, "tokens": ids})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         ok = self.engine.pool.reset_cache()
@@ -711,6 +917,16 @@ class Replica:
             f'vllm:cache_config_info{{block_size="{e.block_size}",num_gpu_blocks="{e.pool.num_blocks}",'
             f'cache_dtype="{self.opts.engine.kv_cache_dtype}",{lbl}}} 1.0'
         )
+        slots = e.lora_slots
+        if slots is not None:
+            # vLLM's LoRA gauge: adapters of running and waiting requests, valued by the time of the update.
+            waiting = sorted({r.lora for r in e.waiting.requests() if r.lora is not None})
+            lines.append("# TYPE vllm:lora_requests_info gauge")
+            lines.append(
+                f'vllm:lora_requests_info{{max_lora="{slots.max_loras}",'
+                f'running_lora_adapters="{",".join(sorted(e.lora_running))}",'
+                f'waiting_lora_adapters="{",".join(waiting)}"}} {time.time()}'
+            )
         return "\n".join(lines) + "\n"
 
     def _sglang_metrics(self) -> str:
@@ -737,6 +953,55 @@ class Replica:
         lines += m.ttft.render("sglang:time_to_first_token_seconds", lbl)
         lines += m.e2e.render("sglang:e2e_request_latency_seconds", lbl)
         return "\n".join(lines) + "\n"
+
+
+_REQUEST_CLASS = {
+    "/v1/chat/completions": "ChatCompletionRequest",
+    "/v1/completions": "CompletionRequest",
+    "/v1/responses": "ResponsesRequest",
+    "/v1/embeddings": "EmbeddingCompletionRequest",
+    "/tokenize": "TokenizeCompletionRequest",
+    "/detokenize": "DetokenizeRequest",
+}
+
+
+def _slice(ids: list[int], start: int, end: int) -> list[int]:
+    return ids[start:end]
+
+
+def _script(source: tuple[str, Any], seed: int) -> structured.Script:
+    kind, schema = source
+    value = structured.json_object(seed) if kind == "object" else structured.from_schema(schema, seed)
+    return structured.script(value)
+
+
+def responses_messages(instructions: str | None, items: str | list[Any]) -> list[dict[str, Any]]:
+    """The Responses API's input as chat messages: instructions first, then each message item (other
+    items, such as function call outputs, as tool messages)."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    if isinstance(items, str):
+        return [*msgs, {"role": "user", "content": items}]
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        if item.get("type", "message") == "message":
+            msgs.append({"role": str(item.get("role", "user")), "content": item.get("content")})
+        else:
+            msgs.append({"role": "tool", "content": str(item.get("output", item.get("arguments", "")))})
+    return msgs
+
+
+def _response_meta(req: Any, resp_id: str, rid: str, created: int, model: str) -> ResponseMeta:
+    return ResponseMeta(
+        resp_id,
+        f"msg_{rid}",
+        created,
+        model,
+        req.instructions,
+        req.max_output_tokens,
+        req.temperature,
+        req.top_p,
+    )
 
 
 async def serve(replicas: list[Replica], ready: asyncio.Event | None = None) -> None:

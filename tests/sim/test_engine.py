@@ -6,6 +6,8 @@ import itertools
 import random
 from statistics import median
 
+import pytest
+
 from gateway.sim.cost_model import CostModel, StepShape
 from gateway.sim.engine import Engine, Request, run_collecting_gaps
 from gateway.sim.kv_cache import block_hashes
@@ -198,3 +200,33 @@ def test_block_events_match_what_was_stored_and_evicted() -> None:
     assert stored == [h for p in prompts for h in block_hashes(p, BS)]
     assert removed and set(removed) <= set(stored)
     assert set(stored) - set(removed) == set(e.pool._cached)
+
+
+def test_lora_batches_hold_at_most_max_loras_adapters_and_swaps_cost_time() -> None:
+    from gateway.sim.lora import LoraConfig
+
+    e = engine("tiny", lora=LoraConfig(enabled=True, max_loras=1, max_cpu_loras=2))
+    slots = e.lora_slots
+    assert slots is not None
+    for a in ("a1", "a2"):
+        slots.load(a)  # --lora-modules: in the CPU cache from the start
+    seen: list[set[str]] = []
+    e.on_step = lambda: seen.append(set(e.lora_running))
+    reqs = [Request(f"q{i}", prompt(64, i), 8, block_size=BS, lora=("a1", "a2")[i % 2]) for i in range(6)]
+    for r in reqs:
+        e.add_request(r)
+    e.run_until_idle()
+    assert all(r.num_output == 8 for r in reqs)
+    assert max(len(s) for s in seen) == 1 and {"a1", "a2"} <= set().union(*seen)  # one adapter per batch
+    # The first request of each adapter waits for the others of the resident one: a1's all finish first.
+    assert max(r.finished_at for r in reqs[0::2]) < min(r.first_token_at for r in reqs[1::2])  # type: ignore[operator]
+    swaps = slots.swaps
+    assert swaps == 2 and slots.disk_loads == 2  # a1, then a2 swapped in; both stayed in the CPU cache
+
+    same = prompt(64, 99)
+    base = run_one(e, same)
+    first = run_one(e, same, lora="a1")
+    again = run_one(e, same, lora="a1")
+    assert base.num_cached == 0 and first.num_cached == 0 and again.num_cached == 48  # per-adapter cache
+    plain = run_one(engine("tiny"), same)
+    assert first.ttft - plain.ttft == pytest.approx(slots.swap_s, rel=0.05)  # type: ignore[operator]

@@ -1,0 +1,285 @@
+"""What a generation request's choices say, and the bodies and SSE events that carry it.
+
+The plain case (text, no logprobs) keeps the byte templates of `protocol.ChunkFormat`: a streaming step
+writes one chunk per running request. Everything else goes through `Plan` and the dict-built formats here:
+logprobs, structured outputs and tool calls (both a `Script`: fixed token ids and texts), and the
+Responses API's event stream.
+
+Layouts as vLLM 0.33-era serving code writes them (chat_completion/serving.py at 5e918640): a forced
+named tool call's message has `content: ""` and `tool_calls`, its finish_reason is the output's ("stop",
+or "length" when cut), while `tool_choice: "required"` ends with "tool_calls"; streamed, the first delta of
+a call carries id, type, function.name and the first argument text, later deltas only argument text, with
+the tool call `index` set to the choice index (as vLLM does for named calls).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from gateway.sim import logprobs as lp
+from gateway.sim import protocol as proto
+from gateway.sim.structured import Script
+
+if TYPE_CHECKING:
+    from gateway.sim.engine import Request
+
+
+@dataclass(slots=True)
+class Plan:
+    """One generation request's output choices (`n` per prompt, prompts in order)."""
+
+    kind: str  # "chat" | "completion" | "responses"
+    model: str  # the model name responses carry (the adapter's, or the first served name)
+    seeds: list[int] = field(default_factory=list)
+    scripts: list[Script | None] = field(default_factory=list)
+    logprobs: int | None = None  # chat: top_logprobs (logprobs on); completions: `logprobs`; None: off
+    tool: str | None = None  # the forced function's name
+    tool_required: bool = False  # tool_choice "required" (else a named function)
+    tool_ids: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0  # summed over prompts
+
+    @property
+    def rich(self) -> bool:
+        return self.logprobs is not None or self.tool is not None or any(s is not None for s in self.scripts)
+
+    def add_choice(self, seed: int, script: Script | None) -> None:
+        self.seeds.append(seed)
+        self.scripts.append(script)
+        if self.tool is not None:
+            self.tool_ids.append(f"chatcmpl-tool-{uuid.uuid4().hex}")
+
+    def text(self, i: int, start: int, end: int) -> str:
+        s = self.scripts[i]
+        return s.text(start, end) if s is not None else proto.output_text(self.seeds[i], start, end)
+
+    def tokens(self, i: int, start: int, end: int) -> list[str]:
+        s = self.scripts[i]
+        return s.pieces[start:end] if s is not None else proto.output_words(self.seeds[i], start, end)
+
+    def finish(self, reason: str | None) -> str | None:
+        """The finish_reason a choice reports: "required" tool calls that ended end with "tool_calls"."""
+        return "tool_calls" if reason == "stop" and self.tool_required else reason
+
+    def chat_logprobs(self, i: int, start: int, end: int) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        return {"content": lp.chat_content(self.seeds[i], start, self.tokens(i, start, end), self.logprobs)}
+
+    def completion_logprobs(self, i: int, start: int, end: int, offset: int) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        return lp.completion(self.seeds[i], start, self.tokens(i, start, end), self.logprobs, offset)
+
+    def tool_call(self, i: int, arguments: str) -> dict[str, Any]:
+        return {
+            "id": self.tool_ids[i],
+            "type": "function",
+            "function": {"name": self.tool, "arguments": arguments},
+        }
+
+
+def chat_message(plan: Plan, i: int, n_out: int) -> dict[str, Any]:
+    text = plan.text(i, 0, n_out)
+    msg: dict[str, Any] = {"role": "assistant", "content": text}
+    if plan.tool is not None:
+        msg = {"role": "assistant", "content": "", "tool_calls": [plan.tool_call(i, text)]}
+    msg.update(refusal=None, annotations=None, audio=None, function_call=None, reasoning=None)
+    return msg
+
+
+class RichChunks:
+    """SSE chunks for chat and text completions built as dicts (logprobs, scripted text, tool calls)."""
+
+    __slots__ = ("chat", "created", "model", "obj", "plan", "resp_id", "text_offsets")
+
+    def __init__(self, plan: Plan, resp_id: str, created: int) -> None:
+        self.plan = plan
+        self.chat = plan.kind == "chat"
+        self.obj = "chat.completion.chunk" if self.chat else "text_completion"
+        self.resp_id = resp_id
+        self.created = created
+        self.model = plan.model
+        self.text_offsets = [0] * len(plan.seeds)
+
+    def _wrap(self, choice: dict[str, Any]) -> bytes:
+        body = {"id": self.resp_id, "object": self.obj, "created": self.created, "model": self.model}
+        body["choices"] = [choice]
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def piece(self, i: int, start: int, end: int, finish: str | None) -> bytes:
+        plan = self.plan
+        text = plan.text(i, start, end)
+        if not self.chat:
+            lps = plan.completion_logprobs(i, start, end, self.text_offsets[i])
+            self.text_offsets[i] += len(text)
+            return self._wrap(
+                {"index": i, "text": text, "logprobs": lps, "finish_reason": finish, "stop_reason": None}
+            )
+        delta: dict[str, Any] = {"role": "assistant"} if start == 0 else {}
+        if plan.tool is not None:
+            call: dict[str, Any] = {"index": i, "function": {"arguments": text}}
+            if start == 0:
+                call = {"id": plan.tool_ids[i], "type": "function", "index": i}
+                call["function"] = {"name": plan.tool, "arguments": text}
+            delta["tool_calls"] = [call]
+        else:
+            delta["content"] = text
+        choice = {
+            "index": i,
+            "delta": delta,
+            "logprobs": plan.chat_logprobs(i, start, end),
+            "finish_reason": finish,
+        }
+        if finish is not None:
+            choice["stop_reason"] = None
+        return self._wrap(choice)
+
+    def usage_chunk(self, usage: dict[str, Any]) -> bytes:
+        body = {"id": self.resp_id, "object": self.obj, "created": self.created, "model": self.model}
+        return b"data: " + orjson.dumps({**body, "choices": [], "usage": usage}) + b"\n\n"
+
+
+# ---- the Responses API (/v1/responses) ------------------------------------------------------------------
+
+
+def responses_usage(prompt: int, output: int, cached: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
+    }
+
+
+@dataclass(slots=True)
+class ResponseMeta:
+    resp_id: str
+    msg_id: str
+    created: int
+    model: str
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+
+
+def response_object(
+    meta: ResponseMeta, status: str, text: str | None, usage: dict[str, Any] | None, incomplete: bool = False
+) -> dict[str, Any]:
+    output = []
+    if text is not None:
+        item_status = "incomplete" if incomplete else "completed"
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": None}]
+        output.append(
+            {
+                "id": meta.msg_id,
+                "type": "message",
+                "role": "assistant",
+                "status": item_status,
+                "content": content,
+            }
+        )
+    return {
+        "id": meta.resp_id,
+        "object": "response",
+        "created_at": meta.created,
+        "status": status,
+        "background": False,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "instructions": meta.instructions,
+        "max_output_tokens": meta.max_output_tokens,
+        "metadata": None,
+        "model": meta.model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "previous_response_id": None,
+        "reasoning": None,
+        "service_tier": "auto",
+        "store": False,
+        "temperature": meta.temperature if meta.temperature is not None else 1.0,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": "auto",
+        "tools": [],
+        "top_p": meta.top_p if meta.top_p is not None else 1.0,
+        "truncation": "disabled",
+        "usage": usage,
+        "user": None,
+    }
+
+
+class ResponseEvents:
+    """The Responses API's streamed events: created, in_progress, output_item.added, content_part.added,
+    output_text.delta per step, then the .done events and completed (or incomplete), each as
+    `event: TYPE` + `data: JSON` with a running sequence_number (no [DONE])."""
+
+    __slots__ = ("meta", "plan", "seq")
+
+    def __init__(self, plan: Plan, meta: ResponseMeta) -> None:
+        self.plan = plan
+        self.meta = meta
+        self.seq = 0
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+    def opening(self) -> bytes:
+        m = self.meta
+        resp = response_object(m, "in_progress", None, None)
+        item = {
+            "id": m.msg_id,
+            "type": "message",
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [],
+        }
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return b"".join(
+            (
+                self.event("response.created", response=resp),
+                self.event("response.in_progress", response=resp),
+                self.event("response.output_item.added", output_index=0, item=item),
+                self.event(
+                    "response.content_part.added",
+                    item_id=m.msg_id,
+                    output_index=0,
+                    content_index=0,
+                    part=part,
+                ),
+            )
+        )
+
+    def piece(self, i: int, start: int, end: int, finish: str | None) -> bytes:
+        delta = self.plan.text(i, start, end)
+        return self.event(
+            "response.output_text.delta",
+            item_id=self.meta.msg_id,
+            output_index=0,
+            content_index=0,
+            delta=delta,
+            logprobs=[],
+        )
+
+    def closing(self, req: Request, usage: dict[str, Any]) -> bytes:
+        m = self.meta
+        text = self.plan.text(0, 0, req.num_output)
+        incomplete = req.finish_reason == "length"
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        resp = response_object(m, "incomplete" if incomplete else "completed", text, usage, incomplete)
+        item = resp["output"][0]
+        ids = {"item_id": m.msg_id, "output_index": 0, "content_index": 0}
+        return b"".join(
+            (
+                self.event("response.output_text.done", **ids, text=text, logprobs=[]),
+                self.event("response.content_part.done", **ids, part=part),
+                self.event("response.output_item.done", output_index=0, item=item),
+                self.event("response.incomplete" if incomplete else "response.completed", response=resp),
+            )
+        )

@@ -1,0 +1,123 @@
+"""The Helm chart in deploy/helm/kvgate, rendered by Helm's own Go SDK (helm-python-sdk: no helm binary
+is packaged for this platform) and checked against the Kubernetes OpenAPI schemas (kubernetes-validate),
+against kvgate's config schema, and against `kvgate render k8s` for the example engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from gateway.config import load_config
+from gateway.render_k8s import render
+from tests.conftest import REPO
+
+CHART = REPO / "deploy" / "helm" / "kvgate"
+K8S_VERSION = "1.37.0"
+CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
+EVERYTHING = {
+    "exampleEngine": {"enabled": True},
+    "redis": {"enabled": True},
+    "serviceMonitor": {"enabled": True},
+    "autoscaling": {"keda": {"enabled": True}, "hpa": {"enabled": True}},
+    "adminKey": {"existingSecret": "kvgate-admin"},
+}
+
+
+def rendered(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values or {}, name="kv", namespace="inference")
+    return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
+
+
+def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    return doc
+
+
+def test_lint_finds_no_errors() -> None:
+    assert helm.lint(str(CHART))["errors"] == []
+
+
+@pytest.mark.parametrize(
+    "values", [{}, EVERYTHING, {**EVERYTHING, "exampleEngine": {"enabled": True, "pd": True}}]
+)
+def test_every_manifest_validates(values: dict[str, Any]) -> None:
+    docs = rendered(values)
+    kinds = {(d["apiVersion"], d["kind"]) for d in docs}
+    for doc in docs:
+        if (doc["apiVersion"], doc["kind"]) in CRDS:
+            continue  # custom resources: no schema ships offline (see the README)
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    if values:
+        assert CRDS <= kinds
+    assert not any(kind.startswith("Cluster") for _, kind in kinds), "nothing cluster-wide"
+
+
+def test_gateway_config_probes_rbac_and_rollout() -> None:
+    docs = rendered(EVERYTHING)
+    cm = find(docs, "ConfigMap")
+    (config_text,) = cm["data"].values()
+    dep = find(docs, "Deployment", "kv-kvgate")
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    overrides = {
+        "state": {"backend": env["KVGATE_STATE__BACKEND"], "redis_url": env["KVGATE_STATE__REDIS_URL"]}
+    }
+    settings = load_config(None, {**yaml.safe_load(config_text), **overrides})  # kvgate accepts it
+    assert settings.pools and all(p.discovery is not None for p in settings.pools)
+    assert env["KVGATE_STATE__REDIS_URL"] == "redis://kv-kvgate-redis:6379/0"
+    find(docs, "Service", "kv-kvgate-redis")
+    assert container["livenessProbe"]["httpGet"]["path"] == "/live"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    server = settings.server
+    assert pod["terminationGracePeriodSeconds"] > server.shutdown_delay_s + server.grace_period_s > 0
+    assert server.shutdown_delay_s >= 2 * container["readinessProbe"]["periodSeconds"], (
+        "the Service notices first"
+    )
+    # Least privilege: read-only on pods, in the release's namespace, for the gateway's account.
+    (rule,) = find(docs, "Role")["rules"]
+    assert rule == {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    binding = find(docs, "RoleBinding")
+    (subject,) = binding["subjects"]
+    assert subject == {"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": "inference"}
+    assert binding["roleRef"]["name"] == find(docs, "Role")["metadata"]["name"]
+    slices = rendered({"discovery": {"resource": "endpointslices"}})
+    (rule,) = find(slices, "Role")["rules"]
+    assert rule["apiGroups"] == ["discovery.k8s.io"] and rule["resources"] == ["endpointslices"]
+
+
+@pytest.mark.parametrize(
+    ("pd", "pool", "roles"), [(False, "llama", ["mixed"]), (True, "llama-pd", ["prefill", "decode"])]
+)
+def test_example_engine_is_what_the_renderer_produces(pd: bool, pool: str, roles: list[str]) -> None:
+    docs = rendered({"exampleEngine": {"enabled": True, "pd": pd}})
+    settings = load_config(REPO / "config" / "k8s-vllm.yaml")
+    expected = {
+        (d["kind"], d["metadata"]["labels"]["kvgate.io/role"]): d
+        for d in render(settings)
+        if d["metadata"]["labels"]["kvgate.io/pool"] == pool
+    }
+    charted = {
+        (d["kind"], d["metadata"]["labels"]["kvgate.io/role"]): d
+        for d in docs
+        if d["metadata"]["labels"].get("app.kubernetes.io/name") == "kvgate-engine"
+    }
+    assert sorted(charted) == sorted((kind, role) for kind in ("Deployment", "Service") for role in roles)
+    for role in roles:
+        want = expected[("Deployment", role)]["spec"]
+        got = charted[("Deployment", role)]["spec"]
+        want["template"]["spec"]["containers"][0]["image"] = got["template"]["spec"]["containers"][0]["image"]
+        # Equal but for the pool's name, which the chart's values choose.
+        for labels in (want["selector"]["matchLabels"], want["template"]["metadata"]["labels"]):
+            labels.update(
+                {k: "llama" for k in labels if k in ("kvgate.io/pool", "app.kubernetes.io/instance")}
+            )
+        assert got == want
+        want_svc = expected[("Service", role)]["spec"]
+        want_svc["selector"]["kvgate.io/pool"] = "llama"
+        assert charted[("Service", role)]["spec"] == want_svc
