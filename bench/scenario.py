@@ -229,9 +229,10 @@ class Fleet:
                 base = procs.free_port_range(2 * n if self.spec.kv_events else n)
                 urls = [f"http://{procs.HOST}:{base + k}" for k in range(n)]
                 # Publishers take the n ports after the HTTP ones: the simulator offsets each
-                # replica's port by its index, as vLLM does per rank.
+                # replica's port by its index, as vLLM does per rank. As vLLM, it binds only an
+                # endpoint holding `*` (and the topic is left at vLLM's default, "").
                 kv = [f"tcp://{procs.HOST}:{base + n + k}" for k in range(n)] if self.spec.kv_events else []
-                config = {"enable_kv_cache_events": True, "endpoint": kv[0]} if kv else None
+                config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{base + n}"} if kv else None
                 events = ["--kv-events-config", json.dumps(config)] if config else []
                 argv = procs.python_module(
                     self.spec.module,

@@ -20,6 +20,7 @@ from aiohttp import web
 from gateway.config import ConfigError, EndpointConfig, Settings, load_config
 from gateway.errors import GatewayError
 from gateway.pool import Pool
+from gateway.preflight import preflight
 from gateway.proxy import parse_json_body
 from gateway.replica import Replica
 from gateway.rollout import Router
@@ -124,6 +125,7 @@ async def reload_config(runtime: Runtime, who: str) -> dict[str, Any]:
         raise ReloadRejected("the gateway was not started from a config file")
     try:
         new = load_config(runtime.config_path)
+        preflight(new)
     except ConfigError as exc:
         raise ReloadRejected(f"invalid config: {exc}") from None
     if runtime.server_overrides:  # what the command line set wins over the file, as at start

@@ -61,15 +61,33 @@ async def models(request: web.Request) -> web.Response:
     return _json({"object": "list", "data": data})
 
 
-async def health(request: web.Request) -> web.Response:
+async def live(request: web.Request) -> web.Response:
+    """Liveness: 200 while the process serves HTTP, draining included (`/health` is the same)."""
     return _json({"status": "ok"})
 
 
 async def ready(request: web.Request) -> web.Response:
+    """Readiness of the gateway as a whole, by `server.ready` (default: any pool can serve)."""
     rt = request.app[RUNTIME]
     pools = rt.ready()
-    ok = bool(pools) and all(pools.values()) and not rt.draining
-    return _json({"ready": ok, "draining": rt.draining, "pools": pools}, status=200 if ok else 503)
+    ok = rt.is_ready(pools)
+    body = {"ready": ok, "draining": rt.draining, "rule": rt.settings.server.ready, "pools": pools}
+    return _json(body, status=200 if ok else 503)
+
+
+async def ready_model(request: web.Request) -> web.Response:
+    """Readiness of one model (a route or a pool's model): some pool it reaches can serve."""
+    rt = request.app[RUNTIME]
+    model = request.match_info["model"]
+    names = rt.router.pools_for(model)
+    if names is None:
+        raise GatewayError(
+            404, f"the model `{model}` does not exist", "invalid_request_error", "model_not_found", "model"
+        )
+    pools = {name: rt.pools[name].has_healthy() for name in names}
+    ok = any(pools.values()) and not rt.draining
+    body = {"model": model, "ready": ok, "draining": rt.draining, "pools": pools}
+    return _json(body, status=200 if ok else 503)
 
 
 def build_app(runtime: Runtime) -> web.Application:
@@ -79,8 +97,10 @@ def build_app(runtime: Runtime) -> web.Application:
     for path in ENDPOINTS:
         app.router.add_post(path, proxy.handle)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
+    app.router.add_get("/live", live)
+    app.router.add_get("/health", live)
     app.router.add_get("/ready", ready)
+    app.router.add_get("/ready/{model:.+}", ready_model)
     if runtime.metrics is not None:
         app.router.add_get("/metrics", runtime.metrics.handle)
     app.router.add_routes(Dashboard(runtime).routes())

@@ -1,19 +1,29 @@
 """All of kvgate's settings: one validated tree, from a YAML file plus `KVGATE_*` overrides.
 
 Environment variables override the file, nested keys joined by `__`
-(`KVGATE_SERVER__PORT=9000`). Validation happens once at start; `load_config` raises
-`ConfigError` whose message is one line naming the bad key and why.
+(`KVGATE_SERVER__PORT=9000`); a list is JSON (`'["a","b"]'`) or comma-separated (`a,b`).
+Validation happens once at start; `load_config` raises `ConfigError` whose message is one line
+naming the bad key and why.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 
 class ConfigError(Exception):
@@ -50,6 +60,11 @@ class ServerConfig(_Strict):
     access_log: bool = True
     log_json: bool = False
     log_level: str = "info"
+    ready: Literal["any", "all"] | list[str] = Field(
+        "any",
+        description="When /ready answers 200: `any` pool has a healthy replica, `all` pools do, or "
+        "every pool of a list does (never while draining)",
+    )
 
 
 class UpstreamConfig(_Strict):
@@ -151,6 +166,28 @@ class EngineSpec(_Strict):
         return self
 
 
+class KVEventsSource(_Strict):
+    """Where a subscriber reaches an engine's KV event publisher (ZMQ PUB)."""
+
+    endpoint: str = Field(
+        description="The address to CONNECT to, e.g. tcp://10.0.0.5:5557 for an engine started with "
+        '--kv-events-config \'{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557"}\' (vLLM and '
+        "SGLang bind only an endpoint holding `*`)"
+    )
+    topic: str = Field("", description="The publisher's topic: vLLM's and SGLang's default is empty")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _connectable(cls, v: str) -> str:
+        if not v.startswith(("tcp://", "ipc://")):
+            raise ValueError("must start with tcp:// or ipc://")
+        if "*" in v:
+            raise ValueError(
+                f"{v!r} is the engine's bind address; give the address to connect to (its host, not `*`)"
+            )
+        return v
+
+
 class EndpointConfig(_Strict):
     """An unmanaged engine that someone else runs."""
 
@@ -159,9 +196,16 @@ class EndpointConfig(_Strict):
     role: Literal["mixed", "prefill", "decode"] = "mixed"
     kind: Literal["vllm", "sglang", "sim", "openai"] = "vllm"
     bootstrap_port: int | None = Field(None, description="SGLang prefill bootstrap port")
-    kv_events: str | None = Field(
-        None, description="The engine's KV event publisher (ZMQ), e.g. tcp://10.0.0.5:5557, for precise mode"
+    kv_events: KVEventsSource | None = Field(
+        None,
+        description="Precise mode: the engine's KV event publisher, {endpoint, topic} or just the endpoint "
+        "(topic empty, the engines' default)",
     )
+
+    @field_validator("kv_events", mode="before")
+    @classmethod
+    def _endpoint_only(cls, v: Any) -> Any:
+        return {"endpoint": v} if isinstance(v, str) else v
 
     @field_validator("url")
     @classmethod
@@ -261,6 +305,13 @@ class PrefixConfig(_Strict):
     engine_block_size: int | None = Field(
         None, gt=0, description="Precise mode: tokens per engine KV block (unset: engines.block_size or 16)"
     )
+    kv_events_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Precise mode: a replica whose KV events have not come this long after a request "
+        "was routed to it is reported (metric, warning, dashboard) and routed by the approximate index "
+        "until they come again",
+    )
 
 
 class PDConfig(_Strict):
@@ -281,6 +332,14 @@ class PoolConfig(_Strict):
     discovery: DiscoveryConfig | None = Field(
         None,
         description="Replicas discovered from Kubernetes, joining and leaving as pods become ready or go",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="The engines' tokenizer, so that index sizing and job sizes are in their tokens: a "
+        "tokenizer.json (or a model directory holding one; needs kvgate[tokenizers]), builtin:words or "
+        "builtin:cl100k. Unset: a managed pool's --tokenizer flag or local model directory (vllm and "
+        "sglang: also the Hugging Face cache), else cl100k counts corrected by the tokens per "
+        "character learned from the engines' usage figures (or their prompt token counters)",
     )
     priority_scheduling: bool = Field(
         False,
@@ -408,6 +467,24 @@ class TelemetryConfig(_Strict):
     service_name: str = "kvgate"
 
 
+def _is_list(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_is_list(a) for a in typing.get_args(annotation) if a is not type(None))
+    return typing.get_origin(annotation) is list or annotation is list
+
+
+class _EnvSource(EnvSettingsSource):
+    """`KVGATE_*` variables, where a list may also be written comma-separated (`a,b`)."""
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        try:
+            return super().decode_complex_value(field_name, field, value)
+        except ValueError:
+            if isinstance(value, str) and field is not None and _is_list(field.annotation):
+                return [item.strip() for item in value.split(",") if item.strip()]
+            raise
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid")
 
@@ -434,7 +511,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The environment wins over the file (the file arrives as init kwargs).
-        return (env_settings, init_settings)
+        return (_EnvSource(settings_cls), init_settings)
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Settings:
@@ -446,6 +523,11 @@ class Settings(BaseSettings):
                 for wp in rule.pools:
                     if wp.name not in pool_names:
                         raise ValueError(f"routes.{i}.rules.{j}: unknown pool {wp.name!r}")
+        if isinstance(self.server.ready, list):
+            unknown = [name for name in self.server.ready if name not in pool_names]
+            if unknown or not self.server.ready:
+                what = unknown or "an empty list"
+                raise ValueError(f"server.ready: {what}: expected names of pools {pool_names}")
         classes = {c.name for c in self.scheduler.classes}
         for t in self.tenants:
             if t.max_priority is not None and t.max_priority not in classes:
@@ -488,3 +570,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(_format_error(exc)) from None
+    except SettingsError as exc:  # an environment value that cannot be read at all
+        message = str(exc).splitlines()[0].replace('source "_EnvSource"', "the KVGATE_* environment")
+        raise ConfigError(message) from None

@@ -55,5 +55,3 @@ def configure_logging(level: str = "info", json: bool = False) -> None:
     root.setLevel(level.upper())
     # aiohttp's own access log would duplicate ours (which never holds prompt text).
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    # httpx logs every control-plane call (health, metrics scrapes) at info: noise, several a second.
-    logging.getLogger("httpx").setLevel(logging.WARNING)

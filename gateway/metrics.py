@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.breaker import BreakerState
+from gateway.precise_prefix import EVENTS_STATES
 from gateway.request_record import RequestRecord
 
 if TYPE_CHECKING:
@@ -356,9 +358,22 @@ class FleetCollector(Collector):
         )
         failures = CounterMetricFamily(
             "kvgate_precise_tokenize_failures",
-            "Requests routed without prefix information because no engine tokenized them",
+            "Requests no engine tokenized (matched against the approximate index instead)",
             labels=["pool"],
         )
+        state = GaugeMetricFamily(
+            "kvgate_kv_events_state",
+            "1 for the replica's KV event stream state: ok, waiting (none yet, none owed), missing "
+            "(owed longer than prefix.kv_events_timeout_s: the replica is routed by the approximate index)",
+            labels=["pool", "replica", "state"],
+        )
+        fallback = CounterMetricFamily(
+            "kvgate_precise_fallback_decisions",
+            "Precise-mode routing decisions for a replica scored on the approximate index (its KV events "
+            "missing, no publisher, or the prompt not tokenized)",
+            labels=["pool", "replica"],
+        )
+        now = time.monotonic()
         for name, precise in pools:
             st = precise.indexer.stats
             for outcome, attr in _EVENT_OUTCOMES:
@@ -366,8 +381,13 @@ class FleetCollector(Collector):
             for replica, sub in list(precise.subscribers.items()):
                 batches.add_metric([name, replica], sub.stats.batches)
                 lost.add_metric([name, replica], sub.stats.gaps)
+                current = precise.events_state(replica, now)
+                for value in EVENTS_STATES:
+                    state.add_metric([name, replica, value], float(current == value))
+            for replica, n in list(precise.fallback_decisions.items()):
+                fallback.add_metric([name, replica], n)
             failures.add_metric([name], precise.tokenize_failures)
-        yield from (blocks, batches, lost, failures)
+        yield from (blocks, batches, lost, failures, state, fallback)
 
     def _pool_signals(self, rt: Runtime, stats: Mapping[str, Any]) -> Iterator[Metric]:
         """Per pool, what an autoscaler (HPA, KEDA) scales a pool's engines on."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -154,6 +154,7 @@ class PrefixHasher:
         token_cache_size: int = 200_000,
         piece_cache_blocks: int = 65_536,
         piece_min_blocks: int = 8,
+        count: Callable[[str], int] | None = None,
     ) -> None:
         if block_chars < 1:
             raise ValueError("block_chars must be positive")
@@ -173,7 +174,7 @@ class PrefixHasher:
         self._pieces: OrderedDict[tuple[int, str, int], tuple[list[int], list[int]]] = OrderedDict()
         self._piece_blocks = 0
         self._seeds: dict[tuple[str, str | None], int] = {}
-        self._count = get_tokenizer().count
+        self._count = count or get_tokenizer().count  # the engines' tokenizer when the pool knows it
 
     def seed(self, model: str, cache_salt: str | None) -> int:
         key = (model, cache_salt)

@@ -25,6 +25,7 @@ from gateway.pd import DecodePlan, PDHandoff
 from gateway.policy import Candidate, RequestFeatures
 from gateway.replica import Replica
 from gateway.request_record import RequestRecord
+from gateway.tokens import engine_prompt_tokens
 from gateway.tracing import NOOP
 from gateway.upstream import UpstreamError
 
@@ -71,6 +72,9 @@ _DROP_RESPONSE = frozenset(
         "x-kvgate-pool",
     }
 )
+
+
+_USAGE = b'"prompt_tokens":'
 
 
 def _client_error(message: str, code: str, param: str | None = None, status: int = 400) -> GatewayError:
@@ -189,6 +193,7 @@ class Proxy:
         out = orjson.dumps(body) if changed else raw
         rec.stream = features.stream
         rec.prompt_tokens = features.prompt_tokens
+        rec.prompt_chars = len(features.text)
         rec.priority_class = features.priority_class
         queued_at = time.perf_counter()
         with tr.span("queue", {"kvgate.priority_class": features.priority_class}) if tr else NOOP:
@@ -357,6 +362,7 @@ class Proxy:
             finally:
                 resp.release()
             rec.first_byte_at = time.perf_counter()
+            rec.engine_prompt_tokens = engine_prompt_tokens(raw)
             return web.Response(status=resp.status, body=raw, headers=headers)
         return await self._relay_stream(request, resp, headers, rec)
 
@@ -375,6 +381,8 @@ class Proxy:
                 async for chunk in self.rt.upstream.chunks(resp):
                     if rec.first_byte_at is None:
                         rec.first_byte_at = time.perf_counter()
+                    if _USAGE in chunk:  # a substring test per chunk; only a usage chunk is read
+                        rec.engine_prompt_tokens = engine_prompt_tokens(chunk) or rec.engine_prompt_tokens
                     await out.write(chunk)
             except UpstreamError as exc:
                 # Never truncate silently: the client learns the stream broke.

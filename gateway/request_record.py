@@ -23,6 +23,8 @@ class RequestRecord:
     priority_class: str | None = None
     stream: bool = False
     prompt_tokens: int = 0
+    prompt_chars: int = 0  # characters of the prompt text the gateway hashed
+    engine_prompt_tokens: int | None = None  # the engine's own count (its usage figures), when it gave one
     matched_tokens: int = 0  # prompt tokens the chosen replica was believed to hold
     route_reason: str | None = None  # why the policy chose the replica (e.g. "cache_hit", "spill")
     status: int = 0

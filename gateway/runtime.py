@@ -9,9 +9,10 @@ from typing import Any
 
 from gateway.access_log import access_log
 from gateway.auth import Auth
-from gateway.config import EndpointConfig, Settings
+from gateway.config import EndpointConfig, KVEventsSource, Settings
 from gateway.discovery import make_discovery
 from gateway.engine_load import EngineLoad
+from gateway.engines.base import KV_EVENTS_TOPIC
 from gateway.health import HealthChecker
 from gateway.launcher import FleetLauncher, LaunchedReplica
 from gateway.load_scraper import LoadScraper
@@ -75,6 +76,7 @@ class Runtime:
             self.observers.append(access_log)
         self.variant_stats = VariantStats()
         self.observers.append(self.variant_stats)
+        self.observers.append(self._engine_tokens)
         # Where the settings came from, for reloads (admin API, SIGHUP); set by the server.
         self.config_path: str | None = None
         self.server_overrides: dict[str, Any] = {}
@@ -90,7 +92,7 @@ class Runtime:
         kind: str,
         bootstrap_port: int | None,
         managed: bool = False,
-        kv_events: str | None = None,
+        kv_events: KVEventsSource | None = None,
     ) -> Replica:
         """Add a replica to a pool and start watching its engine's load (and KV events)."""
         replica = pool.add_replica(
@@ -99,8 +101,8 @@ class Runtime:
         adapter = pool.adapter_for(replica)
         if adapter is not None:
             self.scraper.add(replica.name, replica.url, adapter)
-        if pool.precise is not None and kv_events:
-            pool.precise.attach(replica.name, kv_events)
+        if pool.precise is not None and kv_events is not None:
+            pool.precise.attach(replica.name, kv_events.endpoint, kv_events.topic)
         return replica
 
     def add_endpoint(self, pool: Pool, ep: EndpointConfig) -> Replica:
@@ -126,7 +128,9 @@ class Runtime:
                 launched.kind,
                 launched.bootstrap_port,
                 managed=True,
-                kv_events=launched.kv_events_endpoint,
+                kv_events=KVEventsSource(endpoint=launched.kv_events_endpoint, topic=KV_EVENTS_TOPIC)
+                if launched.kv_events_endpoint
+                else None,
             )
 
         return on_ready
@@ -148,7 +152,15 @@ class Runtime:
                 replica.engine = load
                 if capacity_changed:
                     pool.set_kv_capacity(replica)
+                if load.prompt_tokens_total is not None:
+                    pool.observe_prompt_counter(name, load.prompt_tokens_total)
                 return
+
+    def _engine_tokens(self, record: RequestRecord) -> None:
+        """The engine's own prompt token count teaches its pool the engines' tokens per character."""
+        pool = self.pools.get(record.pool) if record.pool is not None else None
+        if pool is not None and record.engine_prompt_tokens is not None and record.status < 400:
+            pool.observe_usage(record.prompt_chars, record.engine_prompt_tokens)
 
     def observe(self, record: RequestRecord) -> None:
         for observer in self.observers:
@@ -162,6 +174,17 @@ class Runtime:
 
     def ready(self) -> dict[str, bool]:
         return {name: pool.has_healthy() for name, pool in self.pools.items()}
+
+    def is_ready(self, pools: dict[str, bool]) -> bool:
+        """Whether the gateway can serve, by `server.ready` (never while draining)."""
+        rule = self.settings.server.ready
+        if self.draining or not pools:
+            return False
+        if rule == "any":
+            return any(pools.values())
+        if rule == "all":
+            return all(pools.values())
+        return all(pools.get(name, False) for name in rule)
 
     async def start(self) -> None:
         """Start background work; managed replicas join their pools as each becomes ready, so

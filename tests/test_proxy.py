@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from gateway.breaker import BreakerState
+from gateway.config import load_config
 from tests.conftest import free_port, gateway_settings, wait_until
 
 
@@ -298,3 +299,51 @@ def test_route_reason_tells_cold_hit_and_spill():
     warm = Candidate(object(), 4, 64)  # type: ignore[arg-type]
     assert route_reason(warm, [warm, a]) == "cache_hit"
     assert route_reason(a, [a, warm]) == "spill"
+
+
+async def test_readiness_is_per_pool_and_liveness_outlasts_the_drain(upstreams, gateway):
+    """One pool without a healthy replica (a dead canary) leaves the gateway ready by default;
+    `/ready/{model}` answers for one model or route, `server.ready` can demand all or named
+    pools, and `/live` answers 200 even while the gateway drains."""
+    (up,) = await upstreams(1)
+    canary = {
+        "name": "canary",
+        "model": "org/canary",
+        "endpoints": [{"url": f"http://127.0.0.1:{free_port()}"}],
+    }
+    split = [{"pools": [{"name": "p", "weight": 90}, {"name": "canary", "weight": 10}]}]
+    only_canary = [{"pools": [{"name": "canary", "weight": 100}]}]
+    routes = [{"model": "llama", "rules": split}, {"model": "beta", "rules": only_canary}]
+    paths = ("/ready", "/ready/m", "/ready/org/canary", "/ready/llama", "/ready/beta", "/ready/nope", "/live")
+
+    async def probe(rule: object, drain: bool = False) -> dict[str, int]:
+        main = {"name": "p", "model": "m", "endpoints": [{"url": up.url}]}
+        settings = load_config(
+            None,
+            {
+                "server": {"port": 0, "ready": rule, "grace_period_s": 1},
+                "health": {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1},
+                "pools": [main, canary],
+                "routes": routes,
+            },
+        )
+        gw = await gateway(settings)
+        await wait_until(lambda: not gw.runtime.pools["canary"].has_healthy(), what="the canary's ejection")
+        gw.runtime.draining = drain
+        async with httpx.AsyncClient() as c:
+            return {path: (await c.get(gw.url + path)).status_code for path in paths}
+
+    assert await probe("any") == {
+        "/ready": 200,
+        "/ready/m": 200,
+        "/ready/org/canary": 503,
+        "/ready/llama": 200,  # one of its pools can serve
+        "/ready/beta": 503,
+        "/ready/nope": 404,
+        "/live": 200,
+    }
+    assert (await probe("all"))["/ready"] == 503
+    assert (await probe(["p"]))["/ready"] == 200
+    assert (await probe(["canary", "p"]))["/ready"] == 503
+    draining = await probe("any", drain=True)
+    assert draining["/ready"] == draining["/ready/m"] == 503 and draining["/live"] == 200

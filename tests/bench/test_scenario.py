@@ -246,7 +246,7 @@ async def test_a_fleet_with_kv_events_names_each_replicas_own_publisher(tmp_path
         assert len(set(publishers)) == 2
         index = PrefixIndex()
         indexer = KVEventIndexer(index, TokenBlockHasher(16, "m"))
-        subs = [KVEventSubscriber(p, f"r{i}", indexer, "kv-events") for i, p in enumerate(publishers)]
+        subs = [KVEventSubscriber(p, f"r{i}", indexer) for i, p in enumerate(publishers)]
         for sub in subs:
             sub.start()
         try:
