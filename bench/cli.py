@@ -26,6 +26,7 @@ from bench.loadgen import LoadSpec
 from bench.report import summary_table, write_reports
 from bench.scenario import (
     DEFAULT_OUT,
+    ExistingFleet,
     RunPoint,
     available_scenarios,
     load_scenario,
@@ -126,6 +127,23 @@ def build_parser() -> argparse.ArgumentParser:
     scen.add_argument("--speedup", type=float, help="simulator speedup (default: the scenario's)")
     scen.add_argument("--profile", help="simulator profile (default: the scenario's)")
     scen.add_argument("--seed", type=int, help="workload and arrival seed")
+    fleet = scen.add_argument_group("existing engines (instead of a simulated fleet)")
+    fleet.add_argument(
+        "--endpoints",
+        nargs="+",
+        metavar="URL",
+        help="run every configuration against these running engines; their prefix caches are reset "
+        "before each run (vLLM: needs VLLM_SERVER_DEV_MODE=1)",
+    )
+    fleet.add_argument(
+        "--kv-events",
+        nargs="+",
+        metavar="ENDPOINT",
+        help="the engines' KV event publishers (tcp://HOST:PORT), one per --endpoints URL, for "
+        "configurations in precise mode",
+    )
+    fleet.add_argument("--engine-kind", choices=["vllm", "sglang", "sim"], default="vllm")
+    fleet.add_argument("--model", help="the model name the engines serve (default: the scenario's)")
     return parser
 
 
@@ -229,10 +247,17 @@ def _scenario(args: argparse.Namespace) -> int:
         size_spec.fleet["profile"] = args.profile
     if args.seed is not None:
         scenario.seed = args.seed
+    if args.model:
+        scenario.fleet.model = args.model
+    existing = None
+    if args.endpoints:
+        existing = ExistingFleet(args.endpoints, args.kv_events, args.engine_kind)
+    elif args.kv_events:
+        raise ValueError("--kv-events goes with --endpoints")
     out = args.out or DEFAULT_OUT / scenario.name
     started = time.monotonic()
     failures: list[str] = []
-    points = run_scenario(scenario, size, out, only, lambda m: print(m, flush=True), failures)
+    points = run_scenario(scenario, size, out, only, lambda m: print(m, flush=True), failures, existing)
     if not points:
         raise ValueError("every configuration failed:\n" + "\n".join(failures))
     ran = [p.config for p in points]
@@ -241,7 +266,10 @@ def _scenario(args: argparse.Namespace) -> int:
         "scenario": f"{scenario.name} ({size}): {scenario.description}".strip(),
         "workload": f"{scenario.workload} {size_spec.workload}",
         "seed": scenario.seed,
-        "fleet": f"{scenario.fleet.module} profile {scenario.fleet.profile}, overrides {size_spec.fleet}",
+        "fleet": f"{scenario.fleet.module} profile {scenario.fleet.profile}, overrides {size_spec.fleet}"
+        if existing is None
+        else f"existing {existing.kind} engines {', '.join(existing.urls)} (the scenario's fleet settings "
+        f"describe them, they are not applied: {size_spec.fleet})",
         "loads": ", ".join(str(p) for p in size_spec.loads),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }

@@ -44,6 +44,7 @@ class RequestRecord:
     cached_tokens: int | None = None
     output_tokens: int = 0
     warmup: bool = False
+    retry_after: str | None = None  # the Retry-After header of a refused request (429/503)
 
     @property
     def ok(self) -> bool:
@@ -128,6 +129,7 @@ async def send(
             record.replica = resp.headers.get("x-kvgate-replica") or base_url
             record.pool = resp.headers.get("x-kvgate-pool")
             if resp.status != 200:
+                record.retry_after = resp.headers.get("retry-after")
                 record.error = _error_message(await resp.read())
                 record.e2e = time.perf_counter() - start
                 return record

@@ -45,7 +45,17 @@ def fleet_counters(urls: Sequence[str]) -> dict[str, Any]:
     per_engine = [scrape(u) for u in urls]
     if not any(per_engine):
         return {}
-    total = {key: sum(e.get(key, 0.0) for e in per_engine) for key in COUNTERS.values()}
+    return _with_hit_rate({key: sum(e.get(key, 0.0) for e in per_engine) for key in COUNTERS.values()})
+
+
+def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What a run added to long-running engines' counters (both from `fleet_counters`)."""
+    if not after:
+        return {}
+    return _with_hit_rate({key: after[key] - before.get(key, 0.0) for key in COUNTERS.values()})
+
+
+def _with_hit_rate(total: dict[str, Any]) -> dict[str, Any]:
     queries = total["prefix_cache_queries"]
     total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else None
     return total

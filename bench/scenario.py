@@ -15,6 +15,9 @@ import copy
 import dataclasses
 import json
 import logging
+import time
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,6 +271,12 @@ class Fleet:
     def urls(self) -> list[str]:
         return [e["url"] for e in self.endpoints]
 
+    def counters(self) -> dict[str, Any]:
+        return engine_metrics.fleet_counters(self.urls)  # a fresh fleet: its totals are this run's
+
+    def describe(self) -> dict[str, Any]:
+        return {"profile": self.spec.profile, "speedup": self.spec.speedup}
+
     def stop(self) -> None:
         for child in self.children:
             child.stop()
@@ -279,6 +288,116 @@ class Fleet:
         self.stop()
 
 
+# How each engine kind empties its prefix cache (vLLM: only with VLLM_SERVER_DEV_MODE=1).
+RESET_PATHS = {"vllm": "/reset_prefix_cache", "sim": "/reset_prefix_cache", "sglang": "/flush_cache"}
+
+
+@dataclass
+class ExistingFleet:
+    """Engines that someone else runs (`--endpoints`), used in place of a fresh simulated fleet.
+
+    Each run starts from empty prefix caches all the same: before it, every engine's cache is reset
+    (retried while the engine still holds blocks, e.g. of requests a previous run abandoned); an
+    engine that has no reset endpoint is reported, not fatal. Its counters are read before and after
+    the run, so the report shows what this run did. The scenario's simulator settings (profile,
+    speedup, engine flags) describe what the engines should be and are not applied to them."""
+
+    urls: list[str]
+    kv_events: list[str] | None = None  # the engines' ZMQ publishers, one per URL (precise mode)
+    kind: Literal["vllm", "sglang", "sim"] = "vllm"
+    reset_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("--endpoints needs at least one URL")
+        self.urls = [u.rstrip("/") for u in self.urls]
+        if self.kv_events is not None and len(self.kv_events) != len(self.urls):
+            raise ValueError(f"{len(self.kv_events)} KV event endpoints for {len(self.urls)} engines")
+
+    def attach(self, spec: FleetSpec) -> AttachedFleet:
+        if spec.groups is not None:
+            raise ValueError("a prefill/decode fleet (fleet.groups) cannot run on --endpoints")
+        if spec.kv_events and not self.kv_events:
+            raise ValueError("this configuration needs the engines' KV events: give --kv-events")
+        endpoints = [
+            {"url": u, "kind": self.kind, **({"kv_events": self.kv_events[k]} if spec.kv_events else {})}  # type: ignore[index]
+            for k, u in enumerate(self.urls)
+        ]
+        return AttachedFleet(self, endpoints)
+
+    def reset_prefix_caches(self) -> dict[str, str]:
+        """POST the kind's reset to every engine; per URL "ok", "unsupported (HTTP 404)" or why not."""
+        path = RESET_PATHS[self.kind]
+        deadline = time.monotonic() + self.reset_timeout_s
+        outcome: dict[str, str] = {}
+        for url in self.urls:
+            while True:
+                outcome[url] = _reset_once(url + path)
+                if (
+                    outcome[url] == "ok"
+                    or outcome[url].startswith("unsupported")
+                    or time.monotonic() > deadline
+                ):
+                    break
+                time.sleep(0.5)
+        return outcome
+
+
+def _reset_once(url: str) -> str:
+    req = urllib.request.Request(url, data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            body = resp.read(4096)
+    except urllib.error.HTTPError as exc:
+        # 404/405: no such endpoint (vLLM without VLLM_SERVER_DEV_MODE); 409: blocks still in use.
+        return f"unsupported (HTTP {exc.code})" if exc.code in (404, 405) else f"HTTP {exc.code}"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"unreachable: {exc}"
+    # vLLM answers an empty 200 or {"success": bool} depending on the version; the simulator the latter.
+    try:
+        doc = json.loads(body) if body.strip() else {}
+    except ValueError:
+        doc = {}
+    return "ok" if not isinstance(doc, dict) or doc.get("success", True) else "refused (success: false)"
+
+
+class AttachedFleet:
+    """One run's view of an ExistingFleet: the same interface as Fleet, nothing to start or stop."""
+
+    def __init__(self, existing: ExistingFleet, endpoints: list[dict[str, Any]]):
+        self.existing = existing
+        self.endpoints = endpoints
+        self.reset: dict[str, str] = {}
+        self._before: dict[str, float] = {}
+
+    @property
+    def urls(self) -> list[str]:
+        return [e["url"] for e in self.endpoints]
+
+    def start(self) -> AttachedFleet:
+        self.reset = self.existing.reset_prefix_caches()
+        failed = {u: r for u, r in self.reset.items() if r != "ok"}
+        if failed:
+            log.warning("prefix caches not reset, this run may start warm: %s", failed)
+        self._before = engine_metrics.fleet_counters(self.urls)
+        return self
+
+    def counters(self) -> dict[str, Any]:
+        return engine_metrics.counter_delta(self._before, engine_metrics.fleet_counters(self.urls))
+
+    def describe(self) -> dict[str, Any]:
+        return {"existing": self.urls, "prefix_cache_reset": self.reset}
+
+    def stop(self) -> None:
+        pass
+
+    def __enter__(self) -> AttachedFleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def run_point(
     scenario: Scenario,
     config: ConfigSpec,
@@ -286,6 +405,7 @@ def run_point(
     point: dict[str, Any],
     requests: list[BenchRequest],
     out_dir: Path,
+    existing: ExistingFleet | None = None,
 ) -> RunPoint:
     fleet_spec = _fleet(deep_merge(deep_merge(_asdict(scenario.fleet), size.fleet), config.fleet))
     load = load_spec(point, size, scenario.seed)
@@ -297,10 +417,10 @@ def run_point(
         timeout_s=scenario.request_timeout_s,
     )
     log_dir = out_dir / "logs"
-    with Fleet(fleet_spec, log_dir, tag).start() as fleet:
+    fleet_run = Fleet(fleet_spec, log_dir, tag) if existing is None else existing.attach(fleet_spec)
+    with fleet_run.start() as fleet:
         if config.mode == "direct":
             result = loadgen.run_sync(loadgen.run(requests, load, fleet.urls, opts, len(fleet.urls)))
-            engine = engine_metrics.fleet_counters(fleet.urls)
         else:
             run_id = uuid.uuid4().hex[:12]
             with contextlib.ExitStack() as gateways:
@@ -323,7 +443,7 @@ def run_point(
                     )
                     urls.append(url)
                 result = loadgen.run_sync(loadgen.run(requests, load, urls, opts, len(fleet.urls)))
-            engine = engine_metrics.fleet_counters(fleet.urls)
+        engine = fleet.counters()
     records_path = out_dir / "records" / f"{tag}.jsonl"
     records_path.parent.mkdir(parents=True, exist_ok=True)
     with records_path.open("w") as fh:
@@ -332,11 +452,7 @@ def run_point(
     summary = summarize(result)
     if engine:
         summary["engine"] = engine
-    summary["fleet"] = {
-        "profile": fleet_spec.profile,
-        "speedup": fleet_spec.speedup,
-        "replicas": len(fleet.urls),
-    }
+    summary["fleet"] = {**fleet.describe(), "replicas": len(fleet.urls)}
     return point_from_result(config.name, result, summary)
 
 
@@ -360,12 +476,14 @@ def run_scenario(
     only: list[str] | None = None,
     progress: Any = print,
     failures: list[str] | None = None,
+    existing: ExistingFleet | None = None,
 ) -> list[RunPoint]:
     """Run every (configuration, load point) in turn; returns their summaries.
 
     A configuration that cannot start (its gateway or fleet fails, its target refuses the
     priming request) raises, unless `failures` is given: then the reason is appended there and
-    the other configurations still run, so one broken config does not cost a long run."""
+    the other configurations still run, so one broken config does not cost a long run. With
+    `existing` every run goes to those engines instead of a fresh simulated fleet."""
     size = scenario.size(size_name)
     workload = make_workload(scenario.workload, size.workload)
     requests = workload.build(scenario.seed)
@@ -379,7 +497,7 @@ def run_scenario(
         for point in size.loads:
             progress(f"[{scenario.name}] {config.name} @ {load_spec(point, size, scenario.seed).label} ...")
             try:
-                rp = run_point(scenario, config, size, point, requests, out_dir)
+                rp = run_point(scenario, config, size, point, requests, out_dir, existing)
             except (procs.ProcessError, loadgen.TargetError) as exc:
                 if failures is None:
                     raise

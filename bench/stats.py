@@ -20,6 +20,7 @@ PERCENTILES = (50, 95, 99)
 # under this fraction of the offered rate: then the run measured the client, not the server.
 CLIENT_LAG_S = 0.05
 CLIENT_RATE_FRACTION = 0.9
+SHED_STATUSES = (429, 503)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -100,6 +101,10 @@ def summarize(result: RunResult) -> dict[str, Any]:
     if pools:
         summary["requests_per_pool"] = dict(sorted(pools.items()))
     summary.update(_load_figures(result))
+    shed = [r for r in measured if r.status in SHED_STATUSES]
+    if shed:
+        # A shed request must tell the client when to come back.
+        summary["shed"] = {"count": len(shed), "with_retry_after": sum(1 for r in shed if r.retry_after)}
     if len({r.priority for r in measured}) > 1:
         summary["by_priority"] = _breakdown(measured, "priority")
     # Kinds often are the priority classes themselves (mixed-priority): then once is enough.

@@ -2,10 +2,10 @@
 
 It streams `max_tokens` chunks with a fixed first-token delay and gap, reports usage with
 cached tokens from a per-replica prefix cache (chained hashes of 16-token blocks of the shared
-tokenizer), and obeys test headers: `x-stub-status` (answer that status with an OpenAI error),
-`x-stub-ttft-ms`, `x-stub-itl-ms`. Run as `python -m tests.bench.stub_engine --model M --port P
---replicas N` (the simulator's command line; other flags are accepted and ignored) to stand in
-for a fleet in scenario tests.
+tokenizer), and obeys test headers: `x-stub-status` (answer that status with an OpenAI error,
+with `x-stub-retry-after` as its Retry-After), `x-stub-ttft-ms`, `x-stub-itl-ms`. Run as
+`python -m tests.bench.stub_engine --model M --port P --replicas N` (the simulator's command line;
+other flags are accepted and ignored) to stand in for a fleet in scenario tests.
 """
 
 from __future__ import annotations
@@ -69,7 +69,9 @@ def build_app(state: StubState) -> web.Application:
         status = int(request.headers.get("x-stub-status", "200"))
         if status != 200:
             error = {"message": f"stub says {status}", "type": "server_error", "param": None, "code": status}
-            return web.json_response({"error": error}, status=status)
+            retry_after = request.headers.get("x-stub-retry-after")
+            headers = {"Retry-After": retry_after} if retry_after else None
+            return web.json_response({"error": error}, status=status, headers=headers)
         chat = request.path.endswith("chat/completions")
         text = "".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
         tokens = get_tokenizer().encode(text)

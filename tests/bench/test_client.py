@@ -94,7 +94,15 @@ async def test_error_status_and_connection_failure_are_recorded(
             session,
             url,
             req,
-            ClientOptions(model="m", extra_headers={"x-stub-status": "429"}),
+            ClientOptions(model="m", extra_headers={"x-stub-status": "429", "x-stub-retry-after": "3"}),
+            record(req),
+            0.0,
+        )
+        failed = await send(
+            session,
+            url,
+            req,
+            ClientOptions(model="m", extra_headers={"x-stub-status": "503"}),
             record(req),
             0.0,
         )
@@ -102,6 +110,7 @@ async def test_error_status_and_connection_failure_are_recorded(
             session, f"http://127.0.0.1:{free_port()}", req, ClientOptions("m"), record(req), 0.0
         )
     assert busy.status == 429 and not busy.ok and busy.error == "stub says 429"
+    assert busy.retry_after == "3" and failed.status == 503 and failed.retry_after is None
     assert refused.status == STATUS_CONNECT_ERROR and not refused.ok and refused.error
 
 

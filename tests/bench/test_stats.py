@@ -59,7 +59,7 @@ def test_summary_throughput_window_warmup_and_errors() -> None:
             prompt_tokens=100, cached_tokens=50, replica="a", pool="p"),
         rec(2, status=200, sent=2.0, ready=2.0, ttft=0.3, e2e=2.0, itls=[0.02], output_tokens=30,
             prompt_tokens=100, cached_tokens=0, replica="b"),
-        rec(3, status=429, sent=3.0, ready=3.0, e2e=0.01, error="busy"),
+        rec(3, status=429, sent=3.0, ready=3.0, e2e=0.01, error="busy", retry_after="1"),
         rec(4, status=STATUS_TIMEOUT, sent=3.5, ready=3.5, e2e=0.5, error="timed out"),
     ]  # fmt: skip
     result = RunResult(load=LoadSpec(rate=1.0), records=records, offered_rate=1.0, wall_s=9.0)
@@ -74,6 +74,7 @@ def test_summary_throughput_window_warmup_and_errors() -> None:
     assert s["e2e_ms"]["p99"] == pytest.approx(1990.0)
     assert s["cache_hit_rate"] == pytest.approx(0.25)
     assert s["errors"] == {"429": 1, "timeout": 1}
+    assert s["shed"] == {"count": 1, "with_retry_after": 1}  # the timeout was not shed
     assert s["replica_spread"] == pytest.approx(1.0)
     assert s["requests_per_pool"] == {"p": 1}
     assert s["offered_rps"] == 1.0

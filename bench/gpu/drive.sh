@@ -1,0 +1,215 @@
+#!/bin/bash
+# The H200 run as a queue of steps (bench/gpu/README.md). Every device call runs this script: it does,
+# in order, whatever is not done yet on this (warm) machine, starts a step only if its estimate fits
+# before LIMIT seconds into the call, and always ends by packing the results into $OUT (kg.tar.gz,
+# summary.md, steps.jsonl, drive.log). The managed fleet runs in its own session, so it survives
+# between calls while the machine stays warm; waits for it resume in the next call.
+# Dry run against the simulator: bench/gpu/dry_run.sh (this script with KG_DRY=1).
+set -u
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+source "$HERE/env.sh"
+LIMIT=${LIMIT:-570}
+T0=$(date +%s)
+OUT=${OUT:?where the results go back from}
+GW=http://127.0.0.1:8100
+CALL=$(( $(cat "$KG/calls" 2>/dev/null || echo 0) + 1 )); echo $CALL > "$KG/calls"
+exec > >(tee -a "$KG/drive.log") 2>&1
+TEE=$!
+echo "=== call $CALL at $(date -u +%FT%TZ), limit $LIMIT s, carried: $(ls "$GPU_SRC" 2>/dev/null | tr '\n' ' ')"
+
+el() { echo $(( $(date +%s) - T0 )); }
+host() { (cd "$KG" && $PY -m bench.gpu.host "$@"); }
+calc() { $PY -c "print(round($1, 2))"; }
+finish() {
+  echo "=== call $CALL ends at $(el) s; done: $(ls "$KG/done" | tr '\n' ' ')"
+  [ -n "$(ls "$KG/failed")" ] && echo "=== failed: $(ls "$KG/failed" | tr '\n' ' ')"
+  mkdir -p "$OUT"
+  if [ -f "$KVSITE/.ok" ]; then host pack "$KG" "$OUT"; else tar -C "$ROOT" -czf "$OUT/kg.tar.gz" kg; fi
+  exec >&- 2>&-
+  for _ in $(seq 1 50); do kill -0 "$TEE" 2>/dev/null || break; sleep 0.1; done  # tee's last lines
+  exit 0
+}
+# step NAME ESTIMATE_S COMMAND...: run COMMAND unless done (or failed) before; end this call when the
+# estimate does not fit. COMMAND's rc 3 means "not finished, resume in the next call".
+step() {
+  local name=$1 est=$2 rc s
+  shift 2
+  [ -f "$KG/done/$name" ] && return 0
+  [ -f "$KG/failed/$name" ] && return 0
+  if [ $(( $(el) + est )) -gt "$LIMIT" ]; then echo "=== no time left for $name (~$est s) at $(el) s"; finish; fi
+  echo "=== $name (~$est s) at $(el) s"
+  s=$(date +%s)
+  bounded "$@"
+  rc=$?
+  printf '%s\t%s\t%s\n' "$name" $(( $(date +%s) - s )) "$CALL" >> "$KG/timing.tsv"
+  case $rc in
+    0) touch "$KG/done/$name" ;;
+    3) echo "=== $name resumes in the next call"; finish ;;
+    *) echo "=== $name FAILED (rc $rc)"; touch "$KG/failed/$name" ;;
+  esac
+}
+# A step that overruns its estimate is stopped (SIGTERM to its process group, then SIGKILL) 15 s
+# after LIMIT, so that the call still packs its results before the device's own timeout.
+bounded() {
+  local budget=$(( LIMIT + 15 - $(el) )) pid dog rc
+  set -m  # each in a process group of its own
+  ( "$@" ) & pid=$!
+  ( sleep "$budget"; echo "=== $1 stopped: the call's time is up"; kill -TERM -- -"$pid" 2>/dev/null
+    sleep 5; kill -KILL -- -"$pid" 2>/dev/null ) &
+  dog=$!
+  set +m
+  wait "$pid"; rc=$?
+  kill -- -"$dog" 2>/dev/null  # the watchdog and its sleep: nothing may outlive the call holding its output
+  return $rc
+}
+need() { for n in "$@"; do [ -f "$KG/done/$n" ] || { echo "=== $n is not done: nothing else can run"; finish; }; done; }
+rate() { grep "^$1=" "$KG/rates.env" 2>/dev/null | tail -1 | cut -d= -f2; }
+setrate() { echo "$1=$2" >> "$KG/rates.env"; echo "    $1=$2"; }
+
+# ---- payload and kvgate ---------------------------------------------------------------------------------
+for d in c1 c2 wheels data; do [ -d "$GPU_SRC/$d" ] && mkdir -p "$STAGE/$d" && cp -rfL "$GPU_SRC/$d"/. "$STAGE/$d/"; done
+unpack_a() {
+  [ -f "$STAGE/c1/A.tar.xz" ] || { echo "A.tar.xz not carried yet (call 1 carries .gpu/c1; a fresh machine starts again there)"; return 3; }
+  untar "$STAGE/c1/A.tar.xz"
+}
+unpack_b() {
+  [ -f "$STAGE/c1/B.part.00" ] && [ -f "$STAGE/c2/B.part.01" ] || { echo "B parts: $(ls "$STAGE"/c*/B.part.* 2>/dev/null)"; return 3; }
+  cat "$STAGE/c1/B.part.00" "$STAGE/c2/B.part.01" > "$ROOT/B.tar.xz"
+  (cd "$ROOT" && sha256sum -c "$STAGE/c1/B.sha256") || return 1
+  untar "$ROOT/B.tar.xz" && rm -f "$ROOT/B.tar.xz"
+}
+kvgate_install() {
+  ls "$STAGE"/wheels/*.whl >/dev/null 2>&1 || { echo "wheels not carried yet"; return 3; }
+  $PY -m pip install -q --no-index --no-deps --no-compile --target "$KVSITE" "$STAGE"/wheels/*.whl || return 1
+  cp "$STAGE/wheels/MANIFEST" "$KG/MANIFEST" 2>/dev/null
+  [ -f "$KG/admin_key" ] || (umask 077; $PY -c "import secrets; print(secrets.token_hex(16))" > "$KG/admin_key")
+  (cd "$KG" && $PY -c "
+import gateway.server, gateway.launcher, gateway.kv_events, bench.gpu.host, zmq, msgpack, orjson, redis, pydantic
+from gateway.tokens import get_tokenizer
+assert get_tokenizer().name.startswith('tiktoken'), get_tokenizer().name
+print('kvgate', gateway.__file__, 'tokenizer', get_tokenizer().name, 'pydantic', pydantic.VERSION, 'zmq', zmq.__version__)
+") && touch "$KVSITE/.ok"
+}
+facts() {
+  { echo "python: $($PY -c 'import sys; print(sys.version.split()[0])'), cores: $(nproc)"; df -h "$ROOT" | tail -1
+    [ "${KG_DRY:-0}" = 1 ] && return 0
+    nvidia-smi -L; $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"; } | tee "$KG/facts.txt"
+}
+step facts 15 facts
+step unpack_a 40 unpack_a
+step kvgate 20 kvgate_install
+step unpack_b 30 unpack_b
+need unpack_a kvgate unpack_b
+
+# ---- the managed fleet ------------------------------------------------------------------------------
+fleet_start() {  # TAG KV_DTYPE BASE_PORT: render the config, record the command lines, start kvgate in its own session
+  # A restarted fleet takes new ports: the old ones linger in TIME_WAIT, which the launcher counts as taken.
+  local tag=$1 dtype=$2 port=$3 cfg=$KG/fleet_$1.yaml
+  sed -e "s#@ROOT@#$ROOT#g" -e "s#kv_cache_dtype: fp8#kv_cache_dtype: $dtype#" \
+      -e "s#base_port: 8001#base_port: $port#" "$HERE/fleet.yaml" > "$cfg"
+  (cd "$KG" && $PY -m gateway check-config "$cfg") || return 1
+  (cd "$KG" && $PY -m gateway launch --dry-run "$cfg") > "$KG/launch_dryrun_$tag.txt" || return 1
+  cat "$KG/launch_dryrun_$tag.txt"
+  host endpoints "$KG/launch_dryrun_$tag.txt" "$KG/endpoints.json" || return 1
+  date +%s.%N > "$KG/fleet_${tag}_started"
+  host start-gateway "$KG" "$tag" "$cfg"
+}
+fleet_stop() {  # TAG: SIGTERM the managing gateway; it stops its engines (SIGKILL after stop_grace_s)
+  local pid; pid=$(cat "$KG/gateway_$1.pid")
+  kill "$pid" 2>/dev/null
+  for _ in $(seq 1 90); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+  kill -0 "$pid" 2>/dev/null && { echo "gateway $1 still running after 90 s"; return 1; }
+  [ "${KG_DRY:-0}" = 1 ] && return 0
+  for _ in $(seq 1 30); do  # until the GPU's memory is given back
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+    [ "${used:-99999}" -lt 4000 ] && break; sleep 1
+  done
+  gpu_mem
+}
+fleet_wait() { host wait-fleet "$KG" "$GW" --tag "$1" --deadline $(( T0 + LIMIT - 10 )); }
+gpu_mem() { [ "${KG_DRY:-0}" = 1 ] || nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$KG/nvidia-smi.txt"; }
+dtype() { if [ -f "$KG/fleet_fallback" ]; then echo auto; else echo fp8; fi; }
+step fleet_start 10 fleet_start fp8 "$(dtype)" 8001
+step fleet_wait 30 fleet_wait fp8
+if [ -f "$KG/failed/fleet_wait" ] && [ ! -f "$KG/fleet_fallback" ]; then
+  # The replicas crash at start with the FP8 KV cache: rather than lose the run, every measurement
+  # runs on BF16 (same bytes, half the tokens) and the FP8/BF16 pair at the end is skipped.
+  echo "=== the FP8 fleet does not start: falling back to the BF16 KV cache"
+  fleet_stop fp8; touch "$KG/fleet_fallback"; rm -f "$KG/failed/fleet_wait" "$KG/done/fleet_start"
+  step fleet_start 10 fleet_start fp8 auto 8201
+  step fleet_wait 30 fleet_wait fp8
+fi
+need fleet_start fleet_wait
+calib() { host calib "$KG" --gateway "$GW" --out "$1" && gpu_mem; }
+step calib 40 calib calib.json
+
+# ---- routing: capacity probe, then every policy at 90% of round-robin's sustainable rate -----------
+probe() {  # NAME SCENARIO [OFFERED]: overload probe; its steady completions/s go to rates.env as NAME
+  local cap extra=() out=probe/$2
+  [ -n "${3:-}" ] && extra=(--rate "$3") && out=probe/$2-$3
+  host scenario "$KG" "probe_$2" "$out" -- "$2" --size h200-probe "${extra[@]}" || return 1
+  cap=$(host capacity "$KG/res/$out") || return 1
+  setrate "$1" "$cap"
+}
+route_probe() {  # 40 req/s offered; if all of it was served, the fleet was not saturated: 80
+  probe CAP_ROUTE routing || { setrate R_ROUTE "${R_ROUTE_FALLBACK:-10}"; return 1; }
+  if $PY -c "import sys; sys.exit(0 if $(rate CAP_ROUTE) > 0.85 * 40 else 1)"; then
+    probe CAP_ROUTE routing 80 || return 1
+  fi
+  setrate R_ROUTE "$(calc "0.9 * $(rate CAP_ROUTE)")"
+}
+step probe_routing 60 route_probe
+R=$(rate R_ROUTE); R=${R:-${R_ROUTE_FALLBACK:-10}}
+# routing.yaml, size h200: 960 requests (96 groups x 10), at most 60 s of arrivals; ~15 s around them
+EST_ROUTE=$($PY -c "print(int(min(960 / $R, 60)) + 15)")
+for cfg in round_robin prefix_affinity_default oracle radix_cache_aware prefix_affinity_precise least_load; do
+  step "routing_$cfg" "$EST_ROUTE" host scenario "$KG" "routing_$cfg" "routing/$cfg" -- routing --size h200 --only "$cfg" --rate "$R"
+done
+
+# ---- scheduling ---------------------------------------------------------------------------------------
+sched_probe() { probe "CAP_$1" "$2" || return 1; }
+step probe_sched 45 sched_probe SCHED scheduling_overload
+step probe_sjf 45 sched_probe SJF scheduling_sjf
+C=$(rate CAP_SCHED)
+if [ -n "$C" ]; then
+  step sched_50 50 host scenario "$KG" sched_50 scheduling_overload/load50 -- scheduling_overload --size h200 --rate "$(calc "0.5 * $C")"
+  step sched_150 60 host scenario "$KG" sched_150 scheduling_overload/load150 -- scheduling_overload --size h200 --rate "$(calc "1.5 * $C")"
+fi
+C=$(rate CAP_SJF)
+if [ -n "$C" ]; then
+  for cfg in fcfs sjf; do
+    step "sjf_$cfg" 60 host scenario "$KG" "sjf_$cfg" "scheduling_sjf/$cfg" -- scheduling_sjf --size h200 --only $cfg --rate "$(calc "0.9 * $C")"
+  done
+fi
+
+# ---- multi-turn (Mooncake conversation trace) and hot prefix: prefix_affinity vs radix_cache_aware ------
+# Its prompts (2.4k tokens, most of them uncached) cost about twice a routing request's uncached
+# prefill: 40% of round-robin's routing capacity keeps the replay below saturation.
+if [ -z "$(rate MOONCAKE_TIME_SCALE)" ] && [ -n "$(rate CAP_ROUTE)" ]; then
+  ts=$(host trace-scale --target-rps "$(calc "0.4 * $(rate CAP_ROUTE)")") && setrate MOONCAKE_TIME_SCALE "$ts"
+fi
+TS=$(rate MOONCAKE_TIME_SCALE); TS=${TS:-0.25}
+for cfg in prefix_affinity radix_cache_aware; do
+  step "mooncake_$cfg" 70 host scenario "$KG" "mooncake_$cfg" "mooncake/$cfg" -- mooncake --size h200 --only $cfg --set "time_scale=$TS"
+done
+for cfg in prefix_affinity_default radix_cache_aware; do
+  step "hot_$cfg" 45 host scenario "$KG" "hot_$cfg" "routing-hot/$cfg" -- routing-hot --size h200 --only $cfg
+done
+
+# ---- a replica killed under load, restarted by the supervisor ------------------------------------------
+step kill_restart 200 host kill-test "$KG" "$GW" --rate "$(calc "0.5 * $R")" --max-s 170
+
+# ---- FP8 vs BF16 KV cache: the same fleet restarted with BF16 (same memory), the same routing runs ----
+[ -f "$KG/fleet_fallback" ] && { echo "=== no FP8/BF16 pair: the whole run was on BF16"; finish; }
+step fp8_stop 100 fleet_stop fp8
+need fp8_stop
+step bf16_start 10 fleet_start bf16 auto 8301
+step bf16_wait 30 fleet_wait bf16
+need bf16_wait
+step bf16_calib 40 calib calib_bf16.json
+for cfg in prefix_affinity_default round_robin; do
+  step "bf16_$cfg" "$EST_ROUTE" host scenario "$KG" "bf16_$cfg" "bf16-routing/$cfg" -- routing --size h200 --only "$cfg" --rate "$R"
+done
+# Prefill/decode disaggregation on the one GPU is not in this queue: the payload carries no NIXL.
+finish

@@ -1,0 +1,226 @@
+"""The real-GPU procedure (bench/gpu) on real processes: scenarios against engines that are already
+running, the managed fleet's config, and the supervisor killed-and-restarted test against a fleet
+that kvgate launches itself (the simulator standing in for vLLM through tests/fake_vllm)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench import procs
+from bench.cli import main
+from bench.gpu import compare, host
+from bench.report import write_reports
+from bench.scenario import ExistingFleet, Fleet, FleetSpec, run_scenario, scenario_from_dict
+from gateway.config import load_config
+from gateway.launcher import dry_run
+
+REPO = Path(__file__).resolve().parents[2]
+STUB = "tests.bench.stub_engine"
+
+
+def shared_prefix_scenario(configs: list[dict[str, object]]) -> dict[str, object]:
+    return {
+        "name": "existing",
+        "workload": "shared-prefix",
+        # Simulator settings that must not matter: the engines already run.
+        "fleet": {"model": "m", "profile": "h100x4-llama3.1-70b", "replicas": 7, "speedup": 0.1},
+        "configs": configs,
+        "sizes": {
+            "quick": {
+                "workload": {"groups": 3, "prompts_per_group": 4, "system_tokens": 256, "question_tokens": 16,
+                             "output_tokens": 2},
+                "loads": [{"concurrency": 1}],
+            }
+        },
+    }  # fmt: skip
+
+
+def records(out: Path, config: str) -> list[dict[str, object]]:
+    path = out / "records" / f"{config}-C=1.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_runs_on_existing_engines_start_from_reset_caches(tmp_path: Path) -> None:
+    spec = FleetSpec(replicas=2, model="m", profile="tiny", speedup=20)
+    with Fleet(spec, tmp_path / "fleet", "existing").start() as fleet:
+        scenario = scenario_from_dict(
+            shared_prefix_scenario(
+                [{"name": "first", "mode": "direct"}, {"name": "second", "mode": "direct"}]
+            )
+        )
+        existing = ExistingFleet(fleet.urls, kind="sim")
+        points = run_scenario(scenario, "quick", tmp_path / "out", progress=lambda m: None, existing=existing)
+    assert [p.config for p in points] == ["first", "second"]
+    for p in points:
+        assert p.summary["ok"] == 12
+        assert p.summary["fleet"]["prefix_cache_reset"] == dict.fromkeys(fleet.urls, "ok")
+        assert p.summary["fleet"]["replicas"] == 2  # the engines given, not the scenario's seven
+        # The first request of every group found nothing cached: the previous run left no warm prefix.
+        firsts: dict[str, dict[str, object]] = {}
+        for r in records(tmp_path / "out", p.config):
+            if r["kind"] != "prime":
+                firsts.setdefault(str(r["group"]), r)
+        assert len(firsts) == 3 and all(int(r["cached_tokens"]) < 16 for r in firsts.values()), firsts  # type: ignore[call-overload]
+    # Same requests in the same order from the same empty caches: the same hits, and each run's engine
+    # counters count that run alone (a cumulative count would double).
+    assert points[0].summary["cache_hit_rate"] == points[1].summary["cache_hit_rate"] > 0.3
+    first, second = (p.summary["engine"] for p in points)
+    assert second["prompt_tokens"] == pytest.approx(first["prompt_tokens"], rel=0.05)
+    assert second["prefix_cache_hit_rate"] == pytest.approx(first["prefix_cache_hit_rate"], abs=0.02)
+
+    # compare.py: the same steps' reports side by side (here the "simulator" is the same run).
+    kg = tmp_path / "kg"
+    write_reports(kg / "res" / "routing" / "all", "t", points, "first", {})
+    (kg / "steps.jsonl").write_text(
+        json.dumps({"step": "routing", "out": "routing/all", "rc": 0, "seconds": 1})
+    )
+    text = compare.render(kg, kg / "res")
+    rows = [line for line in text.splitlines() if line.startswith(("| first", "| second"))]
+    assert len(rows) == 2 and all(row.count("1.00") == 3 for row in rows), rows
+
+
+def test_existing_engines_need_their_kv_events_for_precise_mode() -> None:
+    with pytest.raises(ValueError, match="2 KV event endpoints for 1 engines"):
+        ExistingFleet(["http://127.0.0.1:1"], ["tcp://127.0.0.1:2", "tcp://127.0.0.1:3"])
+    without = ExistingFleet(["http://127.0.0.1:1/"])
+    with pytest.raises(ValueError, match="give --kv-events"):
+        without.attach(FleetSpec(kv_events=True))
+    with_events = ExistingFleet(["http://127.0.0.1:1"], ["tcp://127.0.0.1:2"])
+    assert with_events.attach(FleetSpec()).endpoints == [{"url": "http://127.0.0.1:1", "kind": "vllm"}]
+    assert with_events.attach(FleetSpec(kv_events=True)).endpoints[0]["kv_events"] == "tcp://127.0.0.1:2"
+
+
+def test_cli_endpoints_run_through_gateways_even_where_caches_cannot_be_reset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = shared_prefix_scenario([{"name": "gw", "pool": {"policy": {"type": "round_robin"}}}])
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with Fleet(FleetSpec(module=STUB, replicas=2, model="m"), tmp_path / "logs", "stub").start() as fleet:
+        argv = ["scenario", str(path), "--quick", "--out", str(tmp_path / "out"), "--endpoints", *fleet.urls]
+        assert main(argv) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    (run,) = report["runs"]
+    assert run["ok"] == 12
+    assert run["fleet"]["prefix_cache_reset"] == dict.fromkeys(fleet.urls, "unsupported (HTTP 404)")
+    assert report["meta"]["fleet"].startswith(f"existing vllm engines {fleet.urls[0]}")
+    gw = yaml.safe_load((tmp_path / "out" / "configs" / "gw.yaml").read_text())
+    assert [e["url"] for e in gw["pools"][0]["endpoints"]] == fleet.urls
+    assert main(["scenario", str(path), "--quick", "--kv-events", "tcp://127.0.0.1:1"]) == 2
+    assert "--kv-events goes with --endpoints" in capsys.readouterr().err
+
+
+def render_fleet(root: Path, base_port: int, **replace: str) -> Path:
+    text = (REPO / "bench" / "gpu" / "fleet.yaml").read_text().replace("@ROOT@", str(root))
+    text = text.replace("base_port: 8001", f"base_port: {base_port}").replace("port: 8100", "port: 0")
+    for old, new in replace.items():
+        text = text.replace(old, new)
+    path = root / "fleet.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_the_gpu_fleet_config_launches_four_fp8_replicas_sharing_one_gpu(tmp_path: Path) -> None:
+    base = procs.free_port_range(8)
+    plan = dry_run(load_config(render_fleet(tmp_path, base)))
+    (tmp_path / "dryrun.txt").write_text(plan)
+    assert host.endpoints(tmp_path / "dryrun.txt", tmp_path / "endpoints.json") == 0
+    eps = json.loads((tmp_path / "endpoints.json").read_text())
+    assert eps["names"] == [f"h200-{i}" for i in range(4)]
+    assert eps["urls"] == [f"http://127.0.0.1:{base + i}" for i in range(4)]
+    assert len(set(eps["kv_events"])) == 4
+    lines = [line for line in plan.splitlines() if line and not line.startswith("#")]
+    assert len(lines) == 4
+    for line in lines:
+        for part in (
+            "CUDA_VISIBLE_DEVICES=0",
+            "VLLM_SERVER_DEV_MODE=1",
+            "VLLM_USE_FLASHINFER_SAMPLER=0",
+            f"-m vllm.entrypoints.cli.main serve {tmp_path}/model",
+            "--served-model-name meta-llama/Llama-3.1-8B-Instruct",
+            "--kv-cache-dtype fp8",
+            "--enable-chunked-prefill",
+            "--enable-prefix-caching",
+            "--kv-cache-memory-bytes 6227702579",
+            "--gpu-memory-utilization 0.2",  # 0.8 split among the four sharers
+            "--kv-events-config",
+            "--load-format dummy",
+        ):
+            assert part in line, (part, line)
+
+
+def test_steady_rate_leaves_out_the_ramp_and_the_drain() -> None:
+    ok = {"status": 200, "error": None}
+    # 100 completions, one every 0.1 s, then a straggler 30 s later.
+    recs = [{**ok, "sent": 0.0, "e2e": 1.0 + k * 0.1} for k in range(100)] + [
+        {**ok, "sent": 0.0, "e2e": 40.0}
+    ]
+    assert host.steady_rate(recs) == pytest.approx(10.0, rel=0.02)
+    assert host.steady_rate(recs[:5]) is None
+
+
+def test_kill_test_a_launched_replica_is_restarted_and_rejoins(tmp_path: Path) -> None:
+    kg = tmp_path / "kg"
+    kg.mkdir()
+    quick = {
+        "port: 0": f"port: {procs.free_port_range(1)}",
+        "startup_timeout_s: 420": "startup_timeout_s: 30",
+        "replicas: 4": "replicas: 2",  # two simulators start faster than four; h200-1 is still there
+        "gpu_ids: [[0], [0], [0], [0]]": "gpu_ids: [[0], [0]]",
+    }
+    cfg = render_fleet(tmp_path, procs.free_port_range(8), **quick)
+    settings = load_config(cfg)
+    gateway = f"http://127.0.0.1:{settings.server.port}"
+    (kg / "launch_dryrun_fp8.txt").write_text(dry_run(settings))
+    assert host.endpoints(kg / "launch_dryrun_fp8.txt", kg / "endpoints.json") == 0
+    (kg / "admin_key").write_text("test-admin-key")
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # python3 = this venv's
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "fake_vllm"), str(REPO)]),
+        "KVGATE_SERVER__ADMIN_KEY": "test-admin-key",
+        "FAKE_VLLM_STARTUP_S": "0.5",
+    }
+    log = (kg / "gateway_fp8.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(cfg)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=kg,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 60
+        while len([r for r in host.admin_pools(gateway, kg).values() if r["healthy"]]) < 2:
+            assert proc.poll() is None and time.time() < deadline, (kg / "gateway_fp8.log").read_text()[
+                -3000:
+            ]
+            time.sleep(0.2)
+        opts = argparse.Namespace(warm_s=2.0, max_s=40.0, after_s=1.5, system_tokens=256)
+        result = host.run_sync_kill(kg, gateway, "h200-1", 8.0, opts)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+    assert result["gateway_routes_again_s"] is not None, result
+    assert 0 <= result["traffic_off_s"] < 1.0  # the supervisor saw the exit: no health-check delay
+    assert result["traffic_off_s"] <= result["gateway_routes_again_s"]
+    # The monitor polls every 0.25 s: the gateway may route to the victim a moment before it looks.
+    assert result["first_request_served_again_s"] >= result["gateway_routes_again_s"] - 1.0
+    assert result["sent_to_victim_while_out"] == 0, result
+    # Only what the victim was serving at the kill may fail; everything sent later succeeds.
+    assert result["failed_after_traffic_off"] == 0, result
+    assert result["ok"] + result["in_flight_at_kill_failed"] == result["requests"], result
+    assert (kg / "res" / "kill_restart" / "timeline.jsonl").stat().st_size > 0
+    shutil.rmtree(tmp_path / "kg" / "engines", ignore_errors=True)
