@@ -1,4 +1,4 @@
-"""Gateway decision time: `Pool.features` + `Pool.rank` with prefix_affinity, in process.
+"""Gateway decision time: `PoolRouter.features` + `PoolRouter.rank` with prefix_affinity, in process.
 
 What the gateway spends per request between parsing the body and choosing a replica: serializing
 the prompt, hashing its blocks, counting its tokens (block counts cached, as for any repeated
@@ -24,14 +24,15 @@ from pathlib import Path
 from bench import text
 from bench.workloads import SharedPrefix
 from gateway.config import load_config
-from gateway.pool import Pool
+from gateway.fleet.pool import Pool
+from gateway.routing.pool_router import PoolRouter
 
 TARGET_MS = {16: 0.3, 256: 1.0}
-# The stages of a decision, as `--breakdown` times them (Pool.rank = serving, candidates, policy).
+# The stages of a decision, as `--breakdown` times them (PoolRouter.rank = serving, candidates, policy).
 STAGES = ("features", "serving", "candidates", "policy")
 
 
-def build_pool(replicas: int, policy: str, block_chars: int = 64) -> Pool:
+def build_pool(replicas: int, policy: str, block_chars: int = 64) -> PoolRouter:
     settings = load_config(
         None,
         {
@@ -47,9 +48,10 @@ def build_pool(replicas: int, policy: str, block_chars: int = 64) -> Pool:
         },
     )
     pool = Pool(settings.pools[0], settings.breaker, settings.scrape)
+    router = PoolRouter(pool)
     for i in range(replicas):
         pool.add_replica(f"http://127.0.0.1:{10000 + i}", name=f"r{i}")
-    return pool
+    return router
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -96,7 +98,7 @@ async def measure(
             features = pool.features(b, "chat", f"req-{i}", {})
             if breakdown:
                 c1 = time.thread_time()
-                serving = pool.serving("decode")
+                serving = pool.pool.serving("decode")
                 c2 = time.thread_time()
                 candidates = pool.candidates(features, serving, pool.policy)
                 c3 = time.thread_time()
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--breakdown",
         action="store_true",
-        help="time Pool.features and the stages of Pool.rank one by one (CPU us per request)",
+        help="time PoolRouter.features and the stages of PoolRouter.rank one by one (CPU us per request)",
     )
     parser.add_argument("--out", type=Path, help="append the table to decision_time.md in this directory")
     args = parser.parse_args(argv)
@@ -157,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.replicas or [16, 256]
     ]
     lines = [
-        f"Decision time (Pool.features + Pool.rank, policy {args.policy}, "
+        f"Decision time (PoolRouter.features + PoolRouter.rank, policy {args.policy}, "
         f"{args.block_chars}-character blocks, "
         f"{rows[0]['prompt_tokens']}-token chat prompt of {rows[0]['chars']} characters, "
         f"{args.iterations} requests); wall clock, and this thread's CPU time",
@@ -176,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += [
             "",
             "Where the time goes: this thread's CPU time per request, mean / p99, in us "
-            "(Pool.rank is serving + candidates + policy; candidates includes the prefix index match)",
+            "(PoolRouter.rank is serving + candidates + policy; candidates includes the prefix index match)",
             "",
             "| replicas | " + " | ".join(STAGES) + " |",
             "| ---: |" + " ---: |" * len(STAGES),

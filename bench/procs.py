@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from gateway.ports import port_is_free
+from gateway.fleet.ports import port_is_free
 
 HOST = "127.0.0.1"
 

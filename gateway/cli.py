@@ -53,15 +53,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     if argv and argv[0] == "rollout":
-        from gateway.rollout_cli import main as rollout_main
+        from gateway.control.rollout_cli import main as rollout_main
 
         return rollout_main(argv[1:])
     if argv and argv[0] == "render":
-        from gateway.render_k8s import main as render_main
+        from gateway.fleet.render_k8s import main as render_main
 
         return render_main(argv[1:])
     args = _parser().parse_args(argv)
-    from gateway.preflight import preflight
+    from gateway.control.preflight import preflight
 
     try:
         if args.command == "check-config":
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{args.config}: ok ({len(settings.pools)} pools, {len(settings.routes)} routes)")
             return 0
         if args.command == "launch":
-            from gateway.launcher import dry_run
+            from gateway.fleet.launcher import dry_run
 
             settings = _load(args.config)
             preflight(settings)

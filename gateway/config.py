@@ -9,10 +9,14 @@ naming the bad key and why.
 from __future__ import annotations
 
 import importlib.util
+import re
 import types
 import typing
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -25,7 +29,48 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from gateway.transports.base import parse_target
+
+# -- engine URLs, as the settings accept them and the transports use them ---------------------------
+@dataclass(frozen=True, slots=True)
+class Target:
+    scheme: str
+    host: str
+    port: int
+    path: str
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme == "https"
+
+    @property
+    def origin(self) -> tuple[str, str, int]:
+        return (self.scheme, self.host, self.port)
+
+    @property
+    def host_header(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.host_header}{self.path}"
+
+
+_VISIBLE = re.compile(r"[\x21-\x7e]+")
+
+
+@lru_cache(maxsize=4096)
+def parse_target(url: str) -> Target:
+    """An engine URL as the transports use it; ValueError for what no transport can send to."""
+    if not _VISIBLE.fullmatch(url):  # urlsplit would silently drop a CR or LF
+        raise ValueError(f"engine URL has spaces or control characters: {url!r}")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"engine URLs are http:// or https://, not {parts.scheme!r}: {url}")
+    if not parts.hostname:
+        raise ValueError(f"engine URL without a host: {url}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)  # ValueError when out of range
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return Target(parts.scheme, parts.hostname, port, path)
 
 
 class ConfigError(Exception):
@@ -361,7 +406,7 @@ class PrefixConfig(_Strict):
 
 
 class ClientPassthrough(_Strict):
-    """Engine-steering input a pool's clients may send through (see gateway/sanitize.py)."""
+    """Engine-steering input a pool's clients may send through (see gateway/path/sanitize.py)."""
 
     body_fields: list[str] = Field(
         default_factory=list, description="e.g. kv_transfer_params, for engines that take it from clients"

@@ -37,6 +37,11 @@ class GatewayError(Exception):
         return error_body(self.message, self.type, self.code, self.param)
 
 
+def client_error(message: str, code: str, param: str | None = None, status: int = 400) -> GatewayError:
+    """The client's mistake (400 unless said otherwise)."""
+    return GatewayError(status, message, "invalid_request_error", code, param)
+
+
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
 

@@ -14,10 +14,9 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.admin import ReloadRejected, reload_config
-from gateway.app import build_app
 from gateway.config import Settings
-from gateway.conn_guard import ConnectionGuard, connection_limit
+from gateway.control.reload import ReloadRejected
+from gateway.http.conn_guard import ConnectionGuard, connection_limit
 from gateway.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -72,12 +71,10 @@ async def start_gateway(
     settings: Settings, config_path: str | None = None, server_overrides: dict[str, Any] | None = None
 ) -> RunningGateway:
     """`config_path` and `server_overrides` (command-line server.* values) are what a reload re-reads."""
-    runtime = Runtime(settings)
-    runtime.config_path = config_path
-    runtime.server_overrides = dict(server_overrides or {})
+    runtime = Runtime(settings, config_path, server_overrides)
     server = settings.server
     runner = web.AppRunner(
-        build_app(runtime),
+        runtime.app(),
         handler_cancellation=True,  # a client that leaves cancels its handler and so the upstream call
         access_log=None,
         shutdown_timeout=server.grace_period_s,
@@ -111,7 +108,7 @@ async def start_gateway(
 
 async def _reload(runtime: Runtime) -> None:
     try:
-        await reload_config(runtime, "SIGHUP")
+        await runtime.reloader.reload("SIGHUP")
     except ReloadRejected as exc:
         log.warning("SIGHUP: config reload rejected: %s", exc)
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -85,10 +87,35 @@ def subprocess_env() -> dict[str, str]:
 PYTHON = sys.executable
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    """Poll a condition with a deadline: the one place tests wait on state they cannot await."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
+async def wait_until(
+    predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition", interval: float = 0.01
+) -> Any:
+    """Poll `predicate` (a function, or a coroutine function) until it gives a true value, and
+    return that value; after `timeout` seconds fail naming `what`. The one place async tests wait
+    on state they cannot await. A predicate may act before it checks (publish a probe, say) and
+    may raise to stop the wait early."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(interval)
+
+
+def wait_until_sync(
+    predicate: Callable[[], Any], timeout: float = 5.0, what: str = "condition", interval: float = 0.01
+) -> Any:
+    """`wait_until` for synchronous tests and helpers (the thread sleeps between polls)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)

@@ -1,61 +1,104 @@
-"""Start simulator processes for tests (real processes on loopback), and read what they saw."""
+"""Simulated engines for tests: real `python -m gateway.sim` processes on loopback ports they pick
+themselves, and what a replica saw. The one way tests start simulator processes (in-process
+replicas for the simulator's own tests are tests/sim/conftest.py's `replica`)."""
 
 from __future__ import annotations
 
+import re
+import select
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.conftest import PYTHON, free_port, subprocess_env
+from tests.conftest import PYTHON, subprocess_env
+
+_LISTENING = re.compile(r"kvgate-sim listening on (\S+)")
+
+
+@dataclass
+class SimFleet:
+    proc: subprocess.Popen[bytes]
+    urls: list[str]  # one per replica, in replica order
+    log: Path  # the process's stderr
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+
+@contextmanager
+def sim_fleet(
+    *args: str,
+    replicas: int = 1,
+    model: str = "m",
+    profile: str = "tiny",
+    speedup: float = 20.0,
+    env: dict[str, str] | None = None,
+) -> Iterator[SimFleet]:
+    """`replicas` simulated replicas in one process, yielded once each listens; `args` are the
+    simulator's own flags (`vllm serve` ones), `env` adds environment variables."""
+    argv = [PYTHON, "-m", "gateway.sim", "--model", model, "--port", "0", "--replicas", str(replicas)]
+    with sim_command([*argv, "--profile", profile, "--speedup", str(speedup), *args], replicas, env) as fleet:
+        yield fleet
+
+
+@contextmanager
+def sim_command(
+    argv: list[str], replicas: int, env: dict[str, str] | None = None, timeout: float = 20.0
+) -> Iterator[SimFleet]:
+    """A command line that starts the simulator (with `--port 0`: it picks its ports), as a
+    process of its own; yielded once its `replicas` replicas listen, stopped at the end."""
+    with tempfile.TemporaryDirectory(prefix="kvgate-sim-") as tmp:
+        log = Path(tmp) / "stderr.log"
+        with log.open("wb") as err:
+            proc = subprocess.Popen(
+                argv, env={**subprocess_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=err
+            )
+        try:
+            yield SimFleet(proc, _listening(proc, replicas, log, timeout), log)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            assert proc.stdout is not None
+            proc.stdout.close()
+
+
+def _listening(proc: subprocess.Popen[bytes], replicas: int, log: Path, timeout: float) -> list[str]:
+    """The replicas' URLs, as the simulator prints them once each serves."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    urls: list[str] = []
+    while len(urls) < replicas:
+        left = deadline - time.monotonic()
+        ready = select.select([proc.stdout], [], [], max(0.0, left))[0] if left > 0 else []
+        line = proc.stdout.readline() if ready else b""
+        if not line:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"simulator did not start: {log.read_text(errors='replace')[-2000:]}")
+        if m := _LISTENING.search(line.decode(errors="replace")):
+            urls.append(m.group(1))
+    return urls
 
 
 @contextmanager
 def sim_process(
     *args: str, profile: str = "tiny", speedup: float = 20.0, env: dict[str, str] | None = None
 ) -> Iterator[str]:
-    """One simulated replica; yields its URL once /health answers 200. `env` adds environment variables."""
-    port = free_port()
-    argv = [
-        PYTHON,
-        "-m",
-        "gateway.sim",
-        "--model",
-        "m",
-        "--port",
-        str(port),
-        "--profile",
-        profile,
-        "--speedup",
-        str(speedup),
-        *args,
-    ]
-    proc = subprocess.Popen(
-        argv, env={**subprocess_env(), **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"simulator did not start: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-            time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """One simulated replica; yields its URL once it listens."""
+    with sim_fleet(*args, profile=profile, speedup=speedup, env=env) as fleet:
+        yield fleet.url
 
 
 async def seen(url: str, last: int = 16) -> list[dict[str, Any]]:

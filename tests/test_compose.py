@@ -8,12 +8,10 @@ compose `sim` command, the gateway from config/compose.yaml with service names p
 
 from __future__ import annotations
 
-import asyncio
 import json
-import random
+import os
 import re
-import socket
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,7 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Settings, load_config
 from gateway.server import start_gateway
-from tests.conftest import PYTHON, REPO, subprocess_env, wait_until
+from tests.conftest import PYTHON, REPO, wait_until
+from tests.simfleet import sim_command
 
 BASE = REPO / "docker-compose.yml"
 GPU = REPO / "docker-compose.gpu.yml"
@@ -282,56 +281,14 @@ def test_otel_collector_pipeline() -> None:
 # -- the CPU stack's commands, run as local processes --------------------------------------------
 
 
-def consecutive_free_ports(n: int) -> int:
-    for _ in range(50):
-        base = random.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
-
-
 @pytest.fixture
-async def simulator() -> AsyncIterator[int]:
-    """The compose `sim` service's command, bound to loopback on free ports; yields the base port."""
+def simulator() -> Iterator[list[str]]:
+    """The compose `sim` service's command, bound to loopback on ports it picks; the replicas' URLs."""
     command = [str(a) for a in load_compose(BASE)["services"]["sim"]["command"]]
-    replicas = int(flag(command, "--replicas"))
-    base = consecutive_free_ports(replicas)
     command[command.index("--host") + 1] = "127.0.0.1"
-    command[command.index("--port") + 1] = str(base)
-    proc = await asyncio.create_subprocess_exec(
-        PYTHON, "-m", "gateway", *command, env=subprocess_env(), stdout=asyncio.subprocess.DEVNULL
-    )
-    try:
-        async with httpx.AsyncClient() as client:
-
-            async def up(port: int) -> bool:
-                try:
-                    return (await client.get(f"http://127.0.0.1:{port}/health")).status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            for _ in range(300):
-                assert proc.returncode is None, "simulator exited"
-                if all(await asyncio.gather(*(up(base + i) for i in range(replicas)))):
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                raise AssertionError("simulator replicas did not come up")
-        yield base
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-        await proc.wait()
+    command[command.index("--port") + 1] = "0"
+    with sim_command([PYTHON, "-m", "gateway", *command], int(flag(command, "--replicas"))) as fleet:
+        yield fleet.urls
 
 
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
@@ -351,7 +308,7 @@ def queried(exprs: list[str], prefix: str) -> set[str]:
 
 
 async def test_cpu_stack_runs_and_serves_every_dashboard_series(
-    simulator: int, monkeypatch: pytest.MonkeyPatch
+    simulator: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")  # no collector here; tracing stays on
     stack = stacks()["cpu"]
@@ -359,14 +316,14 @@ async def test_cpu_stack_runs_and_serves_every_dashboard_series(
     base = int(flag(stack["services"]["sim"]["command"], "--port"))
     for pool in config["pools"]:  # service names -> loopback, compose ports -> the ones we got
         for ep in pool["endpoints"]:
-            ep["url"] = f"http://127.0.0.1:{simulator + urlsplit(ep['url']).port - base}"
+            ep["url"] = simulator[urlsplit(ep["url"]).port - base]  # type: ignore[operator]
     config["server"].update(host="127.0.0.1", port=0)
-    config["state"].update(redis_url="redis://127.0.0.1:6379/15", key_prefix=f"kvgate-test-{simulator}")
+    config["state"].update(redis_url="redis://127.0.0.1:6379/15", key_prefix=f"kvgate-test-{os.getpid()}")
     settings = load_config(None, config)
     gw = await start_gateway(settings)
     try:
         async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
-            await wait_until(lambda: all(gw.runtime.ready().values()), 10, "pools ready")
+            await wait_until(lambda: all(gw.runtime.data_plane.pools_ready().values()), 10, "pools ready")
             for i in range(8):
                 body = {
                     "model": "llama",
@@ -379,7 +336,7 @@ async def test_cpu_stack_runs_and_serves_every_dashboard_series(
                 resp = await client.post("/v1/chat/completions", json=body, headers=headers)
                 assert resp.status_code == 200, resp.text
             gateway_series = exported((await client.get("/metrics")).text)
-            engine_series = exported((await client.get(f"http://127.0.0.1:{simulator}/metrics")).text)
+            engine_series = exported((await client.get(f"{simulator[0]}/metrics")).text)
             dashboard = (await client.get("/dashboard/state")).json()
     finally:
         await gw.stop()

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from gateway.config import load_config
-from gateway.render_k8s import render
+from gateway.fleet.render_k8s import render
 from tests.conftest import REPO
 
 CHART = REPO / "deploy" / "helm" / "kvgate"

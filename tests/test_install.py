@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 import urllib.error
 import urllib.request
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_port
+from tests.conftest import REPO, free_port, wait_until_sync
 
 INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple/")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvgate"
@@ -117,16 +116,15 @@ def test_a_fresh_install_with_runtime_dependencies_serves_a_completion(tmp_path:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
+
+        def ready() -> bool:
             assert serve.poll() is None, f"kvgate serve exited: {serve.stderr.read()[-3000:]}"  # type: ignore[union-attr]
             try:
-                if urllib.request.urlopen(url + "/ready", timeout=2).status == 200:
-                    break
+                return urllib.request.urlopen(url + "/ready", timeout=2).status == 200
             except (urllib.error.URLError, OSError):
-                pass
-            assert time.monotonic() < deadline, "kvgate serve never became ready"
-            time.sleep(0.2)
+                return False
+
+        wait_until_sync(ready, 90, "kvgate serve to be ready", 0.2)
         body = b'{"model": "llama", "prompt": "The tide at Texel", "max_tokens": 4}'
         request = urllib.request.Request(
             url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}

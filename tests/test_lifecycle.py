@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import subprocess
 import time
@@ -33,15 +32,14 @@ def test_bad_config_exits_nonzero_naming_the_key(tmp_path):
 
 async def wait_ready(client: httpx.AsyncClient, url: str) -> None:
     """Until the gateway process answers /ready with 200 (it starts listening after a moment)."""
-    deadline = time.monotonic() + 20
-    while True:
+
+    async def ready() -> bool:
         try:
-            if (await client.get(url + "/ready")).status_code == 200:
-                return
+            return (await client.get(url + "/ready")).status_code == 200
         except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "gateway did not become ready"
-        await asyncio.sleep(0.05)
+            return False
+
+    await wait_until(ready, 20, "the gateway to be ready", 0.05)
 
 
 async def test_sigterm_lets_inflight_stream_finish_then_exits_zero(upstreams, tmp_path):
@@ -151,16 +149,17 @@ async def test_sigterm_fails_readiness_first_serves_through_the_delay_then_close
             r = await fresh.post(url + "/v1/completions", json={"model": "m", "prompt": "p"})
         assert r.status_code == 200
         assert time.monotonic() - signalled < 2, "checked within the delay"
-        closed = False
-        while time.monotonic() - signalled < 10:
+
+        async def closed() -> bool:
             try:
                 async with httpx.AsyncClient() as fresh:
                     await fresh.get(url + "/health")
             except httpx.TransportError:
-                closed = True
-                break
-            await asyncio.sleep(0.05)
-        assert closed and time.monotonic() - signalled >= 2, "the listener closed after the delay"
+                return True
+            return False
+
+        await wait_until(closed, 10, "the listener to close", 0.05)
+        assert time.monotonic() - signalled >= 2, "the listener closed after the delay"
         assert proc.wait(timeout=15) == 0
     finally:
         if proc.poll() is None:

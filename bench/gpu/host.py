@@ -221,8 +221,8 @@ def _kv_event_counts(endpoints: list[str], urls: list[str], seconds: float = 4.0
 def calib(kg: Path, gateway: str | None, out_name: str) -> int:
     from bench import text
     from bench.scenario import ExistingFleet
-    from gateway.engines.vllm import VLLMAdapter
-    from gateway.tokens import get_tokenizer
+    from gateway.fleet.engines.vllm import VLLMAdapter
+    from gateway.routing.tokens import get_tokenizer
 
     eps = _endpoints(kg)
     urls = eps["urls"]

@@ -22,13 +22,13 @@ import signal
 import sys
 from pathlib import Path
 
+from gateway.routing.tokens import TokenizerError, load_tokenizer, use_tokenizer
 from gateway.sim.engine import EngineConfig
 from gateway.sim.faults import FaultConfig
 from gateway.sim.kv_events import parse_kv_events_config
 from gateway.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 from gateway.sim.server import Replica, ReplicaOptions, serve
 from gateway.sim.serving_flags import add_serving_flags, serving_options
-from gateway.tokens import TokenizerError, load_tokenizer, use_tokenizer
 
 log = logging.getLogger("gateway.sim")
 

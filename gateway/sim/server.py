@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 from aiohttp import ClientSession, ClientTimeout, web
 
+from gateway.routing.tokens import get_tokenizer
 from gateway.sim import protocol as proto
 from gateway.sim import structured
 from gateway.sim import validation as V
@@ -41,7 +42,6 @@ from gateway.sim.outputs import (
 )
 from gateway.sim.protocol import HTTPError
 from gateway.sim.serving_flags import ServingOptions
-from gateway.tokens import get_tokenizer
 
 log = logging.getLogger("gateway.sim")
 

@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.routing.tokens import get_tokenizer
 from gateway.sim.protocol import VOCAB
-from gateway.tokens import get_tokenizer
 
 MAX_DEPTH = 6
 _FORMATS = {

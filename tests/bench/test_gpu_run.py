@@ -22,7 +22,7 @@ from bench.gpu import compare, host
 from bench.report import write_reports
 from bench.scenario import ExistingFleet, Fleet, FleetSpec, run_scenario, scenario_from_dict
 from gateway.config import load_config
-from gateway.launcher import dry_run
+from gateway.fleet.launcher import dry_run
 
 REPO = Path(__file__).resolve().parents[2]
 STUB = "tests.bench.stub_engine"

@@ -240,8 +240,8 @@ async def test_a_fleet_with_kv_events_names_each_replicas_own_publisher(tmp_path
     import httpx
 
     from bench.scenario import Fleet
-    from gateway.kv_events import KVEventIndexer, KVEventSubscriber, TokenBlockHasher
-    from gateway.prefix_index import PrefixIndex
+    from gateway.routing.kv_events import KVEventIndexer, KVEventSubscriber, TokenBlockHasher
+    from gateway.routing.prefix_index import PrefixIndex
 
     spec = FleetSpec(replicas=2, model="m", profile="tiny", speedup=20, kv_events=True)
     with Fleet(spec, tmp_path, "kv").start() as fleet:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 import time
 
-from gateway.breaker import CircuitBreaker
-from gateway.engine_load import EngineLoad
-from gateway.policy import Candidate, RequestFeatures
-from gateway.replica import Lease, Replica
+from gateway.fleet.breaker import CircuitBreaker
+from gateway.fleet.engine_load import EngineLoad
+from gateway.fleet.replica import Lease, Replica
+from gateway.routing.policy import Candidate, RequestFeatures
 
 _ids = itertools.count()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from gateway.policy import load_policy
+from gateway.routing.policy import load_policy
 from policies.prefix_affinity import PrefixAffinity, PrefixAffinityParams
 from tests.policies.helpers import candidates, engine_report, replicas, request, send
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.policy import load_policy
+from gateway.routing.policy import load_policy
 from policies.radix_cache_aware import RadixCacheAware, RadixCacheAwareParams, RadixTree
 from tests.policies.helpers import candidates, replicas, request
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from bench.oracle_policy import OraclePolicy
-from gateway.policy import load_policy
+from gateway.routing.policy import load_policy
 from tests.policies.helpers import candidates, engine_report, replicas, request
 
 
@@ -42,16 +41,3 @@ async def test_least_load_rotates_on_ties() -> None:
     reps = replicas(4)
     firsts = Counter([(await p.rank(request(), candidates(reps)))[0].replica.name for _ in range(8)])
     assert firsts == {"r0": 2, "r1": 2, "r2": 2, "r3": 2}
-
-
-async def test_oracle_pins_group_g_to_replica_g_mod_n_by_name() -> None:
-    p = load_policy("bench.oracle_policy:OraclePolicy")
-    assert isinstance(p, OraclePolicy)
-    reps = replicas(4)
-    shuffled = candidates([reps[2], reps[0], reps[3], reps[1]])
-    for g in range(8):
-        ranked = await p.rank(request(headers={"x-kvgate-group": f"g{g}"}), shuffled)
-        assert ranked[0].replica.name == f"r{g % 4}"
-        assert len(ranked) == 4
-    ranked = await p.rank(request(), shuffled)  # no group: least in-flight
-    assert len(ranked) == 4

@@ -2,42 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import re
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 import httpx
 import pytest
 
 from gateway.sim.cli import parse_args, replica_options
-from tests.conftest import REPO
-
-LISTEN = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
-
-
-@asynccontextmanager
-async def sim_process(
-    *args: str, replicas: int = 1
-) -> AsyncIterator[tuple[asyncio.subprocess.Process, list[str]]]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway.sim", *args, cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
-    urls: list[str] = []
-    try:
-        while len(urls) < replicas:
-            line = await asyncio.wait_for(proc.stdout.readline(), 20)  # type: ignore[union-attr]
-            if not line:
-                raise AssertionError((await proc.stderr.read()).decode())  # type: ignore[union-attr]
-            if m := LISTEN.search(line):
-                urls.append(m.group(1).decode())
-        yield proc, urls
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            await proc.wait()
+from tests.simfleet import sim_fleet
 
 
 def test_vllm_command_line_parses_like_vllm_serve() -> None:
@@ -60,9 +29,8 @@ def test_vllm_command_line_parses_like_vllm_serve() -> None:
 
 
 async def test_replicas_share_a_process_on_consecutive_ports_and_warn_on_unknown_flags() -> None:
-    async with sim_process(
-        "--profile", "tiny", "--port", "0", "--replicas", "2", "--seed", "3", replicas=2
-    ) as (proc, urls):  # fmt: skip
+    with sim_fleet("--seed", "3", replicas=2) as fleet:
+        urls = fleet.urls
         assert len(set(urls)) == 2
         async with httpx.AsyncClient() as c:
             for u in urls:
@@ -71,12 +39,14 @@ async def test_replicas_share_a_process_on_consecutive_ports_and_warn_on_unknown
             s0 = (await c.get(f"{urls[0]}/sim/state")).json()
             s1 = (await c.get(f"{urls[1]}/sim/state")).json()
             assert s0["counters"]["requests_finished"] == 1 and s1["counters"]["requests_finished"] == 0
-    assert b"--seed" in await proc.stderr.read()  # type: ignore[union-attr]
+        assert b"--seed" in fleet.log.read_bytes()  # warned about at start
 
 
 async def test_crash_fault_exits_a_single_replica_process() -> None:
-    async with sim_process("--profile", "tiny", "--port", "0") as (proc, [u]):
+    with sim_fleet() as fleet:
         async with httpx.AsyncClient() as c:
             with pytest.raises(httpx.TransportError):
-                await c.post(f"{u}/v1/completions", json={"prompt": "x"}, headers={"x-sim-fault": "crash"})
-        assert await asyncio.wait_for(proc.wait(), 10) == 17
+                await c.post(
+                    f"{fleet.url}/v1/completions", json={"prompt": "x"}, headers={"x-sim-fault": "crash"}
+                )
+        assert fleet.proc.wait(timeout=10) == 17

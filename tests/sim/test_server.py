@@ -16,7 +16,8 @@ import zmq.asyncio
 from gateway.sim.engine import Request
 from gateway.sim.faults import FaultConfig
 from gateway.sim.kv_cache import block_hashes
-from tests.sim.conftest import MODEL, engine, replica, state, url, wait_for
+from tests.conftest import wait_until
+from tests.sim.conftest import MODEL, engine, replica, state, url
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 300}], "max_tokens": 4}
 
@@ -115,16 +116,16 @@ async def test_429_beyond_max_waiting_and_disconnect_frees_blocks() -> None:
     ):
         long = {**CHAT, "max_tokens": 20_000, "stream": True}
         running = asyncio.create_task(c.post(f"{url(r)}/v1/chat/completions", json=long))
-        await wait_for(lambda: _field(c, r, "running", 1))
+        await wait_until(lambda: _field(c, r, "running", 1), 10)
         queued = asyncio.create_task(c.post(f"{url(r)}/v1/chat/completions", json=long))
-        await wait_for(lambda: _field(c, r, "waiting", 1))
+        await wait_until(lambda: _field(c, r, "waiting", 1), 10)
         rejected = await c.post(f"{url(r)}/v1/chat/completions", json=CHAT)
         assert rejected.status_code == 429 and rejected.headers["Retry-After"] == "1"
         assert (await state(c, r))["used_blocks"] > 0
         running.cancel()
         queued.cancel()
         await asyncio.gather(running, queued, return_exceptions=True)
-        await wait_for(lambda: _idle(c, r))
+        await wait_until(lambda: _idle(c, r), 10)
 
 
 async def _field(c: httpx.AsyncClient, r: object, key: str, value: int) -> bool:
@@ -155,7 +156,7 @@ async def test_fault_header_status_stall_midstream() -> None:
         assert len(got) == 3 and "[DONE]" not in got[-1]
         bad = await c.post(f"{url(r)}/v1/chat/completions", json=CHAT, headers={"x-sim-fault": "explode"})
         assert bad.status_code == 400
-        await wait_for(lambda: _idle(c, r))
+        await wait_until(lambda: _idle(c, r), 10)
 
 
 async def test_crash_fault_takes_the_replica_down() -> None:
@@ -174,7 +175,7 @@ async def test_health_is_503_during_startup_delay() -> None:
         async def healthy() -> bool:
             return (await c.get(f"{url(r)}/health")).status_code == 200
 
-        await wait_for(healthy)
+        await wait_until(healthy, 10)
 
 
 async def test_metrics_match_what_happened() -> None:
@@ -223,7 +224,7 @@ async def test_vllm_nixl_pd_legs() -> None:
             assert dec["usage"]["completion_tokens"] == 5
             seen = (await state(c, d))["recent"][-1]
             assert seen["kv_transfer_params"]["remote_block_ids"] == ktp["remote_block_ids"]
-            await wait_for(lambda: _field(c, p, "leased_requests", 0))  # the decode side released them
+            await wait_until(lambda: _field(c, p, "leased_requests", 0), 10)  # the decode side released them
             assert d.engine.metrics.prefix_cache_hits == 0
 
 
@@ -257,17 +258,17 @@ async def test_kv_events_over_zmq_match_blocks_stored() -> None:
     async with replica(kv_events=cfg) as r, httpx.AsyncClient() as c:
         sub.connect(r.kv_pub.endpoint)  # type: ignore[union-attr]
         # ZMQ slow joiner: a PUB drops what it sends before the SUB has joined, so probe until one arrives.
-        deadline = time.monotonic() + 10
-        for probe in range(1, 10_000):
-            assert time.monotonic() < deadline, "no KV event ever arrived"
-            await c.post(
-                f"{url(r)}/v1/completions", json={"model": MODEL, "prompt": [probe] * 32, "max_tokens": 1}
-            )
+        probes = iter(range(1, 10_000))
+
+        async def probe() -> list[bytes] | None:
+            prompt = [next(probes)] * 32
+            await c.post(f"{url(r)}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
             try:
-                _, probe_seq, _ = await asyncio.wait_for(sub.recv_multipart(), 0.1)
-                break
+                return await asyncio.wait_for(sub.recv_multipart(), 0.1)
             except TimeoutError:
-                continue
+                return None
+
+        _, probe_seq, _ = await wait_until(probe, 10, "a first KV event", interval=0)
         await c.post(f"{url(r)}/v1/chat/completions", json=CHAT)
         tokens = (await c.post(f"{url(r)}/tokenize", json={"messages": CHAT["messages"]})).json()["tokens"]
         topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 5)

@@ -23,12 +23,12 @@ from functools import cache
 from bench.loadgen import LoadSpec, schedule
 from bench.stats import percentile
 from bench.workloads import make_workload
-from gateway.engine_load import EngineLoad
+from gateway.fleet.engine_load import EngineLoad
 from gateway.policy import Candidate, Policy, RequestFeatures
+from gateway.routing.tokens import get_tokenizer
 from gateway.sim import protocol
 from gateway.sim.engine import Engine, EngineConfig, Request
 from gateway.sim.profiles import get_profile
-from gateway.tokens import get_tokenizer
 from policies.prefix_affinity import PrefixAffinity, PrefixAffinityParams
 from policies.radix_cache_aware import RadixCacheAware, RadixCacheAwareParams
 

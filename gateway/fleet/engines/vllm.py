@@ -1,0 +1,147 @@
+"""vLLM: command line, load metrics, priority direction and PD protocol.
+
+Flags checked against vLLM 0.33 (`vllm serve --help` and `vllm/engine/arg_utils.py`), see
+/work/shared/engines.md. Removed flags are never emitted: `--swap-space`, `--calculate-kv-scales`.
+
+Memory when replicas share a GPU: each vLLM instance profiles free memory at start-up, so
+replicas starting together on one GPU mis-measure each other's usage when given only a fraction.
+With `kv_cache_memory_bytes` set each replica gets its KV memory explicitly
+(`--kv-cache-memory-bytes`, per replica); the GPU's `gpu_memory_utilization` (default 0.92) is
+always split among the replicas sharing the GPU, because vLLM also checks at start-up that the
+requested fraction of the GPU is free.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from gateway.config import EngineSpec
+from gateway.fleet.engine_load import EngineLoad
+from gateway.fleet.engines.base import (
+    KV_EVENTS_PORT,
+    NIXL_SIDE_CHANNEL_PORT,
+    VLLM_SEQUENTIAL,
+    EngineAdapter,
+    ReplicaSlot,
+    compact_json,
+    connect_host,
+    kv_events_config,
+    kv_events_port_needed,
+    mean,
+    scan_exposition,
+    split_fraction,
+    total,
+)
+from gateway.fleet.replica import Role
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+_KV_DTYPES = {"fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "bf16": "bfloat16"}
+_CONNECTORS = {"nixl": "NixlConnector", "mooncake": "MooncakeConnector"}
+_KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+CACHE_CONFIG = "vllm:cache_config_info"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+_LOAD_SERIES = (RUNNING, WAITING, KV_USAGE, CACHE_CONFIG, PROMPT_TOKENS)
+
+
+class VLLMAdapter(EngineAdapter):
+    kind: ClassVar[str] = "vllm"
+    pd_protocol = VLLM_SEQUENTIAL
+    load_path = "/metrics"
+
+    def executable(self, spec: EngineSpec, model: str) -> list[str]:
+        return [*(spec.command or ["vllm", "serve"]), model]
+
+    def aux_port_names(self, spec: EngineSpec, role: Role) -> tuple[str, ...]:
+        names: list[str] = []
+        if kv_events_port_needed(spec):
+            names.append(KV_EVENTS_PORT)
+        if role != "mixed" and spec.pd_transfer_backend == "nixl":
+            names.append(NIXL_SIDE_CHANNEL_PORT)
+        return tuple(names)
+
+    def aux_port_span(self, spec: EngineSpec, name: str) -> int:
+        # NIXL listens on VLLM_NIXL_SIDE_CHANNEL_PORT plus the worker's rank.
+        return spec.tensor_parallel_size if name == NIXL_SIDE_CHANNEL_PORT else 1
+
+    def command(
+        self, spec: EngineSpec, model: str, slot: ReplicaSlot, served_model_name: str | None = None
+    ) -> tuple[list[str], dict[str, str]]:
+        argv = [*self.executable(spec, model), "--host", slot.host, "--port", str(slot.port)]
+        if served_model_name and served_model_name != model:
+            argv += ["--served-model-name", served_model_name]
+        if spec.tensor_parallel_size > 1:
+            argv += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+        if spec.kv_cache_dtype != "auto":
+            argv += ["--kv-cache-dtype", _KV_DTYPES[spec.kv_cache_dtype]]
+        if spec.chunked_prefill.enabled:
+            argv.append("--enable-chunked-prefill")
+            if spec.chunked_prefill.max_num_batched_tokens is not None:
+                argv += ["--max-num-batched-tokens", str(spec.chunked_prefill.max_num_batched_tokens)]
+        else:
+            argv.append("--no-enable-chunked-prefill")
+        argv.append("--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching")
+        for flag, value in (
+            ("--block-size", spec.block_size),
+            ("--max-num-seqs", spec.max_num_seqs),
+            ("--max-model-len", spec.max_model_len),
+        ):
+            if value is not None:
+                argv += [flag, str(value)]
+        argv += self.memory_args(spec, slot)
+        env = self.gpu_env(slot)
+        if slot.role != "mixed":
+            argv += self.pd_args(spec, slot)
+            if NIXL_SIDE_CHANNEL_PORT in slot.aux_ports:
+                env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = connect_host(slot.host)
+                env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(slot.aux_ports[NIXL_SIDE_CHANNEL_PORT])
+        if spec.kv_events:
+            argv += ["--kv-events-config", kv_events_config(slot)]
+        if spec.priority_scheduling:
+            argv += ["--scheduling-policy", "priority"]
+        argv += spec.extra_args
+        return argv, env | spec.env
+
+    def pd_args(self, spec: EngineSpec, slot: ReplicaSlot) -> list[str]:
+        connector = _CONNECTORS[spec.pd_transfer_backend]
+        return [
+            "--kv-transfer-config",
+            compact_json({"kv_connector": connector, "kv_role": _KV_ROLES[slot.role]}),
+        ]
+
+    def memory_args(self, spec: EngineSpec, slot: ReplicaSlot) -> list[str]:
+        args: list[str] = []
+        if spec.kv_cache_memory_bytes is not None:
+            args += ["--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes)]
+        if spec.gpu_memory_utilization is not None or slot.gpu_sharers > 1:
+            util = spec.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+            args += ["--gpu-memory-utilization", split_fraction(util, slot.gpu_sharers)]
+        return args
+
+    def parse_load(self, body: bytes) -> EngineLoad:
+        series = scan_exposition(body.decode(errors="replace"), _LOAD_SERIES)
+        load = EngineLoad(
+            running=int(total(series[RUNNING])),
+            waiting=int(total(series[WAITING])),
+            kv_usage=mean(series[KV_USAGE]),
+        )
+        blocks = 0
+        for sample in series[CACHE_CONFIG]:
+            labels = sample.label_map()
+            try:
+                blocks += int(labels["num_gpu_blocks"])
+                load.block_size = int(labels["block_size"])
+            except (KeyError, ValueError):  # "None" before the engine finished profiling
+                continue
+        if blocks:
+            load.num_gpu_blocks = blocks  # data-parallel engines each report their own cache
+        if series[PROMPT_TOKENS]:
+            load.prompt_tokens_total = total(series[PROMPT_TOKENS])
+        return load
+
+    def engine_priority(self, level: int) -> int:
+        # vLLM schedules the lowest `priority` value first.
+        return -level

@@ -1,0 +1,123 @@
+"""One engine replica as the gateway sees it: address, role, health, breaker and live load.
+
+In-flight load is counted once, here: `inflight_requests`/`inflight_tokens` are this gateway's
+requests on the replica, changed only by a `Lease` (which every attempt takes through
+gateway.path.claim). Everything else reads these counts: the admission headroom per replica,
+the policies, and the shared state backend, which publishes them for the other gateway
+instances and writes theirs into `remote_inflight_*` (their requests, not a second count of
+ours). Two counts beside it measure other things: the scheduler's tickets count requests per
+pool from admission to the end of dispatch, including the moments they hold no lease (while
+ranked, during a PD prefill leg, between retries), so that a pool's in-flight budget is not
+overrun by requests admitted but not yet leased; and a policy's own ledger (prefix_affinity's)
+keeps each request's uncached tokens, and drops entries as the replica's count falls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.fleet.breaker import BreakerState, CircuitBreaker
+from gateway.fleet.engine_load import EngineLoad
+
+Role = Literal["mixed", "prefill", "decode"]
+
+
+class Replica:
+    """Mutable state of a replica. Policies only read it (through the same attributes); an
+    attempt changes its load through `Lease`, the health checker its `healthy` flag."""
+
+    __slots__ = (
+        "bootstrap_port",
+        "breaker",
+        "draining",
+        "engine",
+        "healthy",
+        "inflight_requests",
+        "inflight_tokens",
+        "kind",
+        "managed",
+        "name",
+        "pool",
+        "remote_inflight_requests",
+        "remote_inflight_tokens",
+        "role",
+        "stale_after_s",
+        "total_requests",
+        "url",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        pool: str,
+        *,
+        role: Role = "mixed",
+        kind: str = "vllm",
+        breaker: CircuitBreaker,
+        bootstrap_port: int | None = None,
+        managed: bool = False,
+        healthy: bool = True,
+        stale_after_s: float = 3.0,
+    ) -> None:
+        self.name = name
+        self.url = url.rstrip("/")
+        self.pool = pool
+        self.role: Role = role
+        self.kind = kind
+        self.breaker = breaker
+        self.bootstrap_port = bootstrap_port
+        self.managed = managed
+        self.healthy = healthy
+        self.draining = False
+        self.inflight_requests = 0
+        self.inflight_tokens = 0
+        # Other gateway instances' in-flight load here (shared state backend; 0 when alone).
+        self.remote_inflight_requests = 0
+        self.remote_inflight_tokens = 0
+        self.total_requests = 0
+        self.engine = EngineLoad()
+        self.stale_after_s = stale_after_s
+
+    @property
+    def available(self) -> bool:
+        """Eligible for new requests: healthy, not draining, circuit not refusing."""
+        return self.healthy and not self.draining and self.breaker.allows()
+
+    @property
+    def circuit(self) -> BreakerState:
+        return self.breaker.state
+
+    @property
+    def engine_fresh(self) -> bool:
+        return self.engine.is_fresh(self.stale_after_s)
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        return self.engine.kv_capacity_tokens
+
+    def lease(self, tokens: int) -> Lease:
+        self.inflight_requests += 1
+        self.inflight_tokens += tokens
+        self.total_requests += 1
+        return Lease(self, tokens)
+
+    def __repr__(self) -> str:
+        return f"Replica({self.name!r}, {self.url!r}, role={self.role}, healthy={self.healthy})"
+
+
+@dataclass(slots=True)
+class Lease:
+    """The load one request puts on a replica; released exactly once whatever ends it."""
+
+    replica: Replica
+    tokens: int
+    released: bool = False
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.replica.inflight_requests -= 1
+        self.replica.inflight_tokens -= self.tokens

@@ -1,0 +1,217 @@
+"""The data plane's HTTP surface: OpenAI routes, model list, liveness and readiness, the envelope of
+every inference request (its ids, record and span), and errors in the OpenAI form."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+
+import orjson
+from aiohttp import web
+
+from gateway.admission.limits import ShedError
+from gateway.config import ServerConfig
+from gateway.errors import GatewayError, client_error, error_body
+from gateway.fleet.pool import Pool
+from gateway.http.auth import Auth
+from gateway.http.conn_guard import GuardedConnection
+from gateway.http.request_body import read_body
+from gateway.logs import clip
+from gateway.path.proxy import Proxy
+from gateway.path.request import ENDPOINTS
+from gateway.path.request_record import Observer, RequestRecord
+from gateway.path.sanitize import client_request_id, invalid_header, new_request_id
+from gateway.path.trace import Tracer
+from gateway.routing.rollout import Router
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(data), status=status, content_type="application/json", headers=headers
+    )
+
+
+@web.middleware
+async def connection_state(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Tell the connection guard when a connection is serving a request and when it is idle."""
+    transport = request.transport
+    conn = transport.get_protocol() if transport is not None else None
+    if not isinstance(conn, GuardedConnection):
+        return await handler(request)
+    conn.guard.request_started(conn)
+    try:
+        return await handler(request)
+    finally:
+        conn.guard.request_finished(conn)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Whatever goes wrong, the client gets the OpenAI error form, never a traceback."""
+    try:
+        return await handler(request)
+    except GatewayError as exc:
+        return web.Response(
+            status=exc.status, body=exc.body(), content_type="application/json", headers=exc.headers
+        )
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
+        message = f"{request.method} {clip(request.path)}: {exc.reason}"
+        return web.Response(
+            status=exc.status,
+            body=error_body(message, "invalid_request_error", code),
+            content_type="application/json",
+        )
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.Response(
+            status=500,
+            body=error_body("internal gateway error", "server_error", "internal_error"),
+            content_type="application/json",
+        )
+
+
+def error_response(exc: GatewayError, rec: RequestRecord) -> web.Response:
+    """An inference request's error, in the OpenAI form, recorded for the observers."""
+    rec.status = exc.status
+    rec.error_code = exc.code
+    if isinstance(exc, ShedError):
+        rec.shed_reason = exc.shed_reason
+    headers = {"x-request-id": rec.request_id, **exc.headers}
+    return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
+
+
+async def live(request: web.Request) -> web.Response:
+    """Liveness: 200 while the process serves HTTP, draining included (`/health` is the same)."""
+    return _json({"status": "ok"})
+
+
+class DataPlane:
+    """The OpenAI routes, the model list and the readiness probes of one gateway."""
+
+    def __init__(
+        self,
+        server: ServerConfig,
+        proxy: Proxy,
+        auth: Auth,
+        observe: Observer,
+        tracer: Tracer,
+        routes: Router,
+        pools: Mapping[str, Pool],
+        draining: Callable[[], bool],
+    ) -> None:
+        self.server = server
+        self.proxy = proxy
+        self.auth = auth
+        self.observe = observe  # every request's record, at its end
+        self.tracer = tracer
+        self.routes = routes
+        self.pools = pools
+        self.draining = draining
+
+    def app(self, extra: Iterable[web.RouteDef] = ()) -> web.Application:
+        """The aiohttp app: these routes, and `extra` ones (metrics, status page, admin API)."""
+        app = web.Application(
+            middlewares=[connection_state, openai_errors], client_max_size=self.server.max_body_bytes
+        )
+        for path in ENDPOINTS:
+            app.router.add_post(path, self.inference)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/live", live)
+        app.router.add_get("/health", live)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/ready/{model:.+}", self.ready_model)
+        app.router.add_routes(extra)
+        return app
+
+    # -- inference ----------------------------------------------------------------------------
+    async def inference(self, request: web.Request) -> web.StreamResponse:
+        """The envelope of an inference request: its ids and record, its span, its error form."""
+        # Engines get an id the gateway makes; the client's own id, when usable, names the
+        # request in logs and in the answer's X-Request-Id.
+        engine_id = new_request_id()
+        client_id = client_request_id(request.headers.get("x-request-id"))
+        rec = RequestRecord(client_id or engine_id, ENDPOINTS[request.path], engine_request_id=engine_id)
+        root = self.tracer.request(request.method, request.path, request.headers, rec)
+        try:
+            response = await self._inference(request, rec)
+        except GatewayError as exc:
+            response = error_response(exc, rec)
+        except asyncio.CancelledError:
+            if not rec.completed:  # a client that closes after the end of its stream got its answer
+                rec.client_disconnected = True
+                rec.status = 499  # nginx's "client closed request": nobody received an answer
+            raise
+        finally:
+            rec.ended = time.perf_counter()
+            self.observe(rec)
+            root.end(rec)
+        return response
+
+    async def _inference(self, request: web.Request, rec: RequestRecord) -> web.StreamResponse:
+        server = self.server
+        bad_header = invalid_header(request.headers.items())
+        if bad_header is not None:
+            raise client_error(
+                f"header {clip(bad_header, 64)!r}: values may hold only visible ASCII, spaces and tabs",
+                "invalid_header",
+            )
+        tenant = self.auth.client(request)
+        rec.tenant = tenant
+        raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
+        return await self.proxy.handle(request, raw, tenant, rec)
+
+    # -- models and probes --------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        self.auth.client(request)
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "kvgate"} for m in self.routes.models()
+        ]
+        return _json({"object": "list", "data": data})
+
+    def pools_ready(self) -> dict[str, bool]:
+        return {name: pool.has_healthy() for name, pool in self.pools.items()}
+
+    def is_ready(self, pools: dict[str, bool]) -> bool:
+        """Whether the gateway can serve, by `server.ready` (never while draining)."""
+        rule = self.server.ready
+        if self.draining() or not pools:
+            return False
+        if rule == "any":
+            return any(pools.values())
+        if rule == "all":
+            return all(pools.values())
+        return all(pools.get(name, False) for name in rule)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """Readiness of the gateway as a whole, by `server.ready` (default: any pool can serve)."""
+        pools = self.pools_ready()
+        ok = self.is_ready(pools)
+        body = {"ready": ok, "draining": self.draining(), "rule": self.server.ready, "pools": pools}
+        return _json(body, status=200 if ok else 503)
+
+    async def ready_model(self, request: web.Request) -> web.Response:
+        """Readiness of one model (a route or a pool's model): some pool it reaches can serve."""
+        model = request.match_info["model"]
+        names = self.routes.pools_for(model)
+        if names is None:
+            raise GatewayError(
+                404,
+                f"the model `{model}` does not exist",
+                "invalid_request_error",
+                "model_not_found",
+                "model",
+            )
+        pools = {name: self.pools[name].has_healthy() for name in names}
+        draining = self.draining()
+        ok = any(pools.values()) and not draining
+        body = {"model": model, "ready": ok, "draining": draining, "pools": pools}
+        return _json(body, status=200 if ok else 503)

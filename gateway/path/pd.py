@@ -1,0 +1,200 @@
+"""Prefill/decode hand-off: vLLM's sequential NIXL relay and SGLang's concurrent bootstrap.
+
+The proxy picks the decode replica with the pool's policy as for any request; this module
+decides whether to disaggregate (only when the decode replica lacks enough of the prompt),
+runs the prefill leg on a prefill replica chosen by the pool's prefill policy, and returns
+the body the decode leg must carry:
+
+- vLLM (`vllm-nixl-sequential`): the prefill leg is the client's body as a one-token,
+  non-streaming request with `kv_transfer_params.do_remote_decode`; its answer's
+  `kv_transfer_params` go verbatim into the decode leg. Prefill 5xx or unreachable: decode
+  does the whole request itself. Prefill 4xx: the client gets it.
+- SGLang (`sglang-bootstrap-concurrent`): one body with `bootstrap_host/port/room` goes to
+  both at once; the decode answer is relayed. A prefill leg that fails at transport level
+  before the decode answered cancels the decode (see `guard`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import orjson
+
+from gateway.errors import GatewayError, normalize_error_body
+from gateway.fleet.engines.base import SGLANG_CONCURRENT
+from gateway.fleet.replica import Replica
+from gateway.path.claim import Claim
+from gateway.path.upstream import Upstream, UpstreamError
+from gateway.routing.policy import Candidate, RequestFeatures
+
+if TYPE_CHECKING:
+    from gateway.fleet.pool import Pool
+    from gateway.routing.pool_router import PoolRouter
+
+log = logging.getLogger(__name__)
+
+_NO_REMOTE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def vllm_prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    leg = dict(body)
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg.pop("stream_options", None)  # vLLM rejects stream_options without stream
+    leg.pop("min_tokens", None)
+    leg["kv_transfer_params"] = dict(_NO_REMOTE)
+    return leg
+
+
+def vllm_decode_body(body: Mapping[str, Any], kv_transfer_params: Any) -> dict[str, Any]:
+    return {**body, "kv_transfer_params": kv_transfer_params}
+
+
+def sglang_body(body: Mapping[str, Any], prefill: Replica, room: int | None = None) -> dict[str, Any]:
+    if prefill.bootstrap_port is None:
+        raise ValueError(f"prefill replica {prefill.name} has no bootstrap port")
+    room = random.getrandbits(63) if room is None else room
+    prompts = body.get("prompt")
+    # A batched completion needs one room per item.
+    rooms: int | list[int] = [room + i for i in range(len(prompts))] if _is_batch(prompts) else room
+    host = urlsplit(prefill.url).hostname or "127.0.0.1"
+    return {**body, "bootstrap_host": host, "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": rooms}
+
+
+def _is_batch(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    body: bytes
+    prefill: Replica | None = None
+    guard: asyncio.Task[None] | None = None  # SGLang's concurrent prefill leg
+    claim: Claim | None = None  # the guard's claim on the prefill replica
+
+    async def finish(self) -> None:
+        """After the decode leg: a prefill leg still running is no longer needed, and its claim
+        is settled even if its task was cancelled before it ever ran."""
+        try:
+            if self.guard is not None:
+                self.guard.cancel()
+                await asyncio.gather(self.guard, return_exceptions=True)
+        finally:
+            if self.claim is not None:
+                self.claim.close()
+
+
+class PDHandoff:
+    def __init__(self, upstream: Upstream, resend: bool) -> None:
+        self.upstream = upstream
+        self.resend = resend  # may a prefill leg cost a stale connection's silent resend
+
+    @staticmethod
+    def wanted(pool: Pool, features: RequestFeatures, decode: Candidate) -> bool:
+        """Disaggregate only when the decode replica would have to prefill enough new tokens."""
+        uncached = features.prompt_tokens - decode.matched_tokens
+        return pool.pd_protocol is not None and uncached >= pool.cfg.pd.min_uncached_tokens
+
+    async def prepare(
+        self,
+        router: PoolRouter,
+        features: RequestFeatures,
+        body: dict[str, Any],
+        raw: bytes,
+        path: str,
+        headers: Mapping[str, str],
+    ) -> DecodePlan:
+        prefills = await router.rank(features, role="prefill")
+        tokens = features.prompt_tokens
+        claim: Claim | None = None
+        for candidate in prefills:
+            if (claim := Claim.take(candidate.replica, tokens)) is not None:  # type: ignore[arg-type]
+                break
+        if claim is None:
+            return DecodePlan(raw)  # no prefill capacity: the decode replica does it all
+        prefill = claim.replica
+        router.learn(features, prefill, role="prefill")
+        if router.pool.pd_protocol == SGLANG_CONCURRENT:
+            try:
+                leg = orjson.dumps(sglang_body(body, prefill))
+            except BaseException:
+                claim.close()
+                raise
+            guard = asyncio.create_task(self._sglang_prefill(claim, path, leg, headers))
+            return DecodePlan(leg, prefill, guard, claim)
+        with claim:
+            return await self._vllm_prefill(claim, body, raw, path, headers, features)
+
+    async def _vllm_prefill(
+        self,
+        claim: Claim,
+        body: dict[str, Any],
+        raw: bytes,
+        path: str,
+        headers: Mapping[str, str],
+        features: RequestFeatures,
+    ) -> DecodePlan:
+        prefill = claim.replica
+        leg = orjson.dumps(vllm_prefill_body(body))
+        try:
+            resp = await self.upstream.open("POST", prefill.url + path, leg, headers, resend=self.resend)
+            try:
+                answer = await self.upstream.read_content(resp)
+            finally:
+                resp.release()
+        except UpstreamError as exc:
+            if exc.replica_fault:
+                claim.failed()
+            log.warning(
+                "request %s: prefill on %s failed (%s); decode-only", features.request_id, prefill.name, exc
+            )
+            return DecodePlan(raw)
+        claim.answered()
+        if resp.status >= 500:
+            log.warning(
+                "request %s: prefill on %s answered %d; decode-only",
+                features.request_id,
+                prefill.name,
+                resp.status,
+            )
+            return DecodePlan(raw)
+        if resp.status >= 400:
+            # The client's request is at fault: it gets the prefill's answer, not a decode attempt.
+            raise GatewayError(resp.status, "prefill refused", body=normalize_error_body(answer, resp.status))
+        try:
+            kv = orjson.loads(answer).get("kv_transfer_params")
+        except (orjson.JSONDecodeError, AttributeError):
+            kv = None
+        if kv is None:  # the decode replica then does the full prefill itself
+            return DecodePlan(raw, prefill)
+        return DecodePlan(orjson.dumps(vllm_decode_body(body, kv)), prefill)
+
+    async def _sglang_prefill(self, claim: Claim, path: str, leg: bytes, headers: Mapping[str, str]) -> None:
+        with claim:
+            url = claim.replica.url + path
+            try:
+                resp = await self.upstream.open("POST", url, leg, headers, resend=self.resend)
+                try:
+                    await self.upstream.read(resp)
+                finally:
+                    resp.release()
+            except UpstreamError as exc:
+                if exc.replica_fault:
+                    claim.failed()
+                raise
+            claim.answered()

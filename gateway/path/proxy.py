@@ -1,0 +1,332 @@
+"""Admission and dispatch: a prepared request waits for its admission, is ranked across its
+pool's replicas, sent (plainly or through a prefill/decode hand-off, retried on another replica
+before the first byte), and its answer relayed.
+
+Every request ends in exactly one of: the engine's answer relayed byte-for-byte, or an
+OpenAI-style error. Load taken on a replica is released exactly once, whether the request
+succeeds, fails, times out or the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+from aiohttp import web
+
+from gateway.admission.scheduler import Scheduler, Ticket
+from gateway.config import RetryConfig
+from gateway.errors import GatewayError, error_body, normalize_error_body
+from gateway.fleet.replica import Replica
+from gateway.path.claim import Claim
+from gateway.path.pd import DecodePlan, PDHandoff
+from gateway.path.prepare import Preparation
+from gateway.path.request import InferenceRequest
+from gateway.path.request_record import RequestRecord
+from gateway.path.retry_budget import RetryBudget
+from gateway.path.sanitize import upstream_headers
+from gateway.path.stream_end import StreamEnd
+from gateway.path.trace import Tracer
+from gateway.path.transports.base import Response
+from gateway.path.upstream import ERROR_BODY_LIMIT, Upstream, UpstreamError
+from gateway.routing.policy import Candidate
+from gateway.routing.tokens import engine_prompt_tokens
+
+log = logging.getLogger(__name__)
+
+# Not relayed to the client: hop-by-hop, framing the proxy redoes, and the gateway's own headers.
+_DROP_RESPONSE = frozenset(
+    {
+        "content-length",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "server",
+        "date",
+        "x-request-id",
+        "x-kvgate-replica",
+        "x-kvgate-pool",
+    }
+)
+# An engine's Content-Encoding is relayed with its body untouched, except where the gateway
+# rewrites the body (errors, normalized after decoding).
+_DROP_REWRITTEN = _DROP_RESPONSE | {"content-encoding"}
+
+
+_USAGE = b'"prompt_tokens":'
+
+
+def sse_error_event(message: str, code: str) -> bytes:
+    return b"data: " + error_body(message, "upstream_error", code) + b"\n\n"
+
+
+class Proxy:
+    """Admission and dispatch of prepared requests: the request path after the preparation step."""
+
+    def __init__(
+        self,
+        retry: RetryConfig,
+        retry_after_s: float,
+        preparation: Preparation,
+        scheduler: Scheduler,
+        upstream: Upstream,
+        retry_budget: RetryBudget,
+        tracer: Tracer,
+    ) -> None:
+        self.retry = retry
+        self.retry_after_s = retry_after_s  # what a 503 for want of replicas tells the client
+        self.preparation = preparation
+        self.scheduler = scheduler
+        self.upstream = upstream
+        self.retry_budget = retry_budget
+        self.tracer = tracer
+        self.pd = PDHandoff(upstream, resend=retry.max_attempts >= 2)
+
+    async def handle(
+        self, request: web.Request, raw: bytes, tenant: str | None, rec: RequestRecord
+    ) -> web.StreamResponse:
+        """A client's request, its body read and its tenant known: prepare, admit, dispatch."""
+        req = await self.preparation.prepare(request.path, request.headers, raw, tenant, rec)
+        with await self._admit(req):
+            return await self._dispatch(request, req)
+
+    async def _admit(self, req: InferenceRequest) -> Ticket:
+        queued_at = time.perf_counter()
+        with self.tracer.span("queue", {"kvgate.priority_class": req.features.priority_class}):
+            ticket = await self.scheduler.admit(req.router, req.features)
+        req.record.queued_s = time.perf_counter() - queued_at
+        return ticket
+
+    # -- dispatch with retries ----------------------------------------------------------------
+    async def _dispatch(self, request: web.Request, req: InferenceRequest) -> web.StreamResponse:
+        router, features, rec = req.router, req.features, req.record
+        pool = router.pool
+        request_id = rec.request_id
+        tracer = self.tracer
+        with tracer.span("route", {"kvgate.policy": pool.cfg.policy.type}):
+            ranked = await router.rank(features)
+        if not ranked:
+            raise self._no_replica(f"no healthy replica in pool `{pool.name}`")
+        retry_cfg = self.retry
+        max_attempts = retry_cfg.max_attempts
+        budget = self.retry_budget
+        budget.on_request()
+        headers = upstream_headers(request.headers.items(), pool.passthrough_headers, rec.engine_request_id)
+        plan = DecodePlan(req.payload())
+        refused: GatewayError | None = None  # the last retryable answer, relayed if every try fails
+        failure: UpstreamError | None = None  # the last retryable transport failure
+        # A generation is not idempotent: it may reach engines at most max_attempts times in
+        # all, a stale keep-alive connection's silent resend included.
+        deliveries = 0
+        try:
+            if pool.disaggregated and self.pd.wanted(pool, features, ranked[0]):
+                plan = await self.pd.prepare(router, features, req.body, req.payload(), request.path, headers)
+            for attempt, candidate in enumerate(_walk(ranked, max_attempts)):
+                if deliveries >= max_attempts:
+                    break
+                replica: Replica = candidate.replica  # type: ignore[assignment]
+                if attempt > 0:
+                    if not budget.try_spend():
+                        break
+                    rec.retries += 1
+                    delay = min(retry_cfg.backoff_max_s, retry_cfg.backoff_initial_s * 2 ** (attempt - 1))
+                    await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                claim = Claim.take(replica, features.prompt_tokens)
+                if claim is None:
+                    continue
+                with claim:
+                    # Learn at decision time, not when the answer comes: concurrent requests with
+                    # the same new prefix must see where the first one went.
+                    router.learn(features, replica)
+                    up = tracer.upstream(replica, attempt, headers)
+                    try:
+                        try:
+                            url = replica.url + request.path
+                            resend = deliveries + 2 <= max_attempts
+                            resp = await self._open(url, plan, up.headers, resend)
+                        except UpstreamError as exc:
+                            deliveries += exc.sent
+                            if exc.replica_fault:
+                                claim.failed()
+                            log.warning("request %s: replica %s failed: %s", request_id, replica.name, exc)
+                            if not exc.retryable:
+                                raise exc.gateway_error() from None
+                            failure = exc
+                            continue
+                        deliveries += resp.sent
+                        claim.answered()  # any well-formed answer: the engine is up
+                        up.responded(resp.status)
+                        if resp.status in retry_cfg.retry_statuses:
+                            error = normalize_error_body(await self._read_error(resp), resp.status)
+                            refused = GatewayError(
+                                resp.status, "refused", headers=_retry_after(resp), body=error
+                            )
+                            log.info(
+                                "request %s: replica %s answered %d", request_id, replica.name, resp.status
+                            )
+                            continue
+                        rec.replica = replica.name
+                        rec.matched_tokens = candidate.matched_tokens
+                        rec.route_reason = (
+                            route_reason(candidate, ranked) if router.policy.uses_prefix_match else None
+                        )
+                        return await self._relay(request, resp, claim, rec)
+                    finally:
+                        up.end(rec)
+        finally:
+            await plan.finish()
+        if refused is not None:
+            raise refused
+        if failure is not None:
+            raise failure.gateway_error()
+        raise self._no_replica(f"no replica of pool `{pool.name}` accepted the request")
+
+    def _no_replica(self, message: str) -> GatewayError:
+        retry_after = str(self.retry_after_s)
+        return GatewayError(
+            503, message, "service_unavailable", "no_healthy_replica", headers={"Retry-After": retry_after}
+        )
+
+    async def _open(self, url: str, plan: DecodePlan, headers: dict[str, str], resend: bool) -> Response:
+        """Open the decode leg; with a concurrent prefill leg, fail fast if that leg breaks first."""
+        upstream = self.upstream
+        if plan.guard is None:
+            return await upstream.open("POST", url, plan.body, headers, resend=resend)
+        opening = asyncio.ensure_future(upstream.open("POST", url, plan.body, headers, resend=resend))
+        try:
+            await asyncio.wait({opening, plan.guard}, return_when=asyncio.FIRST_COMPLETED)
+            if not opening.done() and plan.guard.exception() is not None:
+                # The decode replica is not at fault: its bootstrap partner went away.
+                raise UpstreamError(
+                    f"prefill leg failed: {plan.guard.exception()}",
+                    code="upstream_prefill_failed",
+                    replica_fault=False,
+                )
+            return await opening
+        except BaseException:
+            await _abandon(opening)
+            raise
+
+    async def _read_error(self, resp: Response) -> bytes:
+        try:
+            return await self.upstream.read_content(resp, ERROR_BODY_LIMIT)
+        except UpstreamError:
+            return b""
+        finally:
+            resp.release()
+
+    # -- relay -----------------------------------------------------------------------------
+    def _response_headers(
+        self, resp: Response, replica: Replica, request_id: str, drop: frozenset[str] = _DROP_RESPONSE
+    ) -> dict[str, str]:
+        headers = {k: v for k, v in resp.headers if k.lower() not in drop}
+        headers["x-request-id"] = request_id
+        headers["x-kvgate-replica"] = replica.name
+        headers["x-kvgate-pool"] = replica.pool
+        return headers
+
+    async def _relay(
+        self,
+        request: web.Request,
+        resp: Response,
+        claim: Claim,
+        rec: RequestRecord,
+    ) -> web.StreamResponse:
+        rec.status = resp.status
+        if resp.status >= 400:
+            # Rewritten in the OpenAI form, decoded: the engine's Content-Encoding no longer applies.
+            headers = self._response_headers(resp, claim.replica, rec.request_id, _DROP_REWRITTEN)
+            raw = await self._read_error(resp)
+            headers["Content-Type"] = "application/json"
+            return web.Response(
+                status=resp.status, body=normalize_error_body(raw, resp.status), headers=headers
+            )
+        headers = self._response_headers(resp, claim.replica, rec.request_id)
+        if not resp.content_type.startswith("text/event-stream"):
+            try:
+                raw = await self.upstream.read(resp)
+            except UpstreamError as exc:
+                if exc.replica_fault:
+                    claim.failed()
+                raise exc.gateway_error() from None
+            finally:
+                resp.release()
+            rec.first_byte_at = time.perf_counter()
+            rec.engine_prompt_tokens = engine_prompt_tokens(raw)
+            return web.Response(status=resp.status, body=raw, headers=headers)
+        return await self._relay_stream(request, resp, headers, claim, rec)
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        resp: Response,
+        headers: dict[str, str],
+        claim: Claim,
+        rec: RequestRecord,
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(status=resp.status, headers=headers)
+        finished = False
+        end = StreamEnd(rec.endpoint)
+        try:
+            await out.prepare(request)
+            try:
+                async for chunk in self.upstream.chunks(resp):
+                    if rec.first_byte_at is None:
+                        rec.first_byte_at = time.perf_counter()
+                    if _USAGE in chunk:  # a substring test per chunk; only a usage chunk is read
+                        rec.engine_prompt_tokens = engine_prompt_tokens(chunk) or rec.engine_prompt_tokens
+                    await out.write(chunk)
+                    end.feed(chunk)
+            except UpstreamError as exc:
+                if exc.replica_fault:
+                    claim.failed()
+                # Never truncate silently: the client learns the stream broke.
+                log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
+                rec.error_code = "upstream_stream_error"
+                await out.write(sse_error_event(str(exc), "upstream_stream_error"))
+            await out.write_eof()
+            finished = True
+        except ConnectionResetError:
+            rec.completed = end.complete
+            if not rec.completed:
+                rec.client_disconnected = True
+                log.info("request %s: client went away mid-stream", rec.request_id)
+        finally:
+            if finished:
+                resp.release()
+            else:
+                rec.completed = end.complete  # read by `handle` if this is a cancellation
+                # The client left (or we were cancelled): drop the upstream connection so the
+                # engine aborts the request instead of generating for nobody.
+                resp.close()
+        return out
+
+
+def route_reason(chosen: Candidate, ranked: list[Candidate]) -> str:
+    """How a prefix-aware choice relates to the cache: `cold` when no replica held any of the
+    prompt, `cache_hit` when the chosen one held the most, `spill` when a warmer one was passed
+    over (its queue made it slower, or it failed)."""
+    best = max(c.matched_tokens for c in ranked)
+    if best == 0:
+        return "cold"
+    return "cache_hit" if chosen.matched_tokens == best else "spill"
+
+
+def _walk(ranked: list[Candidate], attempts: int) -> list[Candidate]:
+    """The replicas to try, best first, wrapping around when there are fewer than attempts."""
+    return [ranked[i % len(ranked)] for i in range(attempts)]
+
+
+async def _abandon(opening: asyncio.Future[Response]) -> None:
+    """Stop an opening nobody will read; an answer that arrived anyway is closed, not leaked."""
+    opening.cancel()
+    await asyncio.gather(opening, return_exceptions=True)
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
+
+
+def _retry_after(resp: Response) -> dict[str, str]:
+    value = resp.header("Retry-After")
+    return {"Retry-After": value} if value else {}

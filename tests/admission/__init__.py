@@ -1,0 +1,1 @@
+"""Tests of gateway/admission: the scheduler, rate limits, the prompt window."""

@@ -1,0 +1,1 @@
+"""Tests of gateway/control: the admin API, shared state, config checks and reloads."""

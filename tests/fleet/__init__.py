@@ -1,0 +1,1 @@
+"""Tests of gateway/fleet: launcher, load scraping, managed fleets, discovery, engine adapters."""

@@ -1,0 +1,1 @@
+"""Tests of gateway/fleet/engines: one adapter per engine kind."""

@@ -1,0 +1,75 @@
+"""A gateway that launches its own simulated fleet: replicas join when ready, a killed one is
+restarted and re-registered while traffic goes on, and nothing is left behind at shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+
+from tests.conftest import gateway_settings, wait_until
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); its state in /proc says it is gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_killed_replica_restarts_rejoins_and_no_request_fails(gateway, tmp_path):
+    engines = {
+        "kind": "sim",
+        "replicas": 3,
+        "startup_timeout_s": 30,
+        "restart_backoff_s": 0.1,
+        "log_dir": str(tmp_path / "logs"),
+        "sim": {"profile": "tiny", "speedup": 20},
+    }
+    settings = gateway_settings(
+        [], pool={"endpoints": [], "engines": engines, "policy": {"type": "round_robin"}}
+    )
+    gw = await gateway(settings)
+    pool = gw.runtime.pools["p"]
+    await wait_until(lambda: len(pool.replicas) == 3, timeout=30, what="three managed replicas")
+    launcher = gw.runtime.fleet.launchers[0]
+    pids = {name: st.pid for name, st in launcher.status().items()}
+    assert all(pid and _alive(pid) for pid in pids.values())
+
+    statuses: list[int] = []
+    stop = asyncio.Event()
+
+    async def traffic() -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            while not stop.is_set():
+                r = await c.post(
+                    gw.url + "/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 2}
+                )
+                statuses.append(r.status_code)
+
+    clients = [asyncio.create_task(traffic()) for _ in range(4)]
+    await wait_until(lambda: len(statuses) >= 20, timeout=20, what="traffic to flow")
+    victim = "p-1"
+    os.kill(pids[victim], signal.SIGKILL)
+    await wait_until(lambda: victim not in pool.replicas, timeout=10, what="the dead replica to leave")
+    await wait_until(lambda: victim in pool.replicas, timeout=20, what="the restarted replica to rejoin")
+    served_before = pool.replicas[victim].total_requests
+    await wait_until(
+        lambda: pool.replicas[victim].total_requests > served_before, timeout=10, what="it to serve"
+    )
+    stop.set()
+    await asyncio.gather(*clients)
+    assert launcher.status()[victim].restarts == 1
+    assert statuses and set(statuses) == {200}, f"failed requests: {[s for s in statuses if s != 200]}"
+
+    new_pids = [st.pid for st in launcher.status().values()]
+    await gw.stop()
+    assert not any(_alive(pid) for pid in [*pids.values(), *new_pids] if pid)

@@ -1,0 +1,1 @@
+"""Tests of gateway/http: the client-facing surface (hostile clients, bodies, connections)."""

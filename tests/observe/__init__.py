@@ -1,0 +1,1 @@
+"""Tests of gateway/observe: metrics, tracing, the access log, the status page."""

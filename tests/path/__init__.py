@@ -1,0 +1,1 @@
+"""Tests of gateway/path: the request path (proxy, PD hand-off, sanitizing, transports, claims)."""

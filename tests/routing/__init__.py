@@ -1,0 +1,1 @@
+"""Tests of gateway/routing: pool routers, prefix hashing and indexes, KV events, tokens, rollouts."""

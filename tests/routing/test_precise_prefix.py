@@ -1,0 +1,208 @@
+"""Precise prefix mode end to end: a gateway launches simulated engines with KV events on,
+tokenizes through them, routes to the replica whose events say it holds the prompt, and forgets
+a replica's blocks the moment the engine drops them."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import httpx
+import pytest
+
+from gateway.config import ConfigError, load_config
+from gateway.routing.kv_events import TokenBlockHasher
+from tests.conftest import gateway_settings, wait_until
+from tests.simfleet import sim_process
+
+SYSTEM = "You answer questions about the tides of the North Sea, briefly and exactly. " * 40
+
+
+def _chat(question: str) -> dict[str, object]:
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "max_tokens": 2,
+    }
+
+
+def _sample(metrics: str, series: str) -> float:
+    line = next(line for line in metrics.splitlines() if line.startswith(series + " "))
+    return float(line.split()[-1])
+
+
+async def _engine_ids(url: str, body: dict[str, object]) -> list[int]:
+    async with httpx.AsyncClient() as c:
+        r = await c.post(url + "/tokenize", json=body)
+        r.raise_for_status()
+        return r.json()["tokens"]
+
+
+async def test_routes_by_the_engines_events_and_forgets_what_it_drops(gateway, tmp_path) -> None:
+    engines = {
+        "kind": "sim",
+        "replicas": 2,
+        "kv_events": True,
+        "startup_timeout_s": 30,
+        "log_dir": str(tmp_path / "logs"),
+        "sim": {"profile": "tiny", "speedup": 20},
+    }
+    pool_cfg = {
+        "endpoints": [],
+        "engines": engines,
+        "policy": {"type": "prefix_affinity"},
+        "prefix": {"mode": "precise", "speculative_ttl_s": 0.2},
+    }
+    gw = await gateway(gateway_settings([], pool=pool_cfg))
+    pool = gw.runtime.pools["p"]
+    precise = gw.runtime.routers["p"].precise
+    assert precise is not None
+    await wait_until(lambda: len(pool.replicas) == 2, timeout=30, what="two managed replicas")
+    await wait_until(lambda: len(precise.subscribers) == 2, timeout=5, what="two KV event subscribers")
+
+    async with httpx.AsyncClient(timeout=30) as c:
+        first = await c.post(gw.url + "/v1/chat/completions", json=_chat("When is high tide at Texel?"))
+        assert first.status_code == 200, first.text
+        holder = first.headers["x-kvgate-replica"]
+        url = pool.replicas[holder].url
+        hashes = TokenBlockHasher(16, "m").hashes(
+            await _engine_ids(url, _chat("When is high tide at Texel?"))
+        )
+        assert len(hashes) > 40
+
+        # Confirmed by the engine's events, not only remembered from the decision: the
+        # speculative entry expires after 0.2 s, the stored blocks stay.
+        await wait_until(
+            lambda: (
+                precise.indexer.stats.stored >= len(hashes)
+                and precise.index.stats()["replicas"][holder]["speculative"] == 0
+            ),
+            timeout=10,
+            what="BlockStored events to confirm the decision",
+        )
+        other = next(n for n in pool.replicas if n != holder)
+        assert precise.index.match(hashes, [holder, other]) == {holder: len(hashes), other: 0}
+
+        for question in ("And at Den Helder?", "How high does the spring tide rise?", "When is low tide?"):
+            r = await c.post(gw.url + "/v1/chat/completions", json=_chat(question))
+            assert r.status_code == 200
+            assert r.headers["x-kvgate-replica"] == holder
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 40 * 16
+        assert precise.tokenize_failures == 0
+        metrics = (await c.get(gw.url + "/metrics")).text
+        stored = _sample(metrics, 'kvgate_kv_event_blocks_total{outcome="stored",pool="p"}')
+        assert stored >= len(hashes)
+        assert _sample(metrics, f'kvgate_kv_event_batches_total{{pool="p",replica="{holder}"}}') > 0
+        assert _sample(metrics, 'kvgate_precise_tokenize_failures_total{pool="p"}') == 0
+
+        # The engine drops its cache (AllBlocksCleared): the gateway's view follows at once.
+        flushed = await c.post(url + "/flush_cache")
+        assert flushed.status_code == 200
+        await wait_until(
+            lambda: precise.index.match(hashes, [holder])[holder] == 0, timeout=10, what="the flush event"
+        )
+
+
+async def test_an_engine_that_cannot_tokenize_is_routed_without_prefix_information(
+    upstreams, gateway
+) -> None:
+    (up,) = await upstreams(1)  # a plain OpenAI-compatible server: no /tokenize
+    settings = gateway_settings(
+        [up.url],
+        pool={
+            "policy": {"type": "prefix_affinity"},
+            "prefix": {"mode": "precise"},
+            "endpoints": [{"url": up.url, "name": "r0", "kv_events": "tcp://127.0.0.1:9"}],
+        },
+    )
+    gw = await gateway(settings)
+    precise = gw.runtime.routers["p"].precise
+    assert precise is not None
+    async with httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(gw.url + "/v1/chat/completions", json=_chat("hello"))
+    assert r.status_code == 200, r.text
+    assert precise.tokenize_failures == 1
+    assert precise.index.stats()["distinct_blocks"] == 0
+
+
+def test_precise_mode_without_kv_events_is_a_config_error() -> None:
+    data = {
+        "pools": [
+            {"name": "p", "model": "m", "prefix": {"mode": "precise"}, "endpoints": [{"url": "http://h:1"}]}
+        ]
+    }
+    with pytest.raises(ConfigError, match="precise needs KV events"):
+        load_config(None, data)
+
+
+def _publishing_sim(**overrides: object) -> str:
+    """`--kv-events-config` as an operator following vLLM's docs writes it (topic left at its default)."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", **overrides})
+
+
+async def _kv_endpoint(url: str) -> str:
+    async with httpx.AsyncClient() as c:
+        return (await c.get(url + "/sim/state")).json()["kv_events_endpoint"]
+
+
+async def test_an_unmanaged_engine_with_vllms_default_topic_is_heard(gateway) -> None:
+    """vLLM's default topic is the empty string: `endpoints[].kv_events` given as a plain address
+    subscribes to exactly that, so an engine configured by vLLM's docs is heard."""
+    with sim_process("--kv-events-config", _publishing_sim(endpoint="tcp://127.0.0.1:*")) as url:
+        endpoint = await _kv_endpoint(url)
+        pool = {
+            "policy": {"type": "prefix_affinity"},
+            "prefix": {"mode": "precise"},
+            "endpoints": [{"url": url, "name": "r0", "kind": "sim", "kv_events": endpoint}],
+        }
+        gw = await gateway(gateway_settings([url], pool=pool))
+        precise = gw.runtime.routers["p"].precise
+        assert precise is not None and precise.subscribers["r0"].topic == ""
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(gw.url + "/v1/chat/completions", json=_chat("When is high tide at Texel?"))
+            assert r.status_code == 200, r.text
+        await wait_until(lambda: precise.indexer.stats.stored > 40, timeout=10, what="BlockStored events")
+        assert precise.events_state("r0") == "ok"
+
+
+async def test_missing_events_are_reported_and_routing_falls_back_visibly(gateway, caplog) -> None:
+    """Events that never come (here: the topic differs, so ZMQ filters every message out) are
+    reported once owed longer than kv_events_timeout_s, and the replica is routed by the
+    approximate index: the second request for the prompt is a cache hit, not a cold guess."""
+    caplog.set_level(logging.WARNING, logger="gateway.routing.precise_prefix")
+    with sim_process("--kv-events-config", _publishing_sim(endpoint="tcp://127.0.0.1:*")) as url:
+        endpoint = await _kv_endpoint(url)
+        pool = {
+            "policy": {"type": "prefix_affinity"},
+            "prefix": {"mode": "precise", "kv_events_timeout_s": 0.3, "speculative_ttl_s": 0.1},
+            "endpoints": [
+                {
+                    "url": url,
+                    "name": "r0",
+                    "kind": "sim",
+                    "kv_events": {"endpoint": endpoint, "topic": "other"},
+                }
+            ],
+        }
+        gw = await gateway(gateway_settings([url], pool=pool))
+        precise = gw.runtime.routers["p"].precise
+        assert precise is not None
+        async with httpx.AsyncClient(timeout=30) as c:
+            assert precise.events_state("r0") == "waiting"  # nothing owed before any traffic
+            first = await c.post(gw.url + "/v1/chat/completions", json=_chat("When is high tide?"))
+            assert first.status_code == 200
+            await wait_until(lambda: precise.events_state("r0") == "missing", timeout=10, what="missing")
+            assert any("no usable KV events from replica r0" in r.getMessage() for r in caplog.records)
+
+            second = await c.post(gw.url + "/v1/chat/completions", json=_chat("And at Den Helder?"))
+            assert second.status_code == 200
+            metrics = (await c.get(gw.url + "/metrics")).text
+            dashboard = (await c.get(gw.url + "/dashboard/state")).json()
+        assert _sample(metrics, 'kvgate_kv_events_state{pool="p",replica="r0",state="missing"}') == 1
+        assert _sample(metrics, 'kvgate_precise_fallback_decisions_total{pool="p",replica="r0"}') >= 1
+        decisions = 'kvgate_routing_decisions_total{policy="prefix_affinity",pool="p",reason="%s"}'
+        # The second request was matched on the approximate index (the speculative entry of the
+        # first had expired): a hit, where the precise index alone would have said cold.
+        assert _sample(metrics, decisions % "cold") == 1 and _sample(metrics, decisions % "cache_hit") == 1
+        kv = dashboard["pools"][0]["replicas"][0]["kv_events"]
+        assert kv["state"] == "missing" and kv["fallback_decisions"] >= 1
