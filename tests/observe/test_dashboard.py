@@ -37,7 +37,8 @@ needs_chromium = pytest.mark.skipif(
 def settings(urls: list[str]) -> Settings:
     return gateway_settings(
         urls,
-        server={"admin_key": ADMIN_KEY, "api_keys": [CLIENT_KEY]},
+        server={"api_keys": [CLIENT_KEY]},
+        control={"admin_key": ADMIN_KEY},
         tenants=[{"name": "tenant-acme", "api_key": TENANT_KEY}],
         routes=[{"model": "chat", "rules": [{"pools": [{"name": "p", "weight": 100}]}]}],
     )
