@@ -268,12 +268,15 @@ class Admin:
             responses={"4XX": {"model": ErrorResponse, "description": "An error, in the OpenAI form"}},
         )
         pool_404 = {404: {"model": ErrorResponse, "description": "No such pool or replica"}}
-        api.add_api_route("/routes", self.routes, methods=["GET"], summary="Routes and their rules")
+        api.add_api_route(
+            "/routes", self.routes, methods=["GET"], summary="Routes and their rules", tags=["rollouts"]
+        )
         api.add_api_route(
             "/routes/{model:path}/weights",
             self.set_weights,
             methods=["PUT"],
             summary="Set a route rule's weights (effective for the next request)",
+            tags=["rollouts"],
             responses={404: {"model": ErrorResponse, "description": "No such route or pool in the rule"}},
         )
         api.add_api_route(
@@ -281,15 +284,19 @@ class Admin:
             self.rollouts,
             methods=["GET"],
             summary="Each route's variants with their weights, shares and figures",
+            tags=["rollouts"],
             response_model_exclude_unset=True,
         )
-        api.add_api_route("/pools", self.pools, methods=["GET"], summary="Pools and their replicas")
+        api.add_api_route(
+            "/pools", self.pools, methods=["GET"], summary="Pools and their replicas", tags=["pools"]
+        )
         api.add_api_route(
             "/pools/{pool}/replicas",
             self.add_replica,
             methods=["POST"],
             status_code=201,
             summary="Add an unmanaged replica to a pool",
+            tags=["pools"],
             responses={**pool_404, 409: {"model": ErrorResponse, "description": "Already in the pool"}},
         )
         api.add_api_route(
@@ -297,6 +304,7 @@ class Admin:
             self.remove_replica,
             methods=["DELETE"],
             summary="Remove an unmanaged replica (requests in flight on it finish)",
+            tags=["pools"],
             responses={**pool_404, 409: {"model": ErrorResponse, "description": "A managed replica"}},
         )
         for action, handler in (("drain", self.drain), ("undrain", self.undrain)):
@@ -305,6 +313,7 @@ class Admin:
                 handler,
                 methods=["POST"],
                 summary=handler.__doc__,
+                tags=["pools"],
                 responses=pool_404,
             )
         api.add_api_route(
@@ -312,14 +321,18 @@ class Admin:
             self.reload,
             methods=["POST"],
             summary="Re-read the config file and apply routes, weights and endpoints (also on SIGHUP)",
+            tags=["gateway"],
             responses={409: {"model": ErrorResponse, "description": "Rejected: nothing was applied"}},
         )
-        api.add_api_route("/audit", self.audit_trail, methods=["GET"], summary="Who changed what")
+        api.add_api_route(
+            "/audit", self.audit_trail, methods=["GET"], summary="Who changed what", tags=["gateway"]
+        )
         api.add_api_route(
             "/state",
             self.state_status,
             methods=["GET"],
             summary="The shared state backend",
+            tags=["gateway"],
             response_model_exclude_unset=True,
         )
         return api
