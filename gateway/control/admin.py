@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable, Mapping
-from importlib import metadata
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -49,6 +48,9 @@ AdminCheck = Callable[[Mapping[str, str]], None]
 # Admin bodies are a few hundred bytes (weights, one endpoint); the bound is read before the key
 # is known to be right, so it is small.
 MAX_BODY_BYTES = 64 * 1024
+# The admin API's own version (the schema's `info.version`), raised when a route or model changes
+# incompatibly; the gateway's version is the status page's business.
+API_VERSION = "1"
 DOCS_URL = "/docs"
 OPENAPI_URL = "/openapi.json"
 # The docs page, its assets and the schema are open; the page runs only its own inline bootstrap
@@ -235,13 +237,9 @@ class Admin:
 
     def app(self, check_admin: AdminCheck) -> FastAPI:
         """The control plane's ASGI app: the /admin routes behind `check_admin`, the schema, the docs."""
-        try:
-            version = metadata.version("kvgate")
-        except metadata.PackageNotFoundError:
-            version = "dev"
         app = FastAPIOffline(
             title="kvgate control plane",
-            version=version,
+            version=API_VERSION,
             description=(
                 "Operate a running kvgate gateway: route weights, rollout figures, pools and "
                 "replicas, config reload, the audit trail. Every /admin route needs the admin key "

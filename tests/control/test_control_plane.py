@@ -14,7 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
+from gateway.cli import main as cli_main
 from gateway.config import ConfigError
 from gateway.control.admin import MAX_BODY_BYTES
 from gateway.server import ListenError, RunningGateway, start_gateway
@@ -265,12 +267,16 @@ async def test_a_taken_control_port_fails_the_start(upstreams) -> None:
         again.bind(("127.0.0.1", data_port))
 
 
-async def test_deprecated_server_admin_key_still_works(upstreams, gateway, caplog) -> None:
+async def test_deprecated_server_admin_key_still_works(upstreams, gateway, caplog, capsys, tmp_path) -> None:
     (up,) = await upstreams(1)
     settings = gateway_settings([up.url], server={"admin_key": KEY})
     assert settings.control.admin_key == KEY
     gw = await gateway(settings)
     assert "server.admin_key is deprecated: use control.admin_key" in caplog.text
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(settings.model_dump(mode="json", include={"server", "pools"})))
+    assert cli_main(["check-config", str(path)]) == 0
+    assert "warning: server.admin_key is deprecated" in capsys.readouterr().err
     async with httpx.AsyncClient(base_url=gw.control_url) as client:
         assert (await client.get("/admin/pools", headers=AUTH)).status_code == 200
     with pytest.raises(ConfigError, match=r"server\.admin_key .* and control\.admin_key differ"):
