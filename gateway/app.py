@@ -9,6 +9,7 @@ import orjson
 from aiohttp import web
 
 from gateway.admin import register_admin
+from gateway.api_routes import ApiRoutes
 from gateway.dashboard import Dashboard
 from gateway.errors import GatewayError, error_body
 from gateway.proxy import ENDPOINTS, Proxy
@@ -54,13 +55,6 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         )
 
 
-async def models(request: web.Request) -> web.Response:
-    rt = request.app[RUNTIME]
-    rt.auth.client(request)
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvgate"} for m in rt.router.models()]
-    return _json({"object": "list", "data": data})
-
-
 async def health(request: web.Request) -> web.Response:
     return _json({"status": "ok"})
 
@@ -78,7 +72,7 @@ def build_app(runtime: Runtime) -> web.Application:
     proxy = Proxy(runtime)
     for path in ENDPOINTS:
         app.router.add_post(path, proxy.handle)
-    app.router.add_get("/v1/models", models)
+    app.router.add_routes(ApiRoutes(runtime).routes())
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     if runtime.metrics is not None:

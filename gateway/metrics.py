@@ -220,7 +220,7 @@ class GatewayMetrics:
         PlatformCollector(registry=reg)
         self.traffic: dict[str, PoolTraffic] = {}
         self._bound: dict[tuple[Any, ...], _Bound] = {}
-        self._models = frozenset(runtime.router.models())
+        self._models = frozenset(runtime.models.names())
         self._reasons: dict[str, set[str]] = {}
 
     # -- the observer ---------------------------------------------------------------------

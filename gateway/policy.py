@@ -67,6 +67,7 @@ class RequestFeatures:
     stream: bool = False
     headers: Mapping[str, str] = field(default_factory=dict)
     text: str = ""  # the serialized prompt the hashes were taken over (for text-based policies)
+    adapter: str | None = None  # the LoRA adapter serving it (None: the base model)
 
 
 @dataclass(slots=True)

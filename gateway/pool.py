@@ -10,15 +10,28 @@ from typing import Any
 from gateway.breaker import CircuitBreaker
 from gateway.config import BreakerConfig, PoolConfig, ScrapeConfig
 from gateway.engines import EngineAdapter, adapter_for_spec, get_adapter
+from gateway.lora import PoolLora
 from gateway.policy import Candidate, Policy, RequestFeatures, load_policy
 from gateway.precise_prefix import PrecisePrefix
-from gateway.prefix_hash import PrefixHasher, prompt_pieces
+from gateway.prefix_hash import PrefixHasher, batch_tokens, prompt_pieces
 from gateway.prefix_index import PrefixIndex
 from gateway.replica import Replica, Role
+from gateway.tokens import get_tokenizer
 
 log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 4  # typical for English text; only sizes the prefix index
+
+
+def _endpoint_adapter(cfg: PoolConfig) -> EngineAdapter | None:
+    """An unmanaged pool's engine kind, as its first endpoint (or discovery) names it."""
+    kind = (
+        cfg.endpoints[0].kind if cfg.endpoints else cfg.discovery.kubernetes.kind if cfg.discovery else None
+    )
+    try:
+        return get_adapter(kind) if kind is not None else None
+    except KeyError:  # a plain OpenAI-compatible server
+        return None
 
 
 class Pool:
@@ -39,6 +52,7 @@ class Pool:
         self.policy = policy or load_policy(cfg.policy.type, cfg.policy.args)
         self.prefill_policy = load_policy(cfg.pd.prefill_policy.type, cfg.pd.prefill_policy.args)
         self.hasher = PrefixHasher(block_chars=cfg.prefix.block_chars)
+        self._count = get_tokenizer().count
         # Precise mode matches engine token blocks against the engines' KV events; its index
         # replaces the one learned from text blocks.
         self.precise = (
@@ -60,6 +74,7 @@ class Pool:
         self._sized_tokens_per_block = 0.0
         # Managed pools know their engine exactly; unmanaged ones by each endpoint's kind.
         self.adapter = adapter_for_spec(cfg.engines) if cfg.engines is not None else None
+        self.lora = PoolLora(cfg, self.adapter or _endpoint_adapter(cfg))
 
     def adapter_for(self, replica: Replica) -> EngineAdapter | None:
         if self.adapter is not None:
@@ -113,6 +128,7 @@ class Pool:
         replica = self.replicas.pop(name, None)
         if replica is not None:
             self.prefix_index.remove_replica(name)
+            self.lora.forget(name)
             if self.precise is not None:
                 self.precise.detach(name)
             log.info("pool %s: replica %s removed", self.name, name)
@@ -142,23 +158,38 @@ class Pool:
         pieces = prompt_pieces(body, endpoint)
         text = "".join(pieces)
         salt = body.get("cache_salt")
-        pf = self.hasher.features(self.upstream_model, salt if isinstance(salt, str) else None, text, pieces)
+        # The proxy set `model` to the engines' name for the request: the base model's, or an adapter's,
+        # whose prefixes are cached (and hashed here) apart from the base model's.
+        model = body.get("model")
+        adapter = self.lora.adapter_of(model) if isinstance(model, str) else None
+        pf = self.hasher.features(
+            adapter or self.upstream_model, salt if isinstance(salt, str) else None, text, pieces
+        )
         self._learn_token_size(len(text), pf.prompt_tokens)
+        prompt_tokens, block_tokens = pf.prompt_tokens, pf.block_tokens
+        exact_first, others = batch_tokens(body, endpoint, self._count)
+        if exact_first is not None:
+            # Token ids were hashed as text: the engine's own count, and blocks scaled to it.
+            scale = exact_first / max(1, prompt_tokens)
+            block_tokens = [round(t * scale) for t in block_tokens]
+            prompt_tokens = exact_first
+        prompt_tokens += others
         max_tokens = (
             body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
         )
         return RequestFeatures(
             request_id=request_id,
-            model=self.upstream_model,
+            model=adapter or self.upstream_model,
             pool=self.name,
             endpoint=endpoint,
-            prompt_tokens=pf.prompt_tokens,
+            prompt_tokens=prompt_tokens,
             max_tokens=max_tokens if isinstance(max_tokens, int) else None,
             block_hashes=pf.block_hashes,
-            block_tokens=pf.block_tokens,
+            block_tokens=block_tokens,
             stream=bool(body.get("stream")),
             headers=headers,
             text=text,
+            adapter=adapter,
         )
 
     def candidates(
@@ -181,7 +212,14 @@ class Pool:
     async def rank(self, features: RequestFeatures, role: str = "decode") -> list[Candidate]:
         """Available replicas for the leg, ranked best first by the pool's (or prefill) policy."""
         policy = self.prefill_policy if role == "prefill" else self.policy
-        return await policy.rank(features, self.candidates(features, self.serving(role), policy))
+        replicas = self.serving(role)
+        adapter = features.adapter
+        if adapter is None:
+            return await policy.rank(features, self.candidates(features, replicas, policy))
+        candidates = self.candidates(features, self.lora.eligible(replicas, adapter), policy)
+        if policy.uses_prefix_match:
+            self.lora.credit(candidates, adapter)
+        return await policy.rank(features, candidates)
 
     def learn(self, features: RequestFeatures, replica: Replica, role: str = "decode") -> None:
         """The request went to `replica`: it will hold the prompt's blocks once prefilled."""
@@ -190,6 +228,8 @@ class Pool:
             self.prefix_index.record(
                 replica.name, features.block_hashes, speculative=self.precise is not None
             )
+        if features.adapter is not None:
+            self.lora.routed(replica.name, features.adapter)
         (self.prefill_policy if role == "prefill" else self.policy).on_routed(features, replica)
 
     def tokens_per_block(self) -> float:

@@ -21,10 +21,12 @@ from gateway.canonicalize import canonicalize
 from gateway.errors import GatewayError, error_body, normalize_error_body
 from gateway.http1 import UpstreamResponse
 from gateway.limits import ShedError
+from gateway.model_catalog import Target
 from gateway.pd import DecodePlan, PDHandoff
 from gateway.policy import Candidate, RequestFeatures
 from gateway.replica import Replica
 from gateway.request_record import RequestRecord
+from gateway.sse_events import EventStream
 from gateway.tracing import NOOP
 from gateway.upstream import UpstreamError
 
@@ -38,7 +40,16 @@ ENDPOINTS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+    "/pooling": "pooling",
+    "/classify": "classify",
+    "/score": "score",
+    "/v1/score": "score",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
 }
+TARGET = web.RequestKey("kvgate_target", Target)
 # Not forwarded either way: hop-by-hop, framing the proxy redoes, and the gateway's own auth.
 _DROP_REQUEST = frozenset(
     {
@@ -153,16 +164,8 @@ class Proxy:
         if not isinstance(model, str):
             raise _client_error("`model` must be a string", "invalid_model", "model")
         rec.model = model
-        pool_name = self.rt.router.resolve(model, request.headers, body)
-        if pool_name is None:
-            raise GatewayError(
-                404,
-                f"the model `{model}` does not exist",
-                "invalid_request_error",
-                "model_not_found",
-                "model",
-            )
-        pool = self.rt.pools[pool_name]
+        target = request[TARGET] = self.rt.models.resolve(model, endpoint, request.headers, body)
+        pool = target.pool
         rec.pool = pool.name
         changed = False
         canon = pool.cfg.canonicalize
@@ -172,8 +175,8 @@ class Proxy:
             if result.body is not body:
                 body, changed = result.body, True
                 log.debug("request %s canonicalized: %s", rec.request_id, "; ".join(result.notes))
-        if model != pool.upstream_model:
-            body["model"] = pool.upstream_model
+        if model != target.upstream:
+            body["model"] = target.upstream
             changed = True
         scheduler = self.rt.scheduler
         features = pool.features(body, endpoint, rec.request_id, request.headers)
@@ -249,6 +252,10 @@ class Proxy:
                     rec.retries += 1
                     delay = min(retry_cfg.backoff_max_s, retry_cfg.backoff_initial_s * 2 ** (attempt - 1))
                     await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                if features.adapter is not None and not await pool.lora.ensure(
+                    replica, features.adapter, self.rt.lora.session
+                ):
+                    continue  # the adapter could not be loaded there
                 if not replica.breaker.try_acquire():
                     continue
                 lease = replica.lease(features.prompt_tokens)
@@ -357,6 +364,9 @@ class Proxy:
             finally:
                 resp.release()
             rec.first_byte_at = time.perf_counter()
+            rename = request[TARGET].rename
+            if rename is not None and not resp.header("Content-Encoding"):
+                raw = rename.apply(raw)
             return web.Response(status=resp.status, body=raw, headers=headers)
         return await self._relay_stream(request, resp, headers, rec)
 
@@ -369,13 +379,19 @@ class Proxy:
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status, headers=headers)
         finished = False
+        events = EventStream(request[TARGET].rename)
         try:
             await out.prepare(request)
             try:
                 async for chunk in self.rt.upstream.chunks(resp):
                     if rec.first_byte_at is None:
                         rec.first_byte_at = time.perf_counter()
-                    await out.write(chunk)
+                    chunk = events.feed(chunk)
+                    if chunk:
+                        await out.write(chunk)
+                tail = events.flush()
+                if tail:
+                    await out.write(tail)
             except UpstreamError as exc:
                 # Never truncate silently: the client learns the stream broke.
                 log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)

@@ -15,7 +15,9 @@ from gateway.engine_load import EngineLoad
 from gateway.health import HealthChecker
 from gateway.launcher import FleetLauncher, LaunchedReplica
 from gateway.load_scraper import LoadScraper
+from gateway.lora import LoraWatch
 from gateway.metrics import GatewayMetrics
+from gateway.model_catalog import ModelCatalog
 from gateway.pool import Pool
 from gateway.replica import Replica, Role
 from gateway.request_record import Observer, RequestRecord
@@ -59,6 +61,8 @@ class Runtime:
             d for pool in self.pools.values() if (d := make_discovery(self, pool)) is not None
         ]
         self.router = Router(settings.routes, {p.name: p.model for p in self.pools.values()})
+        self.models = ModelCatalog(self.pools, lambda: self.router)
+        self.lora = LoraWatch(self.pools.values())
         self.upstream = Upstream(settings.upstream)
         # Rate limits are charged through the state backend (created last: it wraps the pools'
         # indexes), so with Redis they hold across every gateway instance.
@@ -169,6 +173,7 @@ class Runtime:
         await self.state.start()
         self.health.start()
         await self.scraper.start()
+        self.lora.start()
         for pool in self.pools.values():
             if pool.precise is not None:
                 pool.precise.start()
@@ -183,6 +188,7 @@ class Runtime:
             await discovery.stop()
         await self.state.stop()
         await self.scraper.stop()
+        await self.lora.stop()
         await self.health.stop()
         await self.scheduler.close()
         for launcher in self.launchers:

@@ -112,5 +112,5 @@ def test_priority_direction_and_protocol() -> None:
 def test_flat_error_becomes_openai_error() -> None:
     flat = b'{"object":"error","message":"prompt too long","type":"BadRequestError","param":null,"code":400}'
     assert json.loads(sglang.normalize_error(flat, 400)) == {
-        "error": {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": "400"}
+        "error": {"message": "prompt too long", "type": "invalid_request_error", "param": None, "code": "bad_request"}
     }
