@@ -130,8 +130,7 @@ def _code(status: int, message: str, engine_type: str | None, param: str | None,
         return code[:_MAX_CODE]  # already a name (an OpenAI-compatible server's, or the gateway's)
     if status == 404 and param == "model":
         return "model_not_found"
-    lowered = message.lower()
-    if status == 400 and ("maximum context length" in lowered or "max_model_len" in lowered):
+    if status == 400 and "maximum context length" in message:  # vLLM's and SGLang's prompt-length text
         return "context_length_exceeded"
     if engine_type is not None:
         key = engine_type.strip().lower()

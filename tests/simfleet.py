@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import subprocess
-import time
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
 
-from tests.conftest import PYTHON, free_port, subprocess_env
+from tests.conftest import PYTHON, subprocess_env
 
 
 @contextmanager
@@ -18,7 +18,15 @@ def sim_process(
     *args: str, profile: str = "tiny", speedup: float = 20.0, env: dict[str, str] | None = None
 ) -> Iterator[str]:
     """One simulated replica; yields its URL once /health answers 200. `env` adds environment variables."""
-    port = free_port()
+    with sim_replicas(1, *args, profile=profile, speedup=speedup, env=env) as urls:
+        yield urls[0]
+
+
+@contextmanager
+def sim_replicas(
+    n: int, *args: str, profile: str = "tiny", speedup: float = 20.0, env: dict[str, str] | None = None
+) -> Iterator[list[str]]:
+    """`n` simulated replicas in one process, each with its own engine; yields their URLs once they listen."""
     argv = [
         PYTHON,
         "-m",
@@ -26,7 +34,9 @@ def sim_process(
         "--model",
         "m",
         "--port",
-        str(port),
+        "0",
+        "--replicas",
+        str(n),
         "--profile",
         profile,
         "--speedup",
@@ -34,21 +44,21 @@ def sim_process(
         *args,
     ]
     proc = subprocess.Popen(
-        argv, env={**subprocess_env(), **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        argv, env={**subprocess_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    url = f"http://127.0.0.1:{port}"
+    assert proc.stdout is not None
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
+        urls: list[str] = []
+        # Each replica prints its address once it listens (a port 0 bind picks free ports itself).
+        while len(urls) < n:
+            line = proc.stdout.readline().decode()
+            if not line:
                 raise RuntimeError(f"simulator did not start: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-            time.sleep(0.05)
-        yield url
+            if line.startswith("kvgate-sim listening on "):
+                urls.append(line.split()[3])
+        # Keep reading what it prints, so a full pipe never blocks it.
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        yield urls
     finally:
         proc.terminate()
         try:
