@@ -6,6 +6,9 @@ that every extra microsecond is the gateway's:
   (b) streaming first-chunk latency over keep-alive, gateway vs direct, interleaved;
   (c) C concurrent clients for D seconds: throughput, and the gateway process's CPU time
       per request (from /proc), which is what the gateway costs whatever the machine.
+And what naming the client's model in answers costs: (a) and (b) again through a route alias
+whose answers are renamed, against the same alias with `rewrite_model: false`, interleaved;
+and the rewrite's own time per body and per streamed chunk, in this process.
 The client is aiohttp on uvloop (an httpx client saturates a core near 900 requests/s,
 so it would measure itself). Run: `python -m bench.overhead [--quick]`.
 """
@@ -18,12 +21,14 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
 import yaml
 
+from bench import echo_upstream
 from bench.procs import HOST, Child, free_port_range, python_module
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
@@ -72,17 +77,27 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, first_chun
         return time.perf_counter() - t0
 
 
-async def sequential(direct: str, gateway: str, n: int, body: bytes, first_chunk: bool, name: str) -> Pair:
+async def sequential(
+    direct: str,
+    gateway: str,
+    n: int,
+    body: bytes,
+    first_chunk: bool,
+    name: str,
+    gateway_body: bytes | None = None,
+) -> Pair:
+    """`gateway_body`: what the second side sends, when it differs (the rename pairs)."""
     lat: dict[str, list[float]] = {"direct": [], "gateway": []}
+    other = gateway_body or body
     connector = aiohttp.TCPConnector(limit=4)
     async with aiohttp.ClientSession(connector=connector) as session:
         for _ in range(50):  # warm the keep-alive connections and both processes
             await _one(session, direct, body, first_chunk)
-            await _one(session, gateway, body, first_chunk)
+            await _one(session, gateway, other, first_chunk)
         # Interleaved so both sides see the same machine state (other load, CPU frequency).
         for _ in range(n):
             lat["direct"].append(await _one(session, direct, body, first_chunk))
-            lat["gateway"].append(await _one(session, gateway, body, first_chunk))
+            lat["gateway"].append(await _one(session, gateway, other, first_chunk))
     ms = {k: [v * 1e3 for v in vals] for k, vals in lat.items()}
     return Pair(name, summary(ms["direct"]), summary(ms["gateway"]))
 
@@ -129,6 +144,38 @@ def gateway_config(upstream: str, port: int) -> dict[str, object]:
         "pools": [
             {"name": "p", "model": "m", "policy": {"type": "round_robin"}, "endpoints": [{"url": upstream}]}
         ],
+        # The rename pairs: the same alias, answers renamed or not.
+        "routes": [
+            {"model": "alias", "rules": [{"pools": [{"name": "p"}]}]},
+            {"model": "alias-raw", "rules": [{"pools": [{"name": "p"}]}], "rewrite_model": False},
+        ],
+    }
+
+
+def _aliased(body: bytes, model: str) -> bytes:
+    return body.replace(b'"model": "m"', f'"model": "{model}"'.encode())
+
+
+def rewrite_cost(n: int = 20000) -> dict[str, float]:
+    """Microseconds per call of the rename on a whole body and per chunk of a stream, in this process."""
+    from gateway.model_names import ModelRename
+    from gateway.sse_events import EventStream
+
+    rename = ModelRename(["m"], "alias")
+    body = echo_upstream.COMPLETION
+    chunk = echo_upstream.CHUNK
+
+    def per_call(fn: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    plain, renamed = EventStream(None), EventStream(rename)
+    return {
+        "body_rename_us": per_call(lambda: rename.apply(body)),
+        "chunk_events_us": per_call(lambda: plain.feed(chunk)),
+        "chunk_events_renamed_us": per_call(lambda: renamed.feed(chunk)),
     }
 
 
@@ -177,6 +224,21 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 upstream_url + path, gateway_url + path, args.n, STREAM_BODY, True, "(b) stream first chunk"
             ),
         ]
+        gw = gateway_url + path
+        renames = [
+            await sequential(
+                gw, gw, args.n, _aliased(BODY, "alias-raw"), False, "(a) alias", _aliased(BODY, "alias")
+            ),
+            await sequential(
+                gw,
+                gw,
+                args.n,
+                _aliased(STREAM_BODY, "alias-raw"),
+                True,
+                "(b) alias first chunk",
+                _aliased(STREAM_BODY, "alias"),
+            ),
+        ]
         assert gateway.proc is not None
         conc = {
             f"direct x{args.clients}": await concurrent(
@@ -186,11 +248,34 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 gateway_url + path, args.clients, args.duration, gateway.proc.pid
             ),
         }
+    cost = rewrite_cost()
     return {
         "pairs": [{**asdict(p), "added_ms": p.added_ms} for p in pairs],
         "concurrent": conc,
-        "table": table(pairs, conc),
+        "rename_pairs": [{**asdict(p), "added_ms": p.added_ms} for p in renames],
+        "rewrite_cost_us": cost,
+        "table": table(pairs, conc) + "\n\n" + rename_table(renames, cost),
     }
+
+
+def rename_table(pairs: list[Pair], cost: dict[str, float]) -> str:
+    lines = [
+        "| rename (same alias) | rewrite_model false p50 / p99 (ms) | renamed p50 / p99 (ms) "
+        "| added p50 / p99 (ms) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for p in pairs:
+        d, g, a = p.direct_ms, p.gateway_ms, p.added_ms
+        lines.append(
+            f"| {p.name} | {d['p50']:.3f} / {d['p99']:.3f} | {g['p50']:.3f} / {g['p99']:.3f} | "
+            f"{a['p50']:.3f} / {a['p99']:.3f} |"
+        )
+    lines += [
+        "",
+        f"In process: rename of a whole body {cost['body_rename_us']:.2f} us; a streamed chunk through the "
+        f"event rewriter {cost['chunk_events_us']:.2f} us, renamed {cost['chunk_events_renamed_us']:.2f} us.",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -288,6 +288,8 @@ def run_point(
     )
     log_dir = out_dir / "logs"
     with Fleet(fleet_spec, log_dir, tag).start() as fleet:
+        # Adapters from --lora-modules are read from disk at start: only the run's loads count.
+        at_start = engine_metrics.fleet_counters(fleet.urls)
         if config.mode == "direct":
             result = loadgen.run_sync(loadgen.run(requests, load, fleet.urls, opts, len(fleet.urls)))
             engine = engine_metrics.fleet_counters(fleet.urls)
@@ -321,6 +323,13 @@ def run_point(
             fh.write(json.dumps(r.to_dict()) + "\n")
     summary = summarize(result)
     if engine:
+        if "lora_swaps" in engine and result.wall_s > 0:
+            for key in ("lora_swaps", "lora_disk_loads"):
+                engine[key] -= at_start.get(key, 0.0)
+            # Per minute of the run (simulated minutes at a speedup other than 1: the engines' clock).
+            minutes = result.wall_s * fleet_spec.speedup / 60.0
+            engine["lora_swaps_per_min"] = engine["lora_swaps"] / minutes
+            engine["lora_disk_loads_per_min"] = engine["lora_disk_loads"] / minutes
         summary["engine"] = engine
     summary["fleet"] = {
         "profile": fleet_spec.profile,

@@ -87,8 +87,10 @@ class ApiRoutes:
                 resp = await self.rt.upstream.open("POST", replica.url + request.path, raw, headers)
                 try:
                     answer = await self.rt.upstream.read(resp)
-                finally:
-                    resp.release()
+                except BaseException:
+                    resp.close()  # the body was not read to its end: the connection is not reusable
+                    raise
+                resp.release()
             except UpstreamError as exc:
                 log.warning("%s on replica %s failed: %s", request.path, replica.name, exc)
                 failure = str(exc)

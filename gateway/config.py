@@ -328,7 +328,7 @@ class PoolLoraConfig(_Strict):
         10.0, gt=0, description="After a failed load, wait this long before trying that replica again"
     )
     affinity_tokens: int = Field(
-        2048,
+        512,
         ge=0,
         description="Prefix-aware policies: an adapter believed resident on a replica counts as this "
         "many cached prompt tokens there (a swap-in, and a batch slot)",

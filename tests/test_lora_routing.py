@@ -157,12 +157,12 @@ def test_prefixes_are_hashed_per_adapter() -> None:
 
 
 async def test_a_hot_adapter_spills_like_a_hot_prefix() -> None:
-    pool = _pool(affinity_tokens=2048)
+    pool = _pool()
     features = pool.features({"model": "a", "prompt": "short question"}, "completions", "r", {})
     pool.learn(features, pool.replicas["r0"])  # `a` is resident on r0
     assert (await pool.rank(features))[0].replica.name == "r0"
     # r0 now runs many requests: waiting there costs more than swapping `a` in on r1.
-    leases = [pool.replicas["r0"].lease(10) for _ in range(150)]
+    leases = [pool.replicas["r0"].lease(10) for _ in range(40)]
     features = pool.features({"model": "a", "prompt": "another question"}, "completions", "r2", {})
     assert (await pool.rank(features))[0].replica.name == "r1"
     for lease in leases:
