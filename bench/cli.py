@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +20,8 @@ from typing import Any
 
 from bench import loadgen, procs
 from bench.client import ClientOptions
+from bench.faults import FaultScenario, run_faults
+from bench.faults import markdown as fault_markdown
 from bench.loadgen import LoadSpec
 from bench.report import summary_table, write_reports
 from bench.scenario import (
@@ -177,8 +181,40 @@ def _run_workload(args: argparse.Namespace, workload_name: str, params: dict[str
     return 0
 
 
+def _faults(scenario: FaultScenario, args: argparse.Namespace) -> int:
+    size = args.size or "full"
+    if args.speedup is not None:
+        scenario.fleet.speedup = args.speedup
+    if args.profile:
+        scenario.fleet.profile = args.profile
+    if args.seed is not None:
+        scenario.seed = args.seed
+    out = args.out or DEFAULT_OUT / scenario.name
+    started = time.monotonic()
+    result = run_faults(scenario, size, out, lambda m: print(m, flush=True))
+    meta = {
+        "scenario": f"{scenario.name} ({size}): {scenario.description}".strip(),
+        "fleet": f"{scenario.fleet.replicas} x {scenario.fleet.module} profile {scenario.fleet.profile}, "
+        f"speedup {scenario.fleet.speedup:g}",
+        "load": f"{scenario.load.concurrency} streaming clients in a closed loop, "
+        f"{scenario.load.max_tokens} tokens each",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "load average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+    md = fault_markdown(result, f"kvgate bench scenario: {scenario.name}", meta)
+    (out / "report.json").write_text(json.dumps({"meta": meta, **result}, indent=2))
+    (out / "report.md").write_text(md)
+    print(md)
+    print(
+        f"finished in {time.monotonic() - started:.0f} s; reports: {out / 'report.md'}, {out / 'report.json'}"
+    )
+    return 0 if result["lost"] == 0 and result["wrong_client"] == 0 else 1
+
+
 def _scenario(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
+    if isinstance(scenario, FaultScenario):
+        return _faults(scenario, args)
     if args.baseline:
         scenario.baseline = args.baseline
     only = args.only.split(",") if args.only else None
@@ -228,7 +264,10 @@ def _list() -> int:
     print("scenarios:")
     for name in available_scenarios():
         scenario = load_scenario(name)
-        print(f"  {name:24s} {scenario.description} [{', '.join(c.name for c in scenario.configs)}]")
+        configs = (
+            "faults" if isinstance(scenario, FaultScenario) else ", ".join(c.name for c in scenario.configs)
+        )
+        print(f"  {name:24s} {scenario.description} [{configs}]")
     return 0
 
 

@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # large prompts too (bench.loop_block)
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_get("/health", health)
     try:

@@ -10,13 +10,17 @@ And what naming the client's model in answers costs: (a) and (b) again through a
 whose answers are renamed, against the same alias with `rewrite_model: false`, interleaved;
 and the rewrite's own time per body and per streamed chunk, in this process.
 The client is aiohttp on uvloop (an httpx client saturates a core near 900 requests/s,
-so it would measure itself). Run: `python -m bench.overhead [--quick]`.
+so it would measure itself). `--transport both` puts one gateway per upstream transport
+(`upstream.transport`: http1, aiohttp) in front of the same upstream and interleaves all of
+them, so the transports are compared side by side in one run.
+Run: `python -m bench.overhead [--quick] [--transport http1|aiohttp|both]`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import tempfile
@@ -79,27 +83,29 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, first_chun
 
 async def sequential(
     direct: str,
-    gateway: str,
+    gateways: dict[str, str],
     n: int,
     body: bytes,
     first_chunk: bool,
     name: str,
-    gateway_body: bytes | None = None,
-) -> Pair:
-    """`gateway_body`: what the second side sends, when it differs (the rename pairs)."""
-    lat: dict[str, list[float]] = {"direct": [], "gateway": []}
-    other = gateway_body or body
+    bodies: dict[str, bytes] | None = None,
+) -> list[Pair]:
+    """One Pair per gateway; all sides interleaved, the direct samples shared. `bodies`: what a
+    gateway side sends when it differs from `body` (the rename pairs)."""
+    sides = {"direct": direct, **gateways}
+    send = {side: (bodies or {}).get(side, body) for side in sides}
+    lat: dict[str, list[float]] = {side: [] for side in sides}
     connector = aiohttp.TCPConnector(limit=4)
     async with aiohttp.ClientSession(connector=connector) as session:
-        for _ in range(50):  # warm the keep-alive connections and both processes
-            await _one(session, direct, body, first_chunk)
-            await _one(session, gateway, other, first_chunk)
-        # Interleaved so both sides see the same machine state (other load, CPU frequency).
+        for _ in range(50):  # warm the keep-alive connections and every process
+            for side, url in sides.items():
+                await _one(session, url, send[side], first_chunk)
+        # Interleaved so every side sees the same machine state (other load, CPU frequency).
         for _ in range(n):
-            lat["direct"].append(await _one(session, direct, body, first_chunk))
-            lat["gateway"].append(await _one(session, gateway, other, first_chunk))
-    ms = {k: [v * 1e3 for v in vals] for k, vals in lat.items()}
-    return Pair(name, summary(ms["direct"]), summary(ms["gateway"]))
+            for side, url in sides.items():
+                lat[side].append(await _one(session, url, send[side], first_chunk))
+    ms = {k: summary([v * 1e3 for v in vals]) for k, vals in lat.items()}
+    return [Pair(f"{name} [{label}]", ms["direct"], ms[label]) for label in gateways]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -137,9 +143,10 @@ async def concurrent(url: str, clients: int, duration_s: float, pid: int | None)
     return out
 
 
-def gateway_config(upstream: str, port: int) -> dict[str, object]:
+def gateway_config(upstream: str, port: int, transport: str) -> dict[str, object]:
     return {
         "server": {"host": HOST, "port": port, "access_log": False, "log_level": "warning"},
+        "upstream": {"transport": transport},
         "scheduler": {"enabled": True},
         "pools": [
             {"name": "p", "model": "m", "policy": {"type": "round_robin"}, "endpoints": [{"url": upstream}]}
@@ -205,56 +212,66 @@ def table(pairs: list[Pair], conc: dict[str, dict[str, float]]) -> str:
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
-    base = free_port_range(2)
-    upstream_url, gateway_url = f"http://{HOST}:{base}", f"http://{HOST}:{base + 1}"
+    transports = ["http1", "aiohttp"] if args.transport == "both" else [args.transport]
+    base = free_port_range(1 + len(transports))
+    upstream_url = f"http://{HOST}:{base}"
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-overhead-"))
-    cfg = workdir / "gateway.yaml"
-    cfg.write_text(yaml.safe_dump(gateway_config(upstream_url, base + 1)))
     upstream = Child(
         "upstream", python_module("bench.echo_upstream", "--port", str(base)), workdir / "up.log"
     )
-    gateway = Child("gateway", python_module("gateway", "serve", "--config", str(cfg)), workdir / "gw.log")
-    with upstream.start(), gateway.start():
+    gateways: dict[str, tuple[str, Child]] = {}
+    for i, transport in enumerate(transports, start=1):
+        cfg = workdir / f"gateway-{transport}.yaml"
+        cfg.write_text(yaml.safe_dump(gateway_config(upstream_url, base + i, transport)))
+        argv = python_module("gateway", "serve", "--config", str(cfg))
+        gateways[transport] = (
+            f"http://{HOST}:{base + i}",
+            Child(f"gateway-{transport}", argv, workdir / f"{transport}.log"),
+        )
+    load_before = os.getloadavg()[0]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(upstream.start())
+        for _, child in gateways.values():
+            stack.enter_context(child.start())
         upstream.wait_ready([upstream_url + "/health"], 30)
-        gateway.wait_ready([gateway_url + "/ready"], 30)
+        for url, child in gateways.values():
+            child.wait_ready([url + "/ready"], 30)
         path = "/v1/chat/completions"
+        urls = {t: url + path for t, (url, _) in gateways.items()}
         pairs = [
-            await sequential(upstream_url + path, gateway_url + path, args.n, BODY, False, "(a) sequential"),
-            await sequential(
-                upstream_url + path, gateway_url + path, args.n, STREAM_BODY, True, "(b) stream first chunk"
-            ),
+            *await sequential(upstream_url + path, urls, args.n, BODY, False, "(a) sequential"),
+            *await sequential(upstream_url + path, urls, args.n, STREAM_BODY, True, "(b) stream first chunk"),
         ]
-        gw = gateway_url + path
+        # The rename pairs, on the first gateway: the same alias, renamed against not.
+        gw = next(iter(urls.values()))
+        raw_body, raw_stream = _aliased(BODY, "alias-raw"), _aliased(STREAM_BODY, "alias-raw")
+        renamed_body = {"renamed": _aliased(BODY, "alias")}
+        renamed_stream = {"renamed": _aliased(STREAM_BODY, "alias")}
         renames = [
-            await sequential(
-                gw, gw, args.n, _aliased(BODY, "alias-raw"), False, "(a) alias", _aliased(BODY, "alias")
-            ),
-            await sequential(
-                gw,
-                gw,
-                args.n,
-                _aliased(STREAM_BODY, "alias-raw"),
-                True,
-                "(b) alias first chunk",
-                _aliased(STREAM_BODY, "alias"),
+            *await sequential(gw, {"renamed": gw}, args.n, raw_body, False, "(a) alias", renamed_body),
+            *await sequential(
+                gw, {"renamed": gw}, args.n, raw_stream, True, "(b) alias chunk", renamed_stream
             ),
         ]
-        assert gateway.proc is not None
         conc = {
             f"direct x{args.clients}": await concurrent(
                 upstream_url + path, args.clients, args.duration, None
-            ),
-            f"gateway x{args.clients}": await concurrent(
-                gateway_url + path, args.clients, args.duration, gateway.proc.pid
-            ),
+            )
         }
+        for t, (url, child) in gateways.items():
+            assert child.proc is not None
+            conc[f"gateway [{t}] x{args.clients}"] = await concurrent(
+                url + path, args.clients, args.duration, child.proc.pid
+            )
     cost = rewrite_cost()
+    load = f"load average (1 min) {load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end"
     return {
         "pairs": [{**asdict(p), "added_ms": p.added_ms} for p in pairs],
         "concurrent": conc,
         "rename_pairs": [{**asdict(p), "added_ms": p.added_ms} for p in renames],
         "rewrite_cost_us": cost,
-        "table": table(pairs, conc) + "\n\n" + rename_table(renames, cost),
+        "load": load,
+        "table": table(pairs, conc) + "\n\n" + rename_table(renames, cost) + f"\n\n{load}",
     }
 
 
@@ -289,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--out", default="bench/out/overhead")
+    parser.add_argument(
+        "--transport",
+        choices=["http1", "aiohttp", "both"],
+        default="http1",
+        help="the gateway's upstream transport; both: one gateway each, side by side",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.n, args.duration = 200, 2.0

@@ -7,6 +7,7 @@ or never gets ready raises ProcessError with the tail of its log.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -127,6 +128,26 @@ def _answers_200(url: str) -> bool:
 
 def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
+
+
+def source_trees(compare: str | None) -> dict[str, dict[str, str] | None]:
+    """The gateways a side-by-side benchmark runs: this tree, and with `compare` (a directory, e.g.
+    `git archive <rev> | tar -x -C DIR`) another, by name, each with the environment that makes
+    `python -m gateway` import it (PYTHONSAFEPATH: the working directory must not shadow it)."""
+    trees: dict[str, dict[str, str] | None] = {"this tree": None}
+    if compare:
+        tree = str(Path(compare).resolve())
+        trees[f"compare ({tree})"] = {"PYTHONPATH": tree, "PYTHONSAFEPATH": "1"}
+    return trees
+
+
+def write_report(out: Path, stem: str, data: dict[str, object], table: str) -> None:
+    """`<stem>.json` and `<stem>.md` under `out`, the table printed with the load average."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({"load": os.getloadavg(), **data}, indent=2))
+    (out / f"{stem}.md").write_text(table + "\n")
+    print(table)
+    print(f"\nload average {os.getloadavg()[0]:.2f}; written to {out}/")
 
 
 def raise_keyboard_interrupt_on_sigterm() -> None:

@@ -18,7 +18,7 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
@@ -27,6 +27,9 @@ from bench.client import ClientOptions
 from bench.loadgen import LoadSpec
 from bench.stats import summarize
 from bench.workloads import BenchRequest, make_workload
+
+if TYPE_CHECKING:
+    from bench.faults import FaultScenario
 
 log = logging.getLogger(__name__)
 
@@ -153,13 +156,19 @@ def available_scenarios() -> list[str]:
     return sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml") if p.stem != BASE_GATEWAY_CONFIG.stem)
 
 
-def load_scenario(name_or_path: str) -> Scenario:
+def load_scenario(name_or_path: str) -> Scenario | FaultScenario:
+    """A workload scenario, or (`kind: faults`) a fault schedule run by bench/faults.py."""
     path = Path(name_or_path)
     if not path.exists():
         path = SCENARIO_DIR / f"{name_or_path}.yaml"
     if not path.exists():
         raise ValueError(f"no scenario {name_or_path!r}; built-in: {', '.join(available_scenarios())}")
-    return scenario_from_dict(yaml.safe_load(path.read_text()))
+    data = yaml.safe_load(path.read_text())
+    if data.get("kind") == "faults":
+        from bench.faults import fault_scenario_from_dict  # it builds on this module
+
+        return fault_scenario_from_dict(data)
+    return scenario_from_dict(data)
 
 
 def load_spec(point: dict[str, Any], size: SizeSpec, seed: int) -> LoadSpec:
@@ -226,9 +235,10 @@ class Fleet:
                 base = procs.free_port_range(2 * n if self.spec.kv_events else n)
                 urls = [f"http://{procs.HOST}:{base + k}" for k in range(n)]
                 # Publishers take the n ports after the HTTP ones: the simulator offsets each
-                # replica's port by its index, as vLLM does per rank.
+                # replica's port by its index, as vLLM does per rank. As vLLM, it binds only an
+                # endpoint holding `*` (and the topic is left at vLLM's default, "").
                 kv = [f"tcp://{procs.HOST}:{base + n + k}" for k in range(n)] if self.spec.kv_events else []
-                config = {"enable_kv_cache_events": True, "endpoint": kv[0]} if kv else None
+                config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{base + n}"} if kv else None
                 events = ["--kv-events-config", json.dumps(config)] if config else []
                 argv = procs.python_module(
                     self.spec.module,

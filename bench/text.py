@@ -58,3 +58,10 @@ def block(key: str, n_tokens: int, first: int) -> str:
         return ""
     vocab = vocabulary()
     return vocab[first % len(vocab)] + words(key, n_tokens - 1)
+
+
+def numbered_words(key: str, n: int) -> str:
+    """n words ` tN` (0 < N < 128000), as the GPU kit's prompts: one token each for its WordLevel
+    tokenizer (and the simulator's `--tokenizer builtin:words`), about three each for cl100k."""
+    rng = random.Random(key)
+    return "".join(f" t{rng.randrange(1, 128000)}" for _ in range(n))

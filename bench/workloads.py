@@ -107,9 +107,19 @@ class SharedPrefix(Workload):
     system_tokens: int = 2048
     question_tokens: int = 128
     output_tokens: int = 128
+    # "single-token": words cl100k keeps as one token each; "numbered": ` tN` words, one token each
+    # for the GPU kit's tokenizer (sim `--tokenizer builtin:words`) and about three for cl100k.
+    vocabulary: str = "single-token"
+
+    def __post_init__(self) -> None:
+        if self.vocabulary not in ("single-token", "numbered"):
+            raise ValueError(f"vocabulary {self.vocabulary!r}: expected single-token or numbered")
+
+    def words(self, key: str, n: int) -> str:
+        return text.numbered_words(key, n) if self.vocabulary == "numbered" else text.words(key, n)
 
     def system_prompt(self, seed: int, group: int) -> str:
-        return text.words(f"sys:{seed}:{group}", self.system_tokens)
+        return self.words(f"sys:{seed}:{group}", self.system_tokens)
 
     def build(self, seed: int) -> list[BenchRequest]:
         rng = random.Random(f"shared-prefix:{seed}")
@@ -118,7 +128,7 @@ class SharedPrefix(Workload):
         systems = {g: self.system_prompt(seed, g) for g in range(self.groups)}
         out = []
         for i, (g, p) in enumerate(pairs):
-            question = text.words(f"q:{seed}:{g}:{p}", self.question_tokens)
+            question = self.words(f"q:{seed}:{g}:{p}", self.question_tokens)
             out.append(
                 BenchRequest(
                     index=i,

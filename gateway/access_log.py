@@ -37,6 +37,8 @@ def access_fields(rec: RequestRecord) -> dict[str, object]:
         "total_ms": _ms(rec.duration_s),
     }
     # Only present when they say something, to keep the common line short.
+    if rec.engine_request_id and rec.engine_request_id != rec.request_id:
+        fields["engine_request_id"] = rec.engine_request_id
     if rec.error_code:
         fields["error"] = rec.error_code
     if rec.shed_reason:

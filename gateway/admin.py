@@ -19,9 +19,11 @@ from aiohttp import web
 
 from gateway.config import ConfigError, EndpointConfig, Settings, load_config
 from gateway.errors import GatewayError
+from gateway.logs import clip
 from gateway.pool import Pool
-from gateway.proxy import parse_json_body
+from gateway.preflight import preflight
 from gateway.replica import Replica
+from gateway.request_body import parse_json_body
 from gateway.rollout import Router
 from gateway.runtime import Runtime
 
@@ -124,6 +126,7 @@ async def reload_config(runtime: Runtime, who: str) -> dict[str, Any]:
         raise ReloadRejected("the gateway was not started from a config file")
     try:
         new = load_config(runtime.config_path)
+        preflight(new)
     except ConfigError as exc:
         raise ReloadRejected(f"invalid config: {exc}") from None
     if runtime.server_overrides:  # what the command line set wins over the file, as at start
@@ -148,7 +151,7 @@ class Admin:
         name = request.match_info["pool"]
         pool = self.rt.pools.get(name)
         if pool is None:
-            raise _bad(f"no pool {name!r}", "pool_not_found", 404)
+            raise _bad(f"no pool {clip(name, 64)!r}", "pool_not_found", 404)
         return pool
 
     def _replica(self, request: web.Request) -> Replica:
@@ -156,11 +159,11 @@ class Admin:
         name = request.match_info["replica"]
         replica = pool.replicas.get(name)
         if replica is None:
-            raise _bad(f"pool {pool.name!r} has no replica {name!r}", "replica_not_found", 404)
+            raise _bad(f"pool {pool.name!r} has no replica {clip(name, 64)!r}", "replica_not_found", 404)
         return replica
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        return parse_json_body(await request.read())
+        return parse_json_body(await request.read(), self.rt.settings.server.max_json_depth)
 
     async def routes(self, request: web.Request) -> web.Response:
         return _json({"routes": self.rt.router.describe()})

@@ -17,7 +17,8 @@ import orjson
 from aiohttp import web
 
 from gateway.errors import GatewayError, normalize_error_body
-from gateway.proxy import parse_json_body, read_body
+from gateway.logs import clip
+from gateway.request_body import parse_json_body, read_body
 from gateway.upstream import UpstreamError
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class ApiRoutes:
         if card is None:
             raise GatewayError(
                 404,
-                f"the model `{name[:256]}` does not exist",
+                f"the model `{clip(name)}` does not exist",
                 "invalid_request_error",
                 "model_not_found",
                 "model",
@@ -65,8 +66,9 @@ class ApiRoutes:
 
     async def tokenizer(self, request: web.Request) -> web.Response:
         self.rt.auth.client(request)
-        raw = await read_body(request, self.rt.settings.server.max_body_bytes)
-        body = parse_json_body(raw)
+        server = self.rt.settings.server
+        raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
+        body = parse_json_body(raw, server.max_json_depth)
         target = self.rt.models.resolve(self._model(body), None, request.headers, body)
         if body.get("model") != target.upstream:
             body["model"] = target.upstream

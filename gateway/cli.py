@@ -61,17 +61,23 @@ def main(argv: list[str] | None = None) -> int:
 
         return render_main(argv[1:])
     args = _parser().parse_args(argv)
+    from gateway.preflight import preflight
+
     try:
         if args.command == "check-config":
             settings = load_config(args.config)
+            preflight(settings)
             print(f"{args.config}: ok ({len(settings.pools)} pools, {len(settings.routes)} routes)")
             return 0
         if args.command == "launch":
             from gateway.launcher import dry_run
 
-            print(dry_run(_load(args.config)))
+            settings = _load(args.config)
+            preflight(settings)
+            print(dry_run(settings))
             return 0
         settings = _load(args.config)
+        preflight(settings)
         server_overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         if server_overrides:
             server = settings.server.model_copy(update=server_overrides)

@@ -1,19 +1,31 @@
 """All of kvgate's settings: one validated tree, from a YAML file plus `KVGATE_*` overrides.
 
 Environment variables override the file, nested keys joined by `__`
-(`KVGATE_SERVER__PORT=9000`). Validation happens once at start; `load_config` raises
-`ConfigError` whose message is one line naming the bad key and why.
+(`KVGATE_SERVER__PORT=9000`); a list is JSON (`'["a","b"]'`) or comma-separated (`a,b`).
+Validation happens once at start; `load_config` raises `ConfigError` whose message is one line
+naming the bad key and why.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
+
+from gateway.transports.base import parse_target
 
 
 class ConfigError(Exception):
@@ -39,7 +51,14 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535)
     api_keys: list[str] = Field(default_factory=list, description="Client keys; empty = no auth")
     admin_key: str | None = Field(None, description="Key for /admin routes; unset = admin disabled")
-    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="After decompression")
+    max_json_depth: int = Field(
+        64, ge=2, le=200, description="Deepest nesting of arrays and objects a request body may have"
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="Longest pause while a client sends its body")
+    offload_body_bytes: int = Field(
+        128 * 1024, ge=0, description="Larger bodies are canonicalized and hashed in a worker thread"
+    )
     grace_period_s: float = Field(30.0, ge=0)
     shutdown_delay_s: float = Field(
         0.0,
@@ -47,16 +66,51 @@ class ServerConfig(_Strict):
         description="On SIGTERM, fail /ready and keep serving this long before closing the listener, so a "
         "load balancer (a Kubernetes Service) stops sending first; grace_period_s starts after it",
     )
+    header_timeout_s: float = Field(10.0, gt=0, description="A new connection's first request head")
+    keepalive_timeout_s: float = Field(75.0, gt=0, description="An idle connection between requests")
+    max_connections: int = Field(
+        10_000, gt=0, description="Client connections; lowered at start if file descriptors cannot cover it"
+    )
+    reserved_connections: int = Field(
+        32, ge=0, description="Beyond max_connections: answered for /health, /ready and /live only"
+    )
     access_log: bool = True
     log_json: bool = False
     log_level: str = "info"
+    ready: Literal["any", "all"] | list[str] = Field(
+        "any",
+        description="When /ready answers 200: `any` pool has a healthy replica, `all` pools do, or "
+        "every pool of a list does (never while draining)",
+    )
+
+
+class UpstreamTLS(_Strict):
+    verify: bool = Field(
+        True, description="Check engines' certificates and host names; false only on purpose"
+    )
+    ca_file: str | None = Field(None, description="PEM bundle to trust instead of the system's CAs")
 
 
 class UpstreamConfig(_Strict):
+    transport: Literal["http1", "aiohttp"] = Field(
+        "http1", description="http1: kvgate's own client (fast); aiohttp: aiohttp's client (fallback)"
+    )
     connect_timeout_s: float = Field(5.0, gt=0)
-    first_byte_timeout_s: float = Field(300.0, gt=0, description="Until the engine's response headers")
+    first_byte_timeout_s: float = Field(
+        300.0, gt=0, description="Until the engine's response headers, waiting for a free connection included"
+    )
     idle_timeout_s: float = Field(120.0, gt=0, description="Between two body chunks")
-    max_connections: int = Field(4096, gt=0)
+    max_connections: int = Field(4096, gt=0, description="Per engine host:port, idle ones included")
+    max_response_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="Largest non-streamed engine answer (streams are relayed as they come)",
+    )
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest response head (status line, headers)"
+    )
+    max_headers: int = Field(100, ge=8, description="Most headers in one engine response")
+    tls: UpstreamTLS = Field(default_factory=UpstreamTLS)
 
 
 class RetryConfig(_Strict):
@@ -181,6 +235,28 @@ class EngineSpec(_Strict):
         return self
 
 
+class KVEventsSource(_Strict):
+    """Where a subscriber reaches an engine's KV event publisher (ZMQ PUB)."""
+
+    endpoint: str = Field(
+        description="The address to CONNECT to, e.g. tcp://10.0.0.5:5557 for an engine started with "
+        '--kv-events-config \'{"enable_kv_cache_events":true,"endpoint":"tcp://*:5557"}\' (vLLM and '
+        "SGLang bind only an endpoint holding `*`)"
+    )
+    topic: str = Field("", description="The publisher's topic: vLLM's and SGLang's default is empty")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _connectable(cls, v: str) -> str:
+        if not v.startswith(("tcp://", "ipc://")):
+            raise ValueError("must start with tcp:// or ipc://")
+        if "*" in v:
+            raise ValueError(
+                f"{v!r} is the engine's bind address; give the address to connect to (its host, not `*`)"
+            )
+        return v
+
+
 class EndpointConfig(_Strict):
     """An unmanaged engine that someone else runs."""
 
@@ -189,15 +265,23 @@ class EndpointConfig(_Strict):
     role: Literal["mixed", "prefill", "decode"] = "mixed"
     kind: Literal["vllm", "sglang", "sim", "openai"] = "vllm"
     bootstrap_port: int | None = Field(None, description="SGLang prefill bootstrap port")
-    kv_events: str | None = Field(
-        None, description="The engine's KV event publisher (ZMQ), e.g. tcp://10.0.0.5:5557, for precise mode"
+    kv_events: KVEventsSource | None = Field(
+        None,
+        description="Precise mode: the engine's KV event publisher, {endpoint, topic} or just the endpoint "
+        "(topic empty, the engines' default)",
     )
+
+    @field_validator("kv_events", mode="before")
+    @classmethod
+    def _endpoint_only(cls, v: Any) -> Any:
+        return {"endpoint": v} if isinstance(v, str) else v
 
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        parse_target(v)  # a host, a port in range, no spaces or control characters
         return v.rstrip("/")
 
 
@@ -283,6 +367,12 @@ class PrefixConfig(_Strict):
     )
     default_blocks_per_replica: int = Field(65536, gt=0)
     speculative_ttl_s: float = Field(2.0, gt=0)
+    max_learn_blocks: int = Field(
+        8192,
+        gt=0,
+        description="Leading blocks of one prompt the index learns (about 130k tokens): a longer prompt "
+        "is routed by its head, and learning all of it would hold the event loop",
+    )
     mode: Literal["approximate", "precise"] = Field(
         "approximate",
         description="approximate: text blocks learned from routing decisions; precise: the engine's "
@@ -290,6 +380,24 @@ class PrefixConfig(_Strict):
     )
     engine_block_size: int | None = Field(
         None, gt=0, description="Precise mode: tokens per engine KV block (unset: engines.block_size or 16)"
+    )
+    kv_events_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Precise mode: a replica whose KV events have not come this long after a request "
+        "was routed to it is reported (metric, warning, dashboard) and routed by the approximate index "
+        "until they come again",
+    )
+
+
+class ClientPassthrough(_Strict):
+    """Engine-steering input a pool's clients may send through (see gateway/sanitize.py)."""
+
+    body_fields: list[str] = Field(
+        default_factory=list, description="e.g. kv_transfer_params, for engines that take it from clients"
+    )
+    headers: list[str] = Field(
+        default_factory=list, description="e.g. x-sim-fault, for fault-injection tests against the simulator"
     )
 
 
@@ -370,6 +478,15 @@ class PoolConfig(_Strict):
         None,
         description="Replicas discovered from Kubernetes, joining and leaving as pods become ready or go",
     )
+    tokenizer: str | None = Field(
+        None,
+        description="The engines' tokenizer, so that index sizing and job sizes are in their tokens: a "
+        "tokenizer.json (or a model directory holding one; needs kvgate[tokenizers]), builtin:words or "
+        "builtin:cl100k. Unset: a managed pool's --tokenizer flag or local model directory (vllm and "
+        "sglang: also the Hugging Face cache), else cl100k counts corrected by the tokens per "
+        "character learned from the engines' usage figures (or their prompt token counters)",
+    )
+    client_passthrough: ClientPassthrough = Field(default_factory=ClientPassthrough)
     priority_scheduling: bool = Field(
         False,
         description="The (unmanaged) endpoints run priority scheduling: forward each request's priority "
@@ -519,6 +636,24 @@ class TelemetryConfig(_Strict):
     service_name: str = "kvgate"
 
 
+def _is_list(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_is_list(a) for a in typing.get_args(annotation) if a is not type(None))
+    return typing.get_origin(annotation) is list or annotation is list
+
+
+class _EnvSource(EnvSettingsSource):
+    """`KVGATE_*` variables, where a list may also be written comma-separated (`a,b`)."""
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        try:
+            return super().decode_complex_value(field_name, field, value)
+        except ValueError:
+            if isinstance(value, str) and field is not None and _is_list(field.annotation):
+                return [item.strip() for item in value.split(",") if item.strip()]
+            raise
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid")
 
@@ -545,7 +680,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The environment wins over the file (the file arrives as init kwargs).
-        return (env_settings, init_settings)
+        return (_EnvSource(settings_cls), init_settings)
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Settings:
@@ -573,6 +708,11 @@ class Settings(BaseSettings):
             clash = sorted(models & {a.name for a in p.adapter_specs})
             if clash:
                 raise ValueError(f"pool {p.name!r}: adapter names {clash} are also pool model names")
+        if isinstance(self.server.ready, list):
+            unknown = [name for name in self.server.ready if name not in pool_names]
+            if unknown or not self.server.ready:
+                what = unknown or "an empty list"
+                raise ValueError(f"server.ready: {what}: expected names of pools {pool_names}")
         classes = {c.name for c in self.scheduler.classes}
         for t in self.tenants:
             if t.max_priority is not None and t.max_priority not in classes:
@@ -615,3 +755,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         return Settings(**data)
     except ValidationError as exc:
         raise ConfigError(_format_error(exc)) from None
+    except SettingsError as exc:  # an environment value that cannot be read at all
+        message = str(exc).splitlines()[0].replace('source "_EnvSource"', "the KVGATE_* environment")
+        raise ConfigError(message) from None

@@ -108,11 +108,11 @@ class Dashboard:
             "prompt_tokens": traffic and traffic.prompt_tokens,
             "matched_tokens": traffic and traffic.matched_tokens,
             "hit_ratio": traffic and traffic.hit_ratio,
-            "replicas": [self._replica(r) for r in pool.replicas.values()],
+            "replicas": [self._replica(r, pool) for r in pool.replicas.values()],
         }
 
     @staticmethod
-    def _replica(r: Replica) -> dict[str, Any]:
+    def _replica(r: Replica, pool: Pool) -> dict[str, Any]:
         eng = r.engine
         return {
             "name": r.name,
@@ -132,6 +132,7 @@ class Dashboard:
                 "running": eng.running,
                 "kv_usage": eng.kv_usage,
             },
+            "kv_events": _kv_events(r, pool),
         }
 
     def _routes(self) -> list[dict[str, Any]]:
@@ -153,3 +154,20 @@ class Dashboard:
                 )
             out.append({"model": model, "rules": described})
         return out
+
+
+def _kv_events(r: Replica, pool: Pool) -> dict[str, Any] | None:
+    """Precise mode: the replica's KV event stream (None when the pool is not in precise mode or the
+    replica has no publisher). `missing` means it is routed by the approximate index."""
+    precise = pool.precise
+    sub = precise.subscribers.get(r.name) if precise is not None else None
+    if precise is None or sub is None:
+        return None
+    now = time.monotonic()
+    last = sub.stats.last_event_at
+    return {
+        "state": precise.events_state(r.name, now),
+        "age_s": round(now - last, 2) if last is not None else None,
+        "batches": sub.stats.batches,
+        "fallback_decisions": precise.fallback_decisions.get(r.name, 0),
+    }

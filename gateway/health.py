@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable, Iterable
 
 import aiohttp
@@ -15,9 +16,12 @@ log = logging.getLogger(__name__)
 
 
 class HealthChecker:
-    def __init__(self, cfg: HealthConfig, replicas: Callable[[], Iterable[Replica]]) -> None:
+    def __init__(
+        self, cfg: HealthConfig, replicas: Callable[[], Iterable[Replica]], tls: ssl.SSLContext | None = None
+    ) -> None:
         self.cfg = cfg
         self._replicas = replicas
+        self._tls = tls  # the upstream TLS settings, when they are not the defaults
         self._session: aiohttp.ClientSession | None = None
         self._fails: dict[str, int] = {}
         self._oks: dict[str, int] = {}
@@ -26,7 +30,8 @@ class HealthChecker:
     def start(self) -> None:
         if not self.cfg.enabled:
             return
-        self._session = aiohttp.ClientSession()
+        connector = aiohttp.TCPConnector(ssl=self._tls if self._tls is not None else True)
+        self._session = aiohttp.ClientSession(connector=connector)
         self._task = asyncio.create_task(self._run(), name="kvgate-health")
 
     async def stop(self) -> None:

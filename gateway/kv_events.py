@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -124,17 +125,22 @@ class KVEventIndexer:
         self._ours: dict[str, OrderedDict[Any, int]] = {}
         self.stats = IndexerStats()
 
-    def apply(self, replica: str, events: Sequence[Any]) -> None:
+    def apply(self, replica: str, events: Sequence[Any]) -> int:
+        """Apply a batch; returns how many of its events were usable (a stream of unusable ones,
+        e.g. of another block size, is as good as none)."""
+        applied = 0
         for event in events:
             kind = event_kind(event)
             if kind == "BlockStored":
-                self._stored(replica, _fields(event, _STORED_FIELDS))
+                applied += self._stored(replica, _fields(event, _STORED_FIELDS))
             elif kind == "BlockRemoved":
-                self._removed(replica, _fields(event, _REMOVED_FIELDS))
+                applied += self._removed(replica, _fields(event, _REMOVED_FIELDS))
             elif kind == "AllBlocksCleared":
                 self.clear(replica)
+                applied += 1
             else:
                 self.stats.malformed += 1
+        return applied
 
     def clear(self, replica: str) -> None:
         """The engine dropped everything (or restarted): forget its blocks."""
@@ -142,26 +148,26 @@ class KVEventIndexer:
         self._ours.pop(replica, None)
         self.index.clear_replica(replica)
 
-    def _stored(self, replica: str, f: dict[str, Any]) -> None:
+    def _stored(self, replica: str, f: dict[str, Any]) -> bool:
         hashes, tokens, block_size = f["block_hashes"], f["token_ids"], f["block_size"]
         if isinstance(block_size, list):  # early vLLM: num_toks_per_block
             block_size = block_size[0] if block_size else None
         if not isinstance(hashes, list) or not isinstance(tokens, list) or not isinstance(block_size, int):
             self.stats.malformed += 1
-            return
+            return False
         if f["medium"] not in _GPU_MEDIA:
             self.stats.foreign_media += 1
-            return
+            return True  # a real event, of blocks offloaded elsewhere
         if block_size != self.hasher.block_size:
             self.stats.block_size_mismatch += 1
-            return
+            return False
         mapping = self._ours.setdefault(replica, OrderedDict())
         parent_engine = f["parent_block_hash"]
         lora_id = f["lora_id"] if isinstance(f["lora_id"], int) else None
         parent = self.hasher.root(lora_id) if parent_engine is None else mapping.get(parent_engine)
         if parent is None:
             self.stats.orphans += len(hashes)
-            return
+            return True  # its parent's event was lost; later ones can chain again
         ours: list[int] = []
         for i, engine_hash in enumerate(hashes):
             block = tokens[i * block_size : (i + 1) * block_size]
@@ -176,21 +182,23 @@ class KVEventIndexer:
             mapping.popitem(last=False)
         self.stats.stored += len(ours)
         self.index.record(replica, ours)
+        return True
 
-    def _removed(self, replica: str, f: dict[str, Any]) -> None:
+    def _removed(self, replica: str, f: dict[str, Any]) -> bool:
         hashes = f["block_hashes"]
         if not isinstance(hashes, list):
             self.stats.malformed += 1
-            return
+            return False
         if f["medium"] not in _GPU_MEDIA:
             self.stats.foreign_media += 1
-            return
+            return True
         mapping = self._ours.get(replica)
         if not mapping:
-            return
+            return True
         ours = [h for h in (mapping.pop(e, None) for e in hashes) if h is not None]
         self.stats.removed += len(ours)
         self.index.discard(replica, ours)
+        return True
 
 
 @dataclass(slots=True)
@@ -199,6 +207,10 @@ class SubscriberStats:
     gaps: int = 0  # sequence numbers skipped (messages lost)
     decode_errors: int = 0
     last_seq: int | None = None
+    last_event_at: float | None = None  # time.monotonic() of the last batch with a usable event
+    # Set when a request that must make the engine store blocks was routed to the replica, cleared
+    # by the next usable event: how long events have been owed.
+    awaiting_since: float | None = None
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[Any], int]:
@@ -272,7 +284,9 @@ class KVEventSubscriber:
                 self.indexer.clear(self.replica)
             self.stats.last_seq = seq
         self.stats.batches += 1
-        self.indexer.apply(self.replica, events)
+        if self.indexer.apply(self.replica, events):
+            self.stats.last_event_at = time.monotonic()
+            self.stats.awaiting_since = None
 
     async def _run(self) -> None:
         while True:

@@ -30,11 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import httpx
+import aiohttp
 
 from gateway.config import EngineSpec, Settings
 from gateway.engines import adapter_for_spec
-from gateway.engines.base import BOOTSTRAP_PORT, EngineAdapter, ReplicaSlot, connect_host
+from gateway.engines.base import (
+    BOOTSTRAP_PORT,
+    EngineAdapter,
+    ReplicaSlot,
+    connect_host,
+    prepare_ipc_endpoint,
+)
 from gateway.ports import release_ports, reserve_free_port, reserve_port
 from gateway.replica import Role
 
@@ -142,6 +148,7 @@ def plan_fleet(
                 gpu_ids=ids,
                 gpu_sharers=max((users[g] for g in ids), default=1) if ids else 1,
                 aux_ports=aux,
+                kv_events=spec.kv_events,
             )
             argv, env = adapter.command(spec, model, slot, served_model_name)
             plans.append(
@@ -285,7 +292,7 @@ class FleetLauncher:
         self._stopping = False
         self._stop_event = asyncio.Event()
         self._changed = asyncio.Condition()
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
 
     def command_lines(self) -> list[LaunchPlan]:
         """The launch plan of every replica (ports are chosen, and kept, on the first call)."""
@@ -302,7 +309,7 @@ class FleetLauncher:
             raise RuntimeError("launcher already started")
         plans = self.command_lines()
         # trust_env=False: a proxy from the environment must not sit between us and loopback.
-        self._client = httpx.AsyncClient(timeout=2.0, trust_env=False)
+        self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0), trust_env=False)
         for plan in plans:
             replica = _Replica(plan, ReplicaStatus(plan.name))
             self._replicas[plan.name] = replica
@@ -346,8 +353,12 @@ class FleetLauncher:
         await asyncio.gather(*(self._terminate(r) for r in self._replicas.values()))
         for replica in self._replicas.values():
             replica.status.state = "stopped"
+            endpoint = replica.plan.kv_events_endpoint
+            if endpoint is not None and endpoint.startswith("ipc://"):
+                with contextlib.suppress(OSError):  # the engine leaves its socket file behind
+                    os.unlink(endpoint.removeprefix("ipc://"))
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
         if self._plans is not None:
             release_ports([p for plan in self._plans for p in plan.ports])
 
@@ -427,6 +438,7 @@ class FleetLauncher:
     async def _spawn(self, replica: _Replica) -> asyncio.subprocess.Process:
         plan = replica.plan
         plan.log_path.parent.mkdir(parents=True, exist_ok=True)
+        prepare_ipc_endpoint(plan.kv_events_endpoint)
         with contextlib.suppress(FileNotFoundError):
             if plan.log_path.stat().st_size > LOG_ROTATE_BYTES:  # keep one previous log, not all
                 plan.log_path.replace(plan.log_path.with_name(plan.log_path.name + ".1"))
@@ -459,9 +471,10 @@ class FleetLauncher:
             if exited.done():
                 return f"exited with code {exited.result()} while starting"
             try:
-                if (await self._client.get(health_url)).status_code == 200:
-                    return None
-            except httpx.HTTPError:
+                async with self._client.get(health_url) as response:
+                    if response.status == 200:
+                        return None
+            except (aiohttp.ClientError, TimeoutError):
                 pass  # not listening yet
             now = time.monotonic()
             if now - started >= self.spec.startup_timeout_s:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from gateway.config import ScrapeConfig
 from gateway.engine_load import EngineLoad
@@ -22,6 +23,8 @@ from gateway.engines.base import EngineAdapter
 log = logging.getLogger("kvgate.load_scraper")
 
 LoadCallback = Callable[[str, EngineLoad], None]
+# An engine is not trusted: a load page (vLLM's /metrics is some hundreds of KiB) beyond this is refused.
+MAX_BODY_BYTES = 8 << 20
 
 
 @dataclass(slots=True)
@@ -40,18 +43,22 @@ class LoadScraper:
         interval_s: float = 0.5,
         timeout_s: float | None = None,
         on_update: LoadCallback | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.interval_s = interval_s
+        self._tls = tls  # the upstream TLS settings, when they are not the defaults
         # Shorter than the interval: a figure that arrives late is already out of date.
         self.timeout_s = timeout_s if timeout_s is not None else min(1.0, max(0.1, interval_s * 0.8))
         self.on_update = on_update
         self.loads: dict[str, EngineLoad] = {}
         self._targets: dict[str, _Target] = {}
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
 
     @classmethod
-    def from_config(cls, config: ScrapeConfig, on_update: LoadCallback | None = None) -> LoadScraper:
-        return cls(interval_s=config.interval_s, on_update=on_update)
+    def from_config(
+        cls, config: ScrapeConfig, on_update: LoadCallback | None = None, tls: ssl.SSLContext | None = None
+    ) -> LoadScraper:
+        return cls(interval_s=config.interval_s, on_update=on_update, tls=tls)
 
     def add(self, name: str, url: str, adapter: EngineAdapter) -> None:
         """Scrape a replica (again, if it was known: a restarted replica keeps its old figure
@@ -75,8 +82,11 @@ class LoadScraper:
     async def start(self) -> None:
         if self._client is not None:
             return
-        self._client = httpx.AsyncClient(
-            timeout=self.timeout_s, trust_env=False, limits=httpx.Limits(max_keepalive_connections=256)
+        # No connection cap: one poller per replica, each with at most one request in flight.
+        self._client = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            connector=aiohttp.TCPConnector(limit=0, ssl=self._tls if self._tls is not None else True),
+            trust_env=False,
         )
         for name, target in self._targets.items():
             target.task = asyncio.create_task(self._poll(name, target), name=f"scrape {name}")
@@ -89,7 +99,7 @@ class LoadScraper:
         for target in self._targets.values():
             target.task = None
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None
 
     async def scrape_once(self, name: str) -> EngineLoad | None:
@@ -99,10 +109,8 @@ class LoadScraper:
     async def _scrape(self, name: str, target: _Target) -> EngineLoad | None:
         assert self._client is not None, "start() first"
         try:
-            response = await self._client.get(target.url)
-            response.raise_for_status()
-            load = target.adapter.parse_load(response.content)
-        except (httpx.HTTPError, ValueError) as exc:
+            load = target.adapter.parse_load(await self._fetch(target.url))
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if not target.failing:  # log the transition, not every 0.5 s
                 log.warning("load scrape of %s (%s) failing: %s", name, target.url, exc)
                 target.failing = True
@@ -121,6 +129,20 @@ class LoadScraper:
         if self.on_update is not None:
             self.on_update(name, load)
         return load
+
+    async def _fetch(self, url: str) -> bytes:
+        assert self._client is not None
+        async with self._client.get(url) as response:
+            if response.status != 200:
+                raise ValueError(f"status {response.status}")
+            if (response.content_length or 0) > MAX_BODY_BYTES:
+                raise ValueError(f"body of {response.content_length} bytes")
+            body = bytearray()
+            async for chunk in response.content.iter_chunked(1 << 16):
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise ValueError(f"body over {MAX_BODY_BYTES} bytes")
+            return bytes(body)
 
     async def _poll(self, name: str, target: _Target) -> None:
         loop = asyncio.get_running_loop()

@@ -2,19 +2,42 @@
 
 A log call may pass structured data as `extra={"fields": {...}}`: the JSON formatter puts
 the fields at the top level of the object, the text formatter appends them as `key=value`.
+
+Messages and fields may carry client strings (a model name, a header value): the text formatter
+escapes control characters in them, so no client can start a forged log line, and both formatters
+cut a message or field at `MAX_FIELD_CHARS`. Tracebacks keep their lines.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
 
 import orjson
+from aiohttp.http_exceptions import HttpProcessingError
+
+MAX_FIELD_CHARS = 4096
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def clip(value: str, limit: int = 200) -> str:
+    """A client string made safe to log or to echo in an error: control characters escaped
+    (\\n, \\x1b, ...), cut at `limit` characters with a note of the full length."""
+    if len(value) > limit:
+        value = f"{value[:limit]}...({len(value)} chars)"
+    if _CONTROL.search(value):
+        value = _CONTROL.sub(lambda m: repr(m.group())[1:-1], value)
+    return value
 
 
 def _fields(record: logging.LogRecord) -> dict[str, object] | None:
     extra = getattr(record, "fields", None)
     return extra if isinstance(extra, dict) else None
+
+
+def _cut(value: str) -> str:
+    return value if len(value) <= MAX_FIELD_CHARS else f"{value[:MAX_FIELD_CHARS]}...({len(value)} chars)"
 
 
 class JsonFormatter(logging.Formatter):
@@ -23,11 +46,11 @@ class JsonFormatter(logging.Formatter):
             "ts": round(record.created, 6),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": _cut(record.getMessage()),
         }
         extra = _fields(record)
         if extra:
-            doc.update(extra)
+            doc.update({k: _cut(v) if isinstance(v, str) else v for k, v in extra.items()})
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(doc, default=str).decode()
@@ -37,14 +60,36 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # The message alone (the traceback is appended after this): one line, whatever it holds.
+        record.message = clip(record.message, MAX_FIELD_CHARS)
+        line = super().formatMessage(record)
         extra = _fields(record)
         if not extra:
             return line
-        pairs = " ".join(f"{k}={v}" for k, v in extra.items() if v is not None)
-        head, nl, tail = line.partition("\n")  # keep a traceback below the fields
-        return f"{head} {pairs}{nl}{tail}"
+        pairs = " ".join(
+            f"{k}={clip(v, MAX_FIELD_CHARS) if isinstance(v, str) else v}"
+            for k, v in extra.items()
+            if v is not None
+        )
+        return f"{line} {pairs}"
+
+
+class MalformedRequests(logging.Filter):
+    """aiohttp logs each malformed request (bad framing, oversized head, smuggling attempts) as an
+    error with a traceback: it is the client's mistake, already answered 400, and a flood of them
+    would flood the log. Such records pass only when debug logging is on, as one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        if not logging.getLogger().isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg = f"{record.getMessage()}: malformed request: {exc.message}"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return True
 
 
 def configure_logging(level: str = "info", json: bool = False) -> None:
@@ -55,5 +100,6 @@ def configure_logging(level: str = "info", json: bool = False) -> None:
     root.setLevel(level.upper())
     # aiohttp's own access log would duplicate ours (which never holds prompt text).
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
-    # httpx logs every control-plane call (health, metrics scrapes) at info: noise, several a second.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequests) for f in server_log.filters):
+        server_log.addFilter(MalformedRequests())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -246,15 +247,17 @@ class PoolLora:
 class LoraWatch:
     """The HTTP side of the pools' LoRA facts: `/v1/models` discovery and on-demand loads."""
 
-    def __init__(self, pools: Iterable[Pool]) -> None:
+    def __init__(self, pools: Iterable[Pool], tls: ssl.SSLContext | None = None) -> None:
         self.pools = [p for p in pools if p.lora.enabled]
+        self._tls = tls  # the upstream TLS settings, when they are not the defaults
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:  # made lazily: it must belong to the running loop
-            self._session = aiohttp.ClientSession()
+            connector = aiohttp.TCPConnector(ssl=self._tls if self._tls is not None else True)
+            self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
     def start(self) -> None:

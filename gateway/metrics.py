@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gateway.breaker import BreakerState
+from gateway.precise_prefix import EVENTS_STATES
 from gateway.request_record import RequestRecord
 
 if TYPE_CHECKING:
@@ -226,7 +228,9 @@ class GatewayMetrics:
     # -- the observer ---------------------------------------------------------------------
     def __call__(self, rec: RequestRecord) -> None:
         key = (
-            rec.model,
+            # A model name is the client's free text: only the names served key the cache (as they
+            # label the series), or every made-up name would keep an entry for good.
+            rec.model if rec.model in self._models else None,
             rec.endpoint,
             rec.pool,
             rec.replica,
@@ -356,9 +360,22 @@ class FleetCollector(Collector):
         )
         failures = CounterMetricFamily(
             "kvgate_precise_tokenize_failures",
-            "Requests routed without prefix information because no engine tokenized them",
+            "Requests no engine tokenized (matched against the approximate index instead)",
             labels=["pool"],
         )
+        state = GaugeMetricFamily(
+            "kvgate_kv_events_state",
+            "1 for the replica's KV event stream state: ok, waiting (none yet, none owed), missing "
+            "(owed longer than prefix.kv_events_timeout_s: the replica is routed by the approximate index)",
+            labels=["pool", "replica", "state"],
+        )
+        fallback = CounterMetricFamily(
+            "kvgate_precise_fallback_decisions",
+            "Precise-mode routing decisions for a replica scored on the approximate index (its KV events "
+            "missing, no publisher, or the prompt not tokenized)",
+            labels=["pool", "replica"],
+        )
+        now = time.monotonic()
         for name, precise in pools:
             st = precise.indexer.stats
             for outcome, attr in _EVENT_OUTCOMES:
@@ -366,8 +383,35 @@ class FleetCollector(Collector):
             for replica, sub in list(precise.subscribers.items()):
                 batches.add_metric([name, replica], sub.stats.batches)
                 lost.add_metric([name, replica], sub.stats.gaps)
+                current = precise.events_state(replica, now)
+                for value in EVENTS_STATES:
+                    state.add_metric([name, replica, value], float(current == value))
+            for replica, n in list(precise.fallback_decisions.items()):
+                fallback.add_metric([name, replica], n)
             failures.add_metric([name], precise.tokenize_failures)
-        yield from (blocks, batches, lost, failures)
+        yield from (blocks, batches, lost, failures, state, fallback)
+
+    @staticmethod
+    def _connections(rt: Runtime) -> Iterator[Metric]:
+        guard = rt.connections
+        if guard is None:
+            return
+        open_ = GaugeMetricFamily(
+            "kvgate_client_connections",
+            "Client connections: within server.max_connections, or overflow (probes only)",
+            labels=["kind"],
+        )
+        open_.add_metric(["counted"], guard.open)
+        open_.add_metric(["overflow"], guard.overflow)
+        closed = CounterMetricFamily(
+            "kvgate_client_connections_closed",
+            "Client connections the gateway closed: header or idle timeout, evicted to make room "
+            "at the cap, refused with 503 beyond it, dropped on accept with the reserve full",
+            labels=["reason"],
+        )
+        for reason, n in guard.closed.items():
+            closed.add_metric([reason], n)
+        yield from (open_, closed)
 
     def _pool_signals(self, rt: Runtime, stats: Mapping[str, Any]) -> Iterator[Metric]:
         """Per pool, what an autoscaler (HPA, KEDA) scales a pool's engines on."""
@@ -492,6 +536,19 @@ class FleetCollector(Collector):
                 hit.add_metric([name], ratio)
         yield hit
 
+        # The bounded caches that hold most of the gateway's memory, so a growing RSS can be told
+        # apart from a leak: they fill up to their bounds, then stay.
+        index = GaugeMetricFamily(
+            "kvgate_prefix_index_entries", "Blocks in the prefix index, over all replicas", labels=["pool"]
+        )
+        tokens = GaugeMetricFamily(
+            "kvgate_token_count_cache_entries", "Prompt blocks whose token count is cached", labels=["pool"]
+        )
+        for name, pool in list(rt.pools.items()):
+            index.add_metric([name], pool.prefix_index.entries())
+            tokens.add_metric([name], pool.hasher.cached_blocks())
+        yield from (index, tokens)
+
         weights = GaugeMetricFamily(
             "kvgate_rollout_weight",
             "Configured weight of a pool in a route's rule (the rollout split)",
@@ -504,6 +561,7 @@ class FleetCollector(Collector):
         yield weights
 
         yield from self._precise(rt)
+        yield from self._connections(rt)
         yield GaugeMetricFamily("kvgate_draining", "1 while the gateway drains", value=float(rt.draining))
         if stats:
             depth = GaugeMetricFamily(

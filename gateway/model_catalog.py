@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import GatewayError
+from gateway.logs import clip
 from gateway.model_names import ModelRename
 from gateway.pool import Pool
 from gateway.rollout import Choice, Router
@@ -79,7 +80,7 @@ class ModelCatalog:
         if wanted is not None and wanted.isdisjoint(pool.cfg.tasks):
             raise GatewayError(
                 400,
-                f"the model `{model}` does not serve this endpoint ({endpoint}); it serves: "
+                f"the model `{clip(model)}` does not serve this endpoint ({endpoint}); it serves: "
                 f"{', '.join(pool.cfg.tasks)}",
                 "invalid_request_error",
                 "unsupported_task",

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from gateway.claim import Claim
 from gateway.errors import GatewayError, normalize_error_body
 from gateway.policy import Candidate, RequestFeatures
 from gateway.replica import Replica
@@ -84,17 +85,24 @@ class DecodePlan:
     body: bytes
     prefill: Replica | None = None
     guard: asyncio.Task[None] | None = None  # SGLang's concurrent prefill leg
+    claim: Claim | None = None  # the guard's claim on the prefill replica
 
     async def finish(self) -> None:
-        """After the decode leg: a prefill leg still running is no longer needed."""
-        if self.guard is not None and not self.guard.done():
-            self.guard.cancel()
-            await asyncio.gather(self.guard, return_exceptions=True)
+        """After the decode leg: a prefill leg still running is no longer needed, and its claim
+        is settled even if its task was cancelled before it ever ran."""
+        try:
+            if self.guard is not None:
+                self.guard.cancel()
+                await asyncio.gather(self.guard, return_exceptions=True)
+        finally:
+            if self.claim is not None:
+                self.claim.close()
 
 
 class PDHandoff:
-    def __init__(self, upstream: Upstream) -> None:
+    def __init__(self, upstream: Upstream, resend: bool) -> None:
         self.upstream = upstream
+        self.resend = resend  # may a prefill leg cost a stale connection's silent resend
 
     @staticmethod
     def wanted(pool: Pool, features: RequestFeatures, decode: Candidate) -> bool:
@@ -112,45 +120,52 @@ class PDHandoff:
         headers: Mapping[str, str],
     ) -> DecodePlan:
         prefills = await pool.rank(features, role="prefill")
-        prefill = next((c.replica for c in prefills if c.replica.breaker.try_acquire()), None)
-        if prefill is None:
+        tokens = features.prompt_tokens
+        claim: Claim | None = None
+        for candidate in prefills:
+            if (claim := Claim.take(candidate.replica, tokens)) is not None:  # type: ignore[arg-type]
+                break
+        if claim is None:
             return DecodePlan(raw)  # no prefill capacity: the decode replica does it all
-        assert isinstance(prefill, Replica)
+        prefill = claim.replica
         pool.learn(features, prefill, role="prefill")
         if pool.pd_protocol == SGLANG_CONCURRENT:
-            leg = orjson.dumps(sglang_body(body, prefill))
-            guard = asyncio.create_task(self._sglang_prefill(prefill, path, leg, headers, features))
-            return DecodePlan(leg, prefill, guard)
-        return await self._vllm_prefill(prefill, body, raw, path, headers, features)
+            try:
+                leg = orjson.dumps(sglang_body(body, prefill))
+            except BaseException:
+                claim.close()
+                raise
+            guard = asyncio.create_task(self._sglang_prefill(claim, path, leg, headers))
+            return DecodePlan(leg, prefill, guard, claim)
+        with claim:
+            return await self._vllm_prefill(claim, body, raw, path, headers, features)
 
     async def _vllm_prefill(
         self,
-        prefill: Replica,
+        claim: Claim,
         body: dict[str, Any],
         raw: bytes,
         path: str,
         headers: Mapping[str, str],
         features: RequestFeatures,
     ) -> DecodePlan:
-        lease = prefill.lease(features.prompt_tokens)
+        prefill = claim.replica
+        leg = orjson.dumps(vllm_prefill_body(body))
         try:
-            resp = await self.upstream.open(
-                "POST", prefill.url + path, orjson.dumps(vllm_prefill_body(body)), headers
-            )
+            resp = await self.upstream.open("POST", prefill.url + path, leg, headers, resend=self.resend)
             try:
-                answer = await self.upstream.read(resp)
+                answer = await self.upstream.read_content(resp)
             finally:
                 resp.release()
         except UpstreamError as exc:
-            prefill.breaker.record_failure()
+            if exc.replica_fault:
+                claim.failed()
             log.warning(
                 "request %s: prefill on %s failed (%s); decode-only", features.request_id, prefill.name, exc
             )
             return DecodePlan(raw)
-        finally:
-            lease.release()
+        claim.answered()
         if resp.status >= 500:
-            prefill.breaker.record_failure()
             log.warning(
                 "request %s: prefill on %s answered %d; decode-only",
                 features.request_id,
@@ -158,7 +173,6 @@ class PDHandoff:
                 resp.status,
             )
             return DecodePlan(raw)
-        prefill.breaker.record_success()
         if resp.status >= 400:
             # The client's request is at fault: it gets the prefill's answer, not a decode attempt.
             raise GatewayError(resp.status, "prefill refused", body=normalize_error_body(answer, resp.status))
@@ -170,22 +184,17 @@ class PDHandoff:
             return DecodePlan(raw, prefill)
         return DecodePlan(orjson.dumps(vllm_decode_body(body, kv)), prefill)
 
-    async def _sglang_prefill(
-        self, prefill: Replica, path: str, leg: bytes, headers: Mapping[str, str], features: RequestFeatures
-    ) -> None:
-        lease = prefill.lease(features.prompt_tokens)
-        try:
-            resp = await self.upstream.open("POST", prefill.url + path, leg, headers)
+    async def _sglang_prefill(self, claim: Claim, path: str, leg: bytes, headers: Mapping[str, str]) -> None:
+        with claim:
+            url = claim.replica.url + path
             try:
-                await self.upstream.read(resp)
-            finally:
-                resp.release()
-            if resp.status >= 500:
-                prefill.breaker.record_failure()
-            else:
-                prefill.breaker.record_success()
-        except UpstreamError:
-            prefill.breaker.record_failure()
-            raise
-        finally:
-            lease.release()
+                resp = await self.upstream.open("POST", url, leg, headers, resend=self.resend)
+                try:
+                    await self.upstream.read(resp)
+                finally:
+                    resp.release()
+            except UpstreamError as exc:
+                if exc.replica_fault:
+                    claim.failed()
+                raise
+            claim.answered()

@@ -68,6 +68,10 @@ class RequestFeatures:
     headers: Mapping[str, str] = field(default_factory=dict)
     text: str = ""  # the serialized prompt the hashes were taken over (for text-based policies)
     adapter: str | None = None  # the LoRA adapter serving it (None: the base model)
+    # Precise prefix mode: `block_hashes` become the engine's token blocks; the text blocks stay
+    # here for the replicas matched against the approximate index.
+    text_block_hashes: Sequence[int] = ()
+    text_block_tokens: Sequence[int] = ()
 
 
 @dataclass(slots=True)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from gateway.breaker import CircuitBreaker
@@ -16,11 +18,72 @@ from gateway.precise_prefix import PrecisePrefix
 from gateway.prefix_hash import PrefixHasher, batch_tokens, prompt_pieces
 from gateway.prefix_index import PrefixIndex
 from gateway.replica import Replica, Role
-from gateway.tokens import get_tokenizer
+from gateway.tokens import Tokenizer, TokenizerError, get_tokenizer, load_tokenizer, model_tokenizer
 
 log = logging.getLogger(__name__)
 
-CHARS_PER_TOKEN = 4  # typical for English text; only sizes the prefix index
+CHARS_PER_TOKEN = 4  # typical for English text; only sizes the prefix index until traffic is measured
+# Usage figures needed before the engines' own tokens per character replace the gateway's count.
+MIN_USAGE_SAMPLES = 8
+MIN_USAGE_CHARS = 4096
+
+
+def _flag(args: Sequence[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def engine_tokenizer(cfg: PoolConfig) -> tuple[str | None, bool]:
+    """The tokenizer the pool's engines use, if known, and whether the config named it (an explicit
+    one must load; a discovered one may fail with a warning)."""
+    if cfg.tokenizer:
+        return cfg.tokenizer, True
+    spec = cfg.engines
+    if spec is None:
+        return None, False
+    flag = _flag([*spec.extra_args, *spec.sim.extra_args], "--tokenizer")
+    if flag:
+        return flag, False
+    model = spec.model or cfg.model
+    if spec.kind == "sim":  # the simulator reads a model directory's tokenizer, never a hub cache
+        found = Path(model) / "tokenizer.json"
+        return (str(found), False) if found.is_file() else (None, False)
+    found_file = model_tokenizer(model)
+    return (str(found_file), False) if found_file is not None else (None, False)
+
+
+def pool_tokenizer(cfg: PoolConfig) -> Tokenizer | None:
+    """The engines' tokenizer; None when unknown (counts then use cl100k, corrected from usage).
+    TokenizerError only for one the config names."""
+    spec, explicit = engine_tokenizer(cfg)
+    if spec is None:
+        return None
+    try:
+        tokenizer = load_tokenizer(spec)
+    except TokenizerError as exc:
+        if explicit:
+            raise
+        log.warning("pool %s: %s; learning the engines' tokens per character from their usage", cfg.name, exc)
+        return None
+    log.info("pool %s: token counts by the engines' tokenizer %s", cfg.name, tokenizer.name)
+    return tokenizer
+
+
+def _matched(
+    index: PrefixIndex, hashes: Sequence[int], block_tokens: Sequence[int], replicas: list[Replica]
+) -> list[Candidate]:
+    """Candidates with the leading blocks of `hashes` each replica holds in `index`."""
+    if not hashes or not replicas:
+        return [Candidate(r) for r in replicas]
+    matched = index.match(hashes, [r.name for r in replicas])
+    # A prefix held by many replicas gives them few distinct depths: sum each depth once, not
+    # once per replica (up to 0.4 ms for a 2k-token prompt on 256 replicas).
+    tokens = {k: sum(block_tokens[:k]) for k in set(matched.values())}
+    return [Candidate(r, matched[r.name], tokens[matched[r.name]]) for r in replicas]
 
 
 def _endpoint_adapter(cfg: PoolConfig) -> EngineAdapter | None:
@@ -51,8 +114,12 @@ class Pool:
         self.replicas: dict[str, Replica] = {}
         self.policy = policy or load_policy(cfg.policy.type, cfg.policy.args)
         self.prefill_policy = load_policy(cfg.pd.prefill_policy.type, cfg.pd.prefill_policy.args)
-        self.hasher = PrefixHasher(block_chars=cfg.prefix.block_chars)
-        self._count = get_tokenizer().count
+        self.tokenizer = pool_tokenizer(cfg)
+        self._count = (self.tokenizer or get_tokenizer()).count
+        self.hasher = PrefixHasher(block_chars=cfg.prefix.block_chars, count=self._count)
+        # What clients may send engines that engines would act on (see gateway/sanitize.py).
+        self.passthrough_fields = frozenset(cfg.client_passthrough.body_fields)
+        self.passthrough_headers = frozenset(h.lower() for h in cfg.client_passthrough.headers)
         # Precise mode matches engine token blocks against the engines' KV events; its index
         # replaces the one learned from text blocks.
         self.precise = (
@@ -60,18 +127,29 @@ class Pool:
             if cfg.prefix.mode == "precise"
             else None
         )
-        self.prefix_index = (
-            self.precise.index
-            if self.precise is not None
-            # `learn` records whole prompts' chains, and nothing is discarded: prefix-closed.
-            else PrefixIndex.from_config(cfg.prefix, prefix_closed=True)
-        )
+        # `learn` records whole prompts' chains, and nothing is discarded: prefix-closed. In
+        # precise mode it is the fallback for replicas whose KV events are missing.
+        approximate = PrefixIndex.from_config(cfg.prefix, prefix_closed=True)
+        self.prefix_index = self.precise.index if self.precise is not None else approximate
+        self.fallback_index = approximate if self.precise is not None else None
         self._names = itertools.count()
         # Prompt characters and tokens seen: the index is sized in blocks of characters, the engine
         # in tokens, and characters per token vary with the text (code, CJK, generated benchmarks).
         self._text_chars = 0
         self._text_tokens = 0
         self._sized_tokens_per_block = 0.0
+        # The engines' own prompt tokens (usage.prompt_tokens) against the prompt characters the
+        # gateway sent: tokens per character in the engines' units, whatever tokenizer counted.
+        self._usage_chars = 0
+        self._usage_tokens = 0
+        self._usage_samples = 0
+        # Without usage figures (streams without include_usage), the engines' prompt token counters
+        # (vLLM's /metrics) against the characters routed to each replica since the last scrape.
+        self._chars_routed: dict[str, int] = {}
+        self._counter_seen: dict[str, tuple[float, int]] = {}
+        self._counter_chars = 0
+        self._counter_tokens = 0.0
+        self.token_scale = 1.0  # engine tokens per counted token, once measured
         # Managed pools know their engine exactly; unmanaged ones by each endpoint's kind.
         self.adapter = adapter_for_spec(cfg.engines) if cfg.engines is not None else None
         self.lora = PoolLora(cfg, self.adapter or _endpoint_adapter(cfg))
@@ -129,6 +207,10 @@ class Pool:
         if replica is not None:
             self.prefix_index.remove_replica(name)
             self.lora.forget(name)
+            if self.fallback_index is not None:
+                self.fallback_index.remove_replica(name)
+            self._chars_routed.pop(name, None)
+            self._counter_seen.pop(name, None)
             if self.precise is not None:
                 self.precise.detach(name)
             log.info("pool %s: replica %s removed", self.name, name)
@@ -154,30 +236,37 @@ class Pool:
         endpoint: str,
         request_id: str,
         headers: Mapping[str, str],
+        hasher: PrefixHasher | None = None,
     ) -> RequestFeatures:
+        """The request's routing features. With a `hasher` of its own (work done off the event
+        loop) nothing of the pool changes: the caller reports the size with `learn_token_size`."""
         pieces = prompt_pieces(body, endpoint)
         text = "".join(pieces)
         salt = body.get("cache_salt")
+        salt = salt if isinstance(salt, str) else None
         # The proxy set `model` to the engines' name for the request: the base model's, or an adapter's,
         # whose prefixes are cached (and hashed here) apart from the base model's.
         model = body.get("model")
         adapter = self.lora.adapter_of(model) if isinstance(model, str) else None
-        pf = self.hasher.features(
-            adapter or self.upstream_model, salt if isinstance(salt, str) else None, text, pieces
-        )
-        self._learn_token_size(len(text), pf.prompt_tokens)
+        pf = (hasher or self.hasher).features(adapter or self.upstream_model, salt, text, pieces)
+        if hasher is None:
+            self.learn_token_size(len(text), pf.prompt_tokens)
         prompt_tokens, block_tokens = pf.prompt_tokens, pf.block_tokens
+        scale = self.token_scale
         exact_first, others = batch_tokens(body, endpoint, self._count)
         if exact_first is not None:
             # Token ids were hashed as text: the engine's own count, and blocks scaled to it.
-            scale = exact_first / max(1, prompt_tokens)
-            block_tokens = [round(t * scale) for t in block_tokens]
+            ratio = exact_first / max(1, prompt_tokens)
+            block_tokens = [round(t * ratio) for t in block_tokens]
             prompt_tokens = exact_first
-        prompt_tokens += others
+        elif scale != 1.0:  # the counting tokenizer is not the engines': state sizes in theirs
+            prompt_tokens = round(prompt_tokens * scale)
+            block_tokens = [round(t * scale) for t in block_tokens]
+        prompt_tokens += round(others * scale)
         max_tokens = (
             body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
         )
-        return RequestFeatures(
+        features = RequestFeatures(
             request_id=request_id,
             model=adapter or self.upstream_model,
             pool=self.name,
@@ -191,23 +280,36 @@ class Pool:
             text=text,
             adapter=adapter,
         )
+        if self.precise is not None:
+            features.text_block_hashes, features.text_block_tokens = pf.block_hashes, block_tokens
+        return features
 
     def candidates(
         self, features: RequestFeatures, replicas: Iterable[Replica], policy: Policy
     ) -> list[Candidate]:
         replicas = list(replicas)
-        if not policy.uses_prefix_match or not features.block_hashes:
+        if not policy.uses_prefix_match:
             return [Candidate(r) for r in replicas]
-        matched = self.prefix_index.match(features.block_hashes, [r.name for r in replicas])
-        block_tokens = features.block_tokens
-        # A prefix held by many replicas gives them few distinct depths: sum each depth once, not
-        # once per replica (up to 0.4 ms for a 2k-token prompt on 256 replicas).
-        tokens = {k: sum(block_tokens[:k]) for k in set(matched.values())}
-        out = []
-        for r in replicas:
-            k = matched[r.name]
-            out.append(Candidate(r, k, tokens[k]))
-        return out
+        if self.precise is None or self.fallback_index is None:
+            return _matched(self.prefix_index, features.block_hashes, features.block_tokens, replicas)
+        # Precise mode: replicas whose KV events flow are matched on the engine's token blocks,
+        # the others (events missing, no publisher, or the prompt could not be tokenized) on
+        # the text blocks of the approximate index.
+        now = time.monotonic()
+        exact: list[Replica] = []
+        fallback = replicas
+        if features.block_hashes:
+            flags = [self.precise.exact(r.name, now) for r in replicas]
+            exact = [r for r, ok in zip(replicas, flags, strict=True) if ok]
+            fallback = [r for r, ok in zip(replicas, flags, strict=True) if not ok]
+        found = _matched(self.prefix_index, features.block_hashes, features.block_tokens, exact)
+        found += _matched(
+            self.fallback_index, features.text_block_hashes, features.text_block_tokens, fallback
+        )
+        if not exact or not fallback:
+            return found
+        order = {r.name: i for i, r in enumerate(replicas)}
+        return sorted(found, key=lambda c: order[c.replica.name])
 
     async def rank(self, features: RequestFeatures, role: str = "decode") -> list[Candidate]:
         """Available replicas for the leg, ranked best first by the pool's (or prefill) policy."""
@@ -223,27 +325,103 @@ class Pool:
 
     def learn(self, features: RequestFeatures, replica: Replica, role: str = "decode") -> None:
         """The request went to `replica`: it will hold the prompt's blocks once prefilled."""
-        if features.block_hashes:
-            # In precise mode the engine's events confirm; until then the decision is a guess.
-            self.prefix_index.record(
-                replica.name, features.block_hashes, speculative=self.precise is not None
-            )
+        name = replica.name
+        # A prompt longer than this is learned by its head: all of it would hold the event loop.
+        limit = self.cfg.prefix.max_learn_blocks
+        if self.precise is None or self.fallback_index is None:
+            if features.block_hashes:
+                self.prefix_index.record(name, features.block_hashes[:limit])
+        else:
+            blocks = features.block_hashes[:limit]
+            if blocks:
+                # New blocks for the engine to store: its events owe us a BlockStored.
+                if self.prefix_index.match(blocks, [name])[name] < len(blocks):
+                    self.precise.expect_events(name)
+                # The engine's events confirm; until then the decision is a guess.
+                self.prefix_index.record(name, blocks, speculative=True)
+            if features.text_block_hashes:
+                self.fallback_index.record(name, features.text_block_hashes[:limit])
+            policy = self.prefill_policy if role == "prefill" else self.policy
+            if policy.uses_prefix_match and not (blocks and self.precise.exact(name, time.monotonic())):
+                self.precise.fallback_decisions[name] += 1
+        self._chars_routed[name] = self._chars_routed.get(name, 0) + len(features.text)
         if features.adapter is not None:
-            self.lora.routed(replica.name, features.adapter)
+            self.lora.routed(name, features.adapter)
         (self.prefill_policy if role == "prefill" else self.policy).on_routed(features, replica)
 
     def tokens_per_block(self) -> float:
-        """Tokens in one hashed block of prompt text, as measured on this pool's traffic."""
-        if self._text_chars < 4096:
-            return self.cfg.prefix.block_chars / CHARS_PER_TOKEN
-        return self.cfg.prefix.block_chars * self._text_tokens / self._text_chars
+        """Engine tokens in one hashed block of prompt text, as measured on this pool's traffic."""
+        if self._text_chars < MIN_USAGE_CHARS:
+            return self.cfg.prefix.block_chars / CHARS_PER_TOKEN * self.token_scale
+        return self.cfg.prefix.block_chars * self._text_tokens / self._text_chars * self.token_scale
 
-    def _learn_token_size(self, chars: int, tokens: int) -> None:
+    def observe_usage(self, prompt_chars: int, engine_prompt_tokens: int) -> None:
+        """An engine counted `engine_prompt_tokens` for a prompt of `prompt_chars` characters (its
+        response's usage): once enough are seen, counts are scaled to the engines' tokens."""
+        # An engine is not trusted: a figure no tokenizer could give for that text is dropped.
+        if prompt_chars <= 0 or not 0 < engine_prompt_tokens <= 4 * prompt_chars + 4096:
+            return
+        self._usage_chars += prompt_chars
+        self._usage_tokens += engine_prompt_tokens
+        self._usage_samples += 1
+        if self._usage_chars > 1 << 24:  # forget slowly, so the figure follows the traffic
+            self._usage_chars //= 2
+            self._usage_tokens //= 2
+        self._rescale()
+
+    def observe_prompt_counter(self, replica: str, prompt_tokens_total: float) -> None:
+        """A scrape of a replica's prompt token counter: what it counted since the last scrape,
+        against the prompt characters routed to it meanwhile. Figures are summed over scrapes, so
+        a request counted by the gateway before the engine has prefilled it evens out. Used only
+        while the pool has too few usage figures (those are per request, and no other gateway's
+        traffic can mix in)."""
+        chars = self._chars_routed.get(replica, 0)
+        previous = self._counter_seen.get(replica)
+        self._counter_seen[replica] = (prompt_tokens_total, chars)
+        if previous is None or prompt_tokens_total < previous[0]:  # first sight, or a restart
+            return
+        self._counter_tokens += prompt_tokens_total - previous[0]
+        self._counter_chars += chars - previous[1]
+        if self._counter_chars > 1 << 24:
+            self._counter_chars //= 2
+            self._counter_tokens /= 2
+        self._rescale()
+
+    def _rescale(self) -> None:
+        """Scale counts to the engines' tokens per character: from usage figures when there are
+        enough, else from the engines' counters."""
+        if self._usage_samples >= MIN_USAGE_SAMPLES and self._usage_chars >= MIN_USAGE_CHARS:
+            engine_per_char = self._usage_tokens / self._usage_chars
+        elif self._counter_chars >= 4 * MIN_USAGE_CHARS and self._counter_tokens > 0:
+            engine_per_char = self._counter_tokens / self._counter_chars
+        else:
+            return
+        # An engine is not trusted: no tokenizer makes more than a token per byte of text.
+        if not self._text_tokens or engine_per_char > 4:
+            return
+        scale = engine_per_char / (self._text_tokens / self._text_chars)
+        # Within 5%, the counting tokenizer is the engines' (chat templates add a few tokens).
+        scale = 1.0 if abs(scale - 1.0) < 0.05 else scale
+        if scale != self.token_scale:
+            if abs(scale - self.token_scale) > 0.2 * self.token_scale:
+                log.info(
+                    "pool %s: the engines count %.3g tokens per counted token (by their own figures): "
+                    "token estimates and index sizes follow",
+                    self.name,
+                    scale,
+                )
+            self.token_scale = scale
+            self._resize_if_moved()
+
+    def learn_token_size(self, chars: int, tokens: int) -> None:
         self._text_chars += chars
         self._text_tokens += tokens
         if self._text_chars > 1 << 24:  # forget slowly, so the figure follows the traffic
             self._text_chars //= 2
             self._text_tokens //= 2
+        self._resize_if_moved()
+
+    def _resize_if_moved(self) -> None:
         sized = self._sized_tokens_per_block
         if sized and abs(self.tokens_per_block() - sized) > 0.2 * sized:
             for replica in self.replicas.values():
@@ -254,6 +432,7 @@ class Pool:
         cap = replica.kv_capacity_tokens
         if cap and self.precise is not None:
             self.precise.set_capacity(replica.name, cap)
-        elif cap and self.cfg.prefix.max_blocks_per_replica is None:
+        approximate = self.fallback_index or self.prefix_index
+        if cap and self.cfg.prefix.max_blocks_per_replica is None:
             self._sized_tokens_per_block = tokens_per_block = max(1.0, self.tokens_per_block())
-            self.prefix_index.set_capacity(replica.name, max(1, int(cap / tokens_per_block)))
+            approximate.set_capacity(replica.name, max(1, int(cap / tokens_per_block)))

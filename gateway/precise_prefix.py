@@ -9,17 +9,26 @@ replicas' KV events keep (`KVEventIndexer`): blocks appear when an engine stores
 when it evicts them. A routing decision is recorded as speculative, covering the lag until the
 engine's events confirm it.
 
-The price is one loopback round trip to an engine per request, and prompts the engine cannot
-tokenize (the Responses API; a `/tokenize` failure) are routed without prefix information,
-never failed.
+The price is one loopback round trip to an engine per request. Prompts the engine cannot
+tokenize (the Responses API; a `/tokenize` failure) are never failed: they are matched against
+the approximate index (text blocks learned from routing decisions), which the pool keeps too.
+
+Precise mode never degrades silently. When a request that must make an engine store new blocks
+has been routed to a replica and no usable event has come from it within `kv_events_timeout_s`
+(its publisher never bound, the topic differs, the block size differs, the stream stopped), the
+replica's events are `missing`: a warning is logged, `kvgate_kv_events_state` and the dashboard
+show it, and the replica is matched against the approximate index (each such decision counted
+in `kvgate_precise_fallback_decisions_total`) until its events come again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
@@ -36,6 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _JSON = {"Content-Type": "application/json"}
+EventsState = Literal["ok", "waiting", "missing"]
+EVENTS_STATES: tuple[EventsState, ...] = ("ok", "waiting", "missing")
 # The request fields that decide the engine's token ids (chat template input).
 _CHAT_FIELDS = ("messages", "tools", "tool_choice", "chat_template_kwargs", "add_generation_prompt")
 
@@ -66,13 +77,16 @@ class PrecisePrefix:
         self.indexer = KVEventIndexer(self.index, self.hasher)
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self.tokenize_failures = 0
+        self.events_timeout_s = cfg.kv_events_timeout_s
+        self.fallback_decisions: Counter[str] = Counter()  # per replica: routed on the approximate index
+        self._reported: set[str] = set()  # replicas whose missing events were logged
         self._next = 0
 
     # -- replicas' event streams ---------------------------------------------------------
-    def attach(self, replica: str, endpoint: str) -> None:
+    def attach(self, replica: str, endpoint: str, topic: str = "") -> None:
         """Follow a replica's KV events. Its index starts empty: a (re)started engine is cold."""
         self.detach(replica)
-        sub = self.subscribers[replica] = KVEventSubscriber(endpoint, replica, self.indexer, "kv-events")
+        sub = self.subscribers[replica] = KVEventSubscriber(endpoint, replica, self.indexer, topic)
         if _loop_running():
             sub.start()
 
@@ -82,6 +96,49 @@ class PrecisePrefix:
         if sub is not None:
             sub.close()
         self.indexer.clear(replica)
+        self._reported.discard(replica)
+        self.fallback_decisions.pop(replica, None)
+
+    # -- is each replica's event stream alive? ----------------------------------------------
+    def expect_events(self, replica: str) -> None:
+        """A request that must make the engine store new blocks was routed to `replica`."""
+        sub = self.subscribers.get(replica)
+        if sub is not None and sub.stats.awaiting_since is None:
+            sub.stats.awaiting_since = time.monotonic()
+
+    def events_state(self, replica: str, now: float | None = None) -> EventsState | None:
+        """`ok` (events flow), `waiting` (none yet, none owed), `missing` (owed for longer than
+        `kv_events_timeout_s`); None for a replica without a publisher. Logs each change to and
+        from `missing` once."""
+        sub = self.subscribers.get(replica)
+        if sub is None:
+            return None
+        st = sub.stats
+        now = time.monotonic() if now is None else now
+        if st.awaiting_since is not None and now - st.awaiting_since > self.events_timeout_s:
+            if replica not in self._reported:
+                self._reported.add(replica)
+                log.warning(
+                    "precise prefix: no usable KV events from replica %s (%s, topic %r) %.1f s after "
+                    "a request was routed to it; it is routed by the approximate index until they "
+                    "come. Check that the engine binds its publisher (vLLM and SGLang bind only an "
+                    "endpoint holding `*`), the topic, and the block size (%d tokens expected)",
+                    replica,
+                    sub.endpoint,
+                    sub.topic,
+                    now - st.awaiting_since,
+                    self.block_size,
+                )
+            return "missing"
+        if replica in self._reported:
+            self._reported.discard(replica)
+            log.info("precise prefix: KV events from replica %s flow again", replica)
+        return "ok" if st.last_event_at is not None else "waiting"
+
+    def exact(self, replica: str, now: float) -> bool:
+        """Whether the replica is matched against its KV events (else: the approximate index)."""
+        state = self.events_state(replica, now)
+        return state is not None and state != "missing"
 
     def start(self) -> None:
         """Start every subscriber not yet running (needs the running event loop)."""
@@ -102,8 +159,8 @@ class PrecisePrefix:
     ) -> None:
         """Replace the request's text-block features by engine token-block ones, in place.
 
-        On any failure the request keeps no block hashes at all: text-block hashes live in
-        another hash space and would only match by accident."""
+        On any failure the request keeps no token-block hashes: the pool then matches its
+        text-block hashes (kept in `text_block_hashes`) against the approximate index."""
         request = tokenize_body(body, features.endpoint, self.model)
         ids = await self._tokenize(request, replicas, upstream) if request is not None and replicas else None
         if ids is None:
@@ -122,7 +179,7 @@ class PrecisePrefix:
         try:
             resp = await upstream.open("POST", replica.url + "/tokenize", orjson.dumps(request), _JSON)
             try:
-                raw = await upstream.read(resp)
+                raw = await upstream.read_content(resp)
             finally:
                 resp.release()
         except UpstreamError as exc:

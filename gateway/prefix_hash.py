@@ -21,6 +21,8 @@ and are the same as computed afresh.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -179,13 +181,32 @@ class PrefixFeatures:
     prompt_tokens: int  # all blocks plus the partial tail
 
 
+class _ReadThrough(OrderedDict[Any, Any]):
+    """An LRU cache of its own in front of a shared one that it reads but never changes."""
+
+    def __init__(self, shared: OrderedDict[Any, Any]) -> None:
+        super().__init__()
+        self.shared = shared
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        value = super().get(key)
+        return self.shared.get(key, default) if value is None else value
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(key) or key in self.shared
+
+    def move_to_end(self, key: Any, last: bool = True) -> None:
+        if super().__contains__(key):
+            super().move_to_end(key, last)
+
+
 class PrefixHasher:
     """Chained block hashes and token counts of prompt text.
 
     Two bounded LRUs keep the work of repeated text: token counts of blocks, by block hash, and
     whole pieces of a prompt (a system prompt, an earlier turn), by their place in the chain, so a
     piece seen before costs one lookup instead of a loop over its blocks. Not thread-safe: meant
-    for the gateway's event loop.
+    for the gateway's event loop; `detached()` makes one for a worker thread.
     """
 
     def __init__(
@@ -194,6 +215,7 @@ class PrefixHasher:
         token_cache_size: int = 200_000,
         piece_cache_blocks: int = 65_536,
         piece_min_blocks: int = 8,
+        count: Callable[[str], int] | None = None,
     ) -> None:
         if block_chars < 1:
             raise ValueError("block_chars must be positive")
@@ -213,7 +235,7 @@ class PrefixHasher:
         self._pieces: OrderedDict[tuple[int, str, int], tuple[list[int], list[int]]] = OrderedDict()
         self._piece_blocks = 0
         self._seeds: dict[tuple[str, str | None], int] = {}
-        self._count = get_tokenizer().count
+        self._count = count or get_tokenizer().count  # the engines' tokenizer when the pool knows it
 
     def seed(self, model: str, cache_salt: str | None) -> int:
         key = (model, cache_salt)
@@ -272,8 +294,6 @@ class PrefixHasher:
                 start = cut if cut_at == i else self._cut(text, i)
                 cut_at, cut = i + 1, self._cut(text, i + 1)
                 count = cache[key] = self._count(text[start:cut])
-                if len(cache) > self.token_cache_size:
-                    cache.popitem(last=False)
             else:
                 cache.move_to_end(key)
             tokens.append(count)
@@ -303,7 +323,37 @@ class PrefixHasher:
         last = self._cut(text, n)
         tokens.append(self._count(text[self._cut(text, n - 1) : last]))
         tail = self._count(text[last:]) if last < len(text) else 0
+        self._trim()
         return PrefixFeatures(block_hashes=hashes, block_tokens=tokens, prompt_tokens=sum(tokens) + tail)
+
+    def _trim(self) -> None:
+        """Evict the least recently used entries beyond the caches' bounds."""
+        cache = self._block_tokens
+        while len(cache) > self.token_cache_size:
+            cache.popitem(last=False)
+        memo = self._pieces
+        while self._piece_blocks > self.piece_cache_blocks:
+            self._piece_blocks -= len(memo.popitem(last=False)[1][0])
+
+    def detached(self) -> PrefixHasher:
+        """A hasher for work in another thread: it reads this one's caches without changing them
+        (the event loop owns them) and keeps what it learns apart, for `absorb`."""
+        clone = copy.copy(self)
+        clone._block_tokens = _ReadThrough(self._block_tokens)
+        clone._pieces = _ReadThrough(self._pieces)
+        clone._piece_blocks = 0
+        clone._seeds = {}
+        return clone
+
+    def absorb(self, detached: PrefixHasher, limit: int = 16_384) -> None:
+        """Keep what a detached hasher learned, its first `limit` entries of each cache (a prompt's
+        head is what comes back): called on the event loop, so bounded."""
+        self._block_tokens.update(itertools.islice(detached._block_tokens.items(), limit))
+        for key, value in itertools.islice(detached._pieces.items(), limit):
+            if key not in self._pieces:
+                self._pieces[key] = value
+                self._piece_blocks += len(value[0])
+        self._trim()
 
     def _recall_pieces(
         self, seed: int, text: str, pieces: Sequence[str], hashes: list[int], tokens: list[int]
@@ -331,8 +381,6 @@ class PrefixHasher:
                     if seen:
                         memo[key] = (hashes[first:], tokens[first:])
                         self._piece_blocks += last - first
-                        while self._piece_blocks > self.piece_cache_blocks:
-                            self._piece_blocks -= len(memo.popitem(last=False)[1][0])
                 else:
                     memo.move_to_end(key)
                     hashes += known[0]

@@ -285,6 +285,10 @@ class PrefixIndex:
         self._expire(self._clock())
         return list(state.lru)
 
+    def entries(self) -> int:
+        """Blocks held over all replicas (a block two replicas hold counts twice): the index's size."""
+        return sum(len(state.lru) for state in self._replicas.values())
+
     def stats(self) -> dict[str, object]:
         self._expire(self._clock())
         per_replica: dict[str, dict[str, int]] = {}

@@ -8,27 +8,42 @@ succeeds, fails, times out or the client goes away.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
-import os
 import random
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
 from gateway.canonicalize import canonicalize
+from gateway.claim import Claim
 from gateway.errors import GatewayError, error_body, normalize_error_body
-from gateway.http1 import UpstreamResponse
 from gateway.limits import ShedError
+from gateway.logs import clip
 from gateway.model_catalog import Target
 from gateway.pd import DecodePlan, PDHandoff
 from gateway.policy import Candidate, RequestFeatures
+from gateway.prefix_hash import PrefixHasher
 from gateway.replica import Replica
+from gateway.request_body import client_error, parse_json_body, read_body
 from gateway.request_record import RequestRecord
+from gateway.sanitize import (
+    client_request_id,
+    invalid_header,
+    new_request_id,
+    strip_body,
+    upstream_headers,
+)
 from gateway.sse_events import EventStream
+from gateway.stream_end import StreamEnd
+from gateway.tokens import engine_prompt_tokens
 from gateway.tracing import NOOP
-from gateway.upstream import UpstreamError
+from gateway.transports.base import Response
+from gateway.upstream import ERROR_BODY_LIMIT, UpstreamError
 
 if TYPE_CHECKING:
     from gateway.pool import Pool
@@ -50,24 +65,7 @@ ENDPOINTS = {
     "/v2/rerank": "rerank",
 }
 TARGET = web.RequestKey("kvgate_target", Target)
-# Not forwarded either way: hop-by-hop, framing the proxy redoes, and the gateway's own auth.
-_DROP_REQUEST = frozenset(
-    {
-        "host",
-        "content-length",
-        "connection",
-        "keep-alive",
-        "transfer-encoding",
-        "te",
-        "upgrade",
-        "proxy-authorization",
-        "proxy-connection",
-        "authorization",
-        "cookie",
-        "accept-encoding",
-        "expect",
-    }
-)
+# Not relayed to the client: hop-by-hop, framing the proxy redoes, and the gateway's own headers.
 _DROP_RESPONSE = frozenset(
     {
         "content-length",
@@ -76,48 +74,17 @@ _DROP_RESPONSE = frozenset(
         "transfer-encoding",
         "server",
         "date",
-        "content-encoding",
         "x-request-id",
         "x-kvgate-replica",
         "x-kvgate-pool",
     }
 )
+# An engine's Content-Encoding is relayed with its body untouched, except where the gateway
+# rewrites the body (errors, normalized after decoding).
+_DROP_REWRITTEN = _DROP_RESPONSE | {"content-encoding"}
 
 
-def _client_error(message: str, code: str, param: str | None = None, status: int = 400) -> GatewayError:
-    return GatewayError(status, message, "invalid_request_error", code, param)
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    declared = request.content_length
-    if declared is not None and declared > limit:
-        raise _client_error(f"request body exceeds {limit} bytes", "request_too_large", status=413)
-    if declared is not None:
-        try:
-            return await request.content.readexactly(declared) if declared else b""
-        except asyncio.IncompleteReadError:
-            raise _client_error("request body shorter than its Content-Length", "invalid_body") from None
-    # Chunked upload: no declared size, so count as it arrives.
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise _client_error(f"request body exceeds {limit} bytes", "request_too_large", status=413)
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    if not raw:
-        raise _client_error("request body is empty; expected a JSON object", "invalid_json")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise _client_error(f"request body is not valid JSON: {exc}", "invalid_json") from None
-    if not isinstance(body, dict):
-        raise _client_error("request body must be a JSON object", "invalid_json")
-    return body
+_USAGE = b'"prompt_tokens":'
 
 
 def sse_error_event(message: str, code: str) -> bytes:
@@ -128,12 +95,15 @@ class Proxy:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self.settings = runtime.settings
-        self.pd = PDHandoff(runtime.upstream)
+        self.pd = PDHandoff(runtime.upstream, resend=runtime.settings.retry.max_attempts >= 2)
 
     # -- entry point ------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
-        rec = RequestRecord(request_id, ENDPOINTS[request.path])
+        # Engines get an id the gateway makes; the client's own id, when usable, names the
+        # request in logs and in the answer's X-Request-Id.
+        engine_id = new_request_id()
+        client_id = client_request_id(request.headers.get("x-request-id"))
+        rec = RequestRecord(client_id or engine_id, ENDPOINTS[request.path], engine_request_id=engine_id)
         tr = self.rt.tracing
         root = tr.request(request.method, request.path, request.headers, rec) if tr else None
         try:
@@ -141,8 +111,9 @@ class Proxy:
         except GatewayError as exc:
             response = self.error_response(exc, rec)
         except asyncio.CancelledError:
-            rec.client_disconnected = True
-            rec.status = 499  # nginx's "client closed request": nobody received an answer
+            if not rec.completed:  # a client that closes after the end of its stream got its answer
+                rec.client_disconnected = True
+                rec.status = 499  # nginx's "client closed request": nobody received an answer
             raise
         finally:
             rec.ended = time.perf_counter()
@@ -152,46 +123,67 @@ class Proxy:
         return response
 
     async def _handle(self, request: web.Request, rec: RequestRecord) -> web.StreamResponse:
-        endpoint = rec.endpoint
-        tr = self.rt.tracing
+        server = self.settings.server
+        bad_header = invalid_header(request.headers.items())
+        if bad_header is not None:
+            raise client_error(
+                f"header {clip(bad_header, 64)!r}: values may hold only visible ASCII, spaces and tabs",
+                "invalid_header",
+            )
         tenant = self.rt.auth.client(request)
         rec.tenant = tenant
-        raw = await read_body(request, self.settings.server.max_body_bytes)
-        body = parse_json_body(raw)
+        raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
+        # A large body is parsed, canonicalized, hashed and counted in a worker thread: on the event
+        # loop a 7.5 MB prompt took 0.6 s, during which no other request moved.
+        offload = len(raw) > server.offload_body_bytes
+        loop = asyncio.get_running_loop()
+        if offload:
+            body = await loop.run_in_executor(self.rt.workers, parse_json_body, raw, server.max_json_depth)
+        else:
+            body = parse_json_body(raw, server.max_json_depth)
         model = body.get("model")
         if model is None or model == "":
-            raise _client_error("you must provide a model parameter", "missing_model", "model")
+            raise client_error("you must provide a model parameter", "missing_model", "model")
         if not isinstance(model, str):
-            raise _client_error("`model` must be a string", "invalid_model", "model")
-        rec.model = model
-        target = request[TARGET] = self.rt.models.resolve(model, endpoint, request.headers, body)
+            raise client_error("`model` must be a string", "invalid_model", "model")
+        rec.model = clip(model)
+        target = request[TARGET] = self.rt.models.resolve(model, rec.endpoint, request.headers, body)
         pool = target.pool
         rec.pool = pool.name
-        changed = False
-        canon = pool.cfg.canonicalize
-        if canon.enabled and not request.headers.get(canon.opt_out_header):
-            with tr.span("canonicalize") if tr else NOOP:
-                result = canonicalize(body, canon, endpoint)
-            if result.body is not body:
-                body, changed = result.body, True
-                log.debug("request %s canonicalized: %s", rec.request_id, "; ".join(result.notes))
+        removed = strip_body(body, pool.passthrough_fields)
+        if removed:
+            log.debug("request %s: client fields not for engines removed: %s", rec.request_id, removed)
+        changed = bool(removed)
         if model != target.upstream:
             body["model"] = target.upstream
             changed = True
+        if offload:
+            # The worker reads the pool's caches through a detached hasher; what it learned joins
+            # them back here, on the loop.
+            hasher = pool.hasher.detached()
+            call = contextvars.copy_context().run
+            job = functools.partial(call, self._prompt, pool, body, rec, request.headers, hasher)
+            body, canonicalized, features = await loop.run_in_executor(self.rt.workers, job)
+            pool.hasher.absorb(hasher)
+            pool.learn_token_size(len(features.text), features.prompt_tokens)
+        else:
+            body, canonicalized, features = self._prompt(pool, body, rec, request.headers)
+        changed = canonicalized or changed
         scheduler = self.rt.scheduler
-        features = pool.features(body, endpoint, rec.request_id, request.headers)
         features.tenant = tenant
         changed = scheduler.classify(features, request.headers, body) or changed
         trimmed = scheduler.fit_prompt(pool, features, body)
         if trimmed is not None:  # the window policy dropped the oldest turns
             features, changed = trimmed, True
         changed = scheduler.forward_priority(pool, features, body) or changed
+        tr = self.rt.tracing
         if pool.precise is not None and pool.policy.uses_prefix_match:
             with tr.span("tokenize") if tr else NOOP:
                 await pool.precise.annotate(features, body, pool.serving("decode"), self.rt.upstream)
         out = orjson.dumps(body) if changed else raw
         rec.stream = features.stream
         rec.prompt_tokens = features.prompt_tokens
+        rec.prompt_chars = len(features.text)
         rec.priority_class = features.priority_class
         queued_at = time.perf_counter()
         with tr.span("queue", {"kvgate.priority_class": features.priority_class}) if tr else NOOP:
@@ -201,6 +193,28 @@ class Proxy:
             return await self._dispatch(request, pool, features, body, out, rec)
         finally:
             ticket.release()
+
+    def _prompt(
+        self,
+        pool: Pool,
+        body: dict[str, Any],
+        rec: RequestRecord,
+        headers: Mapping[str, str],
+        hasher: PrefixHasher | None = None,
+    ) -> tuple[dict[str, Any], bool, RequestFeatures]:
+        """Canonicalize (when the pool does) and measure the prompt; True when the body changed.
+        With a detached `hasher` it runs off the event loop and touches none of the pool's state."""
+        changed = False
+        canon = pool.cfg.canonicalize
+        if canon.enabled and not headers.get(canon.opt_out_header):
+            tr = self.rt.tracing
+            with tr.span("canonicalize") if tr else NOOP:
+                result = canonicalize(body, canon, rec.endpoint)
+            if result.body is not body:
+                body, changed = result.body, True
+                log.debug("request %s canonicalized: %s", rec.request_id, "; ".join(result.notes))
+        features = pool.features(body, rec.endpoint, rec.engine_request_id, headers, hasher)
+        return body, changed, features
 
     def error_response(self, exc: GatewayError, rec: RequestRecord) -> web.Response:
         rec.status = exc.status
@@ -213,11 +227,8 @@ class Proxy:
         )
 
     # -- dispatch with retries ----------------------------------------------------------------
-    def _upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
-        headers["X-Request-Id"] = request_id  # replaces the client's under any spelling (dropped above)
-        headers["Content-Type"] = "application/json"
-        return headers
+    def _upstream_headers(self, request: web.Request, pool: Pool, rec: RequestRecord) -> dict[str, str]:
+        return upstream_headers(request.headers.items(), pool.passthrough_headers, rec.engine_request_id)
 
     async def _dispatch(
         self,
@@ -235,16 +246,22 @@ class Proxy:
         if not ranked:
             raise self._no_replica(f"no healthy replica in pool `{pool.name}`")
         retry_cfg = self.settings.retry
+        max_attempts = retry_cfg.max_attempts
         budget = self.rt.retry_budget
         budget.on_request()
-        headers = self._upstream_headers(request, request_id)
+        headers = self._upstream_headers(request, pool, rec)
         plan = DecodePlan(raw)
-        if pool.disaggregated and self.pd.wanted(pool, features, ranked[0]):
-            plan = await self.pd.prepare(pool, features, body, raw, request.path, headers)
         refused: GatewayError | None = None  # the last retryable answer, relayed if every try fails
-        unreachable: GatewayError | None = None
+        failure: UpstreamError | None = None  # the last retryable transport failure
+        # A generation is not idempotent: it may reach engines at most max_attempts times in
+        # all, a stale keep-alive connection's silent resend included.
+        deliveries = 0
         try:
-            for attempt, candidate in enumerate(_walk(ranked, retry_cfg.max_attempts)):
+            if pool.disaggregated and self.pd.wanted(pool, features, ranked[0]):
+                plan = await self.pd.prepare(pool, features, body, raw, request.path, headers)
+            for attempt, candidate in enumerate(_walk(ranked, max_attempts)):
+                if deliveries >= max_attempts:
+                    break
                 replica: Replica = candidate.replica  # type: ignore[assignment]
                 if attempt > 0:
                     if not budget.try_spend():
@@ -256,55 +273,57 @@ class Proxy:
                     replica, features.adapter, self.rt.lora.session
                 ):
                     continue  # the adapter could not be loaded there
-                if not replica.breaker.try_acquire():
+                claim = Claim.take(replica, features.prompt_tokens)
+                if claim is None:
                     continue
-                lease = replica.lease(features.prompt_tokens)
-                # Learn at decision time, not when the answer comes: concurrent requests with the
-                # same new prefix must see where the first one went.
-                pool.learn(features, replica)
-                up = tr.upstream(replica, attempt, headers) if tr else None
-                try:
+                with claim:
+                    # Learn at decision time, not when the answer comes: concurrent requests with
+                    # the same new prefix must see where the first one went.
+                    pool.learn(features, replica)
+                    up = tr.upstream(replica, attempt, headers) if tr else None
                     try:
-                        url = replica.url + request.path
-                        resp = await self._open(url, plan, up.headers if up is not None else headers)
-                    except UpstreamError as exc:
-                        replica.breaker.record_failure()
-                        log.warning("request %s: replica %s failed: %s", request_id, replica.name, exc)
-                        if not exc.connect:
-                            raise GatewayError(504, str(exc), "upstream_error", "upstream_timeout") from None
-                        unreachable = GatewayError(502, str(exc), "upstream_error", "upstream_unreachable")
-                        continue
-                    if up is not None:
-                        up.responded(resp.status)
-                    if resp.status in retry_cfg.retry_statuses:
-                        if resp.status == 429:  # busy, not broken: no mark against its health
-                            replica.breaker.release_probe()
-                        else:
-                            replica.breaker.record_failure()
-                        error = normalize_error_body(await self._read_error(resp), resp.status)
-                        refused = GatewayError(resp.status, "refused", headers=_retry_after(resp), body=error)
-                        log.info("request %s: replica %s answered %d", request_id, replica.name, resp.status)
-                        continue
-                    if resp.status >= 500:
-                        replica.breaker.record_failure()
-                    else:
-                        replica.breaker.record_success()
-                    rec.replica = replica.name
-                    rec.matched_tokens = candidate.matched_tokens
-                    rec.route_reason = (
-                        route_reason(candidate, ranked) if pool.policy.uses_prefix_match else None
-                    )
-                    return await self._relay(request, resp, replica, rec)
-                finally:
-                    lease.release()
-                    if up is not None:
-                        up.end(rec)
+                        try:
+                            url = replica.url + request.path
+                            resend = deliveries + 2 <= max_attempts
+                            hdrs = up.headers if up is not None else headers
+                            resp = await self._open(url, plan, hdrs, resend)
+                        except UpstreamError as exc:
+                            deliveries += exc.sent
+                            if exc.replica_fault:
+                                claim.failed()
+                            log.warning("request %s: replica %s failed: %s", request_id, replica.name, exc)
+                            if not exc.retryable:
+                                raise exc.gateway_error() from None
+                            failure = exc
+                            continue
+                        deliveries += resp.sent
+                        claim.answered()  # any well-formed answer: the engine is up
+                        if up is not None:
+                            up.responded(resp.status)
+                        if resp.status in retry_cfg.retry_statuses:
+                            error = normalize_error_body(await self._read_error(resp), resp.status)
+                            refused = GatewayError(
+                                resp.status, "refused", headers=_retry_after(resp), body=error
+                            )
+                            log.info(
+                                "request %s: replica %s answered %d", request_id, replica.name, resp.status
+                            )
+                            continue
+                        rec.replica = replica.name
+                        rec.matched_tokens = candidate.matched_tokens
+                        rec.route_reason = (
+                            route_reason(candidate, ranked) if pool.policy.uses_prefix_match else None
+                        )
+                        return await self._relay(request, resp, claim, rec)
+                    finally:
+                        if up is not None:
+                            up.end(rec)
         finally:
             await plan.finish()
         if refused is not None:
             raise refused
-        if unreachable is not None:
-            raise unreachable
+        if failure is not None:
+            raise failure.gateway_error()
         raise self._no_replica(f"no replica of pool `{pool.name}` accepted the request")
 
     def _no_replica(self, message: str) -> GatewayError:
@@ -313,29 +332,39 @@ class Proxy:
             503, message, "service_unavailable", "no_healthy_replica", headers={"Retry-After": retry_after}
         )
 
-    async def _open(self, url: str, plan: DecodePlan, headers: dict[str, str]) -> UpstreamResponse:
+    async def _open(self, url: str, plan: DecodePlan, headers: dict[str, str], resend: bool) -> Response:
         """Open the decode leg; with a concurrent prefill leg, fail fast if that leg breaks first."""
+        upstream = self.rt.upstream
         if plan.guard is None:
-            return await self.rt.upstream.open("POST", url, plan.body, headers)
-        opening = asyncio.ensure_future(self.rt.upstream.open("POST", url, plan.body, headers))
-        await asyncio.wait({opening, plan.guard}, return_when=asyncio.FIRST_COMPLETED)
-        if not opening.done() and plan.guard.exception() is not None:
-            opening.cancel()
-            await asyncio.gather(opening, return_exceptions=True)
-            raise UpstreamError(f"prefill leg failed: {plan.guard.exception()}")
-        return await opening
-
-    async def _read_error(self, resp: UpstreamResponse) -> bytes:
+            return await upstream.open("POST", url, plan.body, headers, resend=resend)
+        opening = asyncio.ensure_future(upstream.open("POST", url, plan.body, headers, resend=resend))
         try:
-            return await self.rt.upstream.read(resp)
+            await asyncio.wait({opening, plan.guard}, return_when=asyncio.FIRST_COMPLETED)
+            if not opening.done() and plan.guard.exception() is not None:
+                # The decode replica is not at fault: its bootstrap partner went away.
+                raise UpstreamError(
+                    f"prefill leg failed: {plan.guard.exception()}",
+                    code="upstream_prefill_failed",
+                    replica_fault=False,
+                )
+            return await opening
+        except BaseException:
+            await _abandon(opening)
+            raise
+
+    async def _read_error(self, resp: Response) -> bytes:
+        try:
+            return await self.rt.upstream.read_content(resp, ERROR_BODY_LIMIT)
         except UpstreamError:
             return b""
         finally:
             resp.release()
 
     # -- relay -----------------------------------------------------------------------------
-    def _response_headers(self, resp: UpstreamResponse, replica: Replica, request_id: str) -> dict[str, str]:
-        headers = {k: v for k, v in resp.headers if k.lower() not in _DROP_RESPONSE}
+    def _response_headers(
+        self, resp: Response, replica: Replica, request_id: str, drop: frozenset[str] = _DROP_RESPONSE
+    ) -> dict[str, str]:
+        headers = {k: v for k, v in resp.headers if k.lower() not in drop}
         headers["x-request-id"] = request_id
         headers["x-kvgate-replica"] = replica.name
         headers["x-kvgate-pool"] = replica.pool
@@ -344,42 +373,49 @@ class Proxy:
     async def _relay(
         self,
         request: web.Request,
-        resp: UpstreamResponse,
-        replica: Replica,
+        resp: Response,
+        claim: Claim,
         rec: RequestRecord,
     ) -> web.StreamResponse:
-        headers = self._response_headers(resp, replica, rec.request_id)
         rec.status = resp.status
         if resp.status >= 400:
+            # Rewritten in the OpenAI form, decoded: the engine's Content-Encoding no longer applies.
+            headers = self._response_headers(resp, claim.replica, rec.request_id, _DROP_REWRITTEN)
             raw = await self._read_error(resp)
             headers["Content-Type"] = "application/json"
             return web.Response(
                 status=resp.status, body=normalize_error_body(raw, resp.status), headers=headers
             )
+        headers = self._response_headers(resp, claim.replica, rec.request_id)
         if not resp.content_type.startswith("text/event-stream"):
             try:
                 raw = await self.rt.upstream.read(resp)
             except UpstreamError as exc:
-                raise GatewayError(502, str(exc), "upstream_error", "upstream_disconnected") from None
+                if exc.replica_fault:
+                    claim.failed()
+                raise exc.gateway_error() from None
             finally:
                 resp.release()
             rec.first_byte_at = time.perf_counter()
+            rec.engine_prompt_tokens = engine_prompt_tokens(raw)
             rename = request[TARGET].rename
             if rename is not None and not resp.header("Content-Encoding"):
                 raw = rename.apply(raw)
             return web.Response(status=resp.status, body=raw, headers=headers)
-        return await self._relay_stream(request, resp, headers, rec)
+        return await self._relay_stream(request, resp, headers, claim, rec)
 
     async def _relay_stream(
         self,
         request: web.Request,
-        resp: UpstreamResponse,
+        resp: Response,
         headers: dict[str, str],
+        claim: Claim,
         rec: RequestRecord,
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status, headers=headers)
         finished = False
         events = EventStream(request[TARGET].rename)
+        end = StreamEnd(rec.endpoint)
         try:
             await out.prepare(request)
             try:
@@ -387,12 +423,19 @@ class Proxy:
                     if rec.first_byte_at is None:
                         rec.first_byte_at = time.perf_counter()
                     chunk = events.feed(chunk)
-                    if chunk:
-                        await out.write(chunk)
+                    if not chunk:
+                        continue
+                    if _USAGE in chunk:  # a substring test per chunk; only a usage chunk is read
+                        rec.engine_prompt_tokens = engine_prompt_tokens(chunk) or rec.engine_prompt_tokens
+                    await out.write(chunk)
+                    end.feed(chunk)
                 tail = events.flush()
                 if tail:
                     await out.write(tail)
+                    end.feed(tail)
             except UpstreamError as exc:
+                if exc.replica_fault:
+                    claim.failed()
                 # Never truncate silently: the client learns the stream broke.
                 log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
                 rec.error_code = "upstream_stream_error"
@@ -400,12 +443,15 @@ class Proxy:
             await out.write_eof()
             finished = True
         except ConnectionResetError:
-            rec.client_disconnected = True
-            log.info("request %s: client went away mid-stream", rec.request_id)
+            rec.completed = end.complete
+            if not rec.completed:
+                rec.client_disconnected = True
+                log.info("request %s: client went away mid-stream", rec.request_id)
         finally:
             if finished:
                 resp.release()
             else:
+                rec.completed = end.complete  # read by `handle` if this is a cancellation
                 # The client left (or we were cancelled): drop the upstream connection so the
                 # engine aborts the request instead of generating for nobody.
                 resp.close()
@@ -427,6 +473,14 @@ def _walk(ranked: list[Candidate], attempts: int) -> list[Candidate]:
     return [ranked[i % len(ranked)] for i in range(attempts)]
 
 
-def _retry_after(resp: UpstreamResponse) -> dict[str, str]:
+async def _abandon(opening: asyncio.Future[Response]) -> None:
+    """Stop an opening nobody will read; an answer that arrived anyway is closed, not leaked."""
+    opening.cancel()
+    await asyncio.gather(opening, return_exceptions=True)
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result().close()
+
+
+def _retry_after(resp: Response) -> dict[str, str]:
     value = resp.header("Retry-After")
     return {"Retry-After": value} if value else {}

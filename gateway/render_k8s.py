@@ -70,12 +70,19 @@ def role_groups(spec: EngineSpec) -> list[tuple[Role, int]]:
 
 def engine_argv(pool: PoolConfig, role: Role) -> tuple[list[str], dict[str, str], dict[str, int]]:
     """One replica's command line, environment and named container ports, from the pool's adapter."""
-    spec = pool.engines
-    assert spec is not None
+    assert pool.engines is not None
+    # A pod's engine listens on all its interfaces (and so publishes KV events on tcp://*:PORT).
+    spec = pool.engines.model_copy(update={"host": "0.0.0.0"})
     adapter = adapter_for_spec(spec)
     aux = {name: AUX_PORTS[name] for name in adapter.aux_port_names(spec, role)}
     slot = ReplicaSlot(
-        index=0, name=dns_name(pool.name), role=role, host="0.0.0.0", port=HTTP_PORT, aux_ports=aux
+        index=0,
+        name=dns_name(pool.name),
+        role=role,
+        host=spec.host,
+        port=HTTP_PORT,
+        aux_ports=aux,
+        kv_events=spec.kv_events,
     )
     model = spec.model or pool.model
     argv, env = adapter.command(spec, model, slot, pool.served_model or pool.model)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class RequestRecord:
-    request_id: str
+    request_id: str  # the client's X-Request-Id when it sent a usable one, else engine_request_id
     endpoint: str
+    engine_request_id: str = ""  # the id engines see, made by the gateway
     started: float = field(default_factory=time.perf_counter)
     model: str | None = None  # the name the client asked for
     pool: str | None = None
@@ -23,6 +24,8 @@ class RequestRecord:
     priority_class: str | None = None
     stream: bool = False
     prompt_tokens: int = 0
+    prompt_chars: int = 0  # characters of the prompt text the gateway hashed
+    engine_prompt_tokens: int | None = None  # the engine's own count (its usage figures), when it gave one
     matched_tokens: int = 0  # prompt tokens the chosen replica was believed to hold
     route_reason: str | None = None  # why the policy chose the replica (e.g. "cache_hit", "spill")
     status: int = 0
@@ -33,6 +36,7 @@ class RequestRecord:
     first_byte_at: float | None = None  # perf_counter when the first body byte went to the client
     ended: float | None = None
     client_disconnected: bool = False
+    completed: bool = False  # a stream cut by its client had been relayed through its last event
 
     @property
     def ttft_s(self) -> float | None:

@@ -141,6 +141,16 @@ class Router:
                 return Choice(pool, rule.adapters.get(pool), self._rewrite[model])
         return None
 
+    def pools_for(self, model: str) -> list[str] | None:
+        """The pools a model's requests can reach (a rule's pools of positive weight, or the pool
+        serving it directly); None for an unknown model."""
+        rules = self.routes.get(model)
+        if rules is None:
+            direct = self._direct.get(model)
+            return None if direct is None else [direct]
+        names = {name: None for r in rules for name, w in zip(r.pools, r.weights, strict=True) if w > 0}
+        return list(names)
+
     def rule(self, model: str, rule_index: int | None = None) -> tuple[int, Rule]:
         """A route's rule by index; by default its last rule (the weighted split, by convention)."""
         rules = self.routes.get(model)

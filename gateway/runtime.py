@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gateway.access_log import access_log
 from gateway.auth import Auth
-from gateway.config import EndpointConfig, Settings
+from gateway.config import EndpointConfig, KVEventsSource, Settings
+from gateway.conn_guard import ConnectionGuard
 from gateway.discovery import make_discovery
 from gateway.engine_load import EngineLoad
+from gateway.engines.base import KV_EVENTS_TOPIC
 from gateway.health import HealthChecker
 from gateway.launcher import FleetLauncher, LaunchedReplica
 from gateway.load_scraper import LoadScraper
@@ -26,6 +29,7 @@ from gateway.rollout import Router
 from gateway.scheduler import Scheduler
 from gateway.state import make_state
 from gateway.tracing import Tracing
+from gateway.transports.base import client_tls_context
 from gateway.upstream import Upstream
 from gateway.variant_stats import VariantStats
 
@@ -40,7 +44,10 @@ class Runtime:
         for pcfg in settings.pools:
             pool = Pool(pcfg, settings.breaker, settings.scrape)
             self.pools[pool.name] = pool
-        self.scraper = LoadScraper.from_config(settings.scrape, on_update=self._engine_load)
+        # Health checks and load scrapes reach https engines as the hot path does.
+        tls = settings.upstream.tls
+        control_tls = client_tls_context(tls.verify, tls.ca_file) if tls.ca_file or not tls.verify else None
+        self.scraper = LoadScraper.from_config(settings.scrape, on_update=self._engine_load, tls=control_tls)
         for pool in self.pools.values():
             for ep in pool.cfg.endpoints:
                 self.add_endpoint(pool, ep)
@@ -62,14 +69,18 @@ class Runtime:
         ]
         self.router = Router(settings.routes, {p.name: p.model for p in self.pools.values()})
         self.models = ModelCatalog(self.pools, lambda: self.router)
-        self.lora = LoraWatch(self.pools.values())
+        self.lora = LoraWatch(self.pools.values(), tls=control_tls)
         self.upstream = Upstream(settings.upstream)
+        # Large prompts are prepared here, off the event loop; one thread, so that the loop
+        # competes with at most one other holder of the GIL.
+        self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-prepare")
         # Rate limits are charged through the state backend (created last: it wraps the pools'
         # indexes), so with Redis they hold across every gateway instance.
         self.scheduler = Scheduler(settings.scheduler, settings.tenants, take=lambda c: self.state.take(c))
         self.retry_budget = RetryBudget(settings.retry.budget_ratio)
-        self.health = HealthChecker(settings.health, self.all_replicas)
+        self.health = HealthChecker(settings.health, self.all_replicas, tls=control_tls)
         self.draining = False
+        self.connections: ConnectionGuard | None = None  # set by the server once it listens
         self.observers: list[Observer] = []
         self.tracing = Tracing.from_config(settings.telemetry)  # None when off: the proxy's only cost
         self.metrics = GatewayMetrics(self) if settings.telemetry.metrics else None
@@ -79,6 +90,7 @@ class Runtime:
             self.observers.append(access_log)
         self.variant_stats = VariantStats()
         self.observers.append(self.variant_stats)
+        self.observers.append(self._engine_tokens)
         # Where the settings came from, for reloads (admin API, SIGHUP); set by the server.
         self.config_path: str | None = None
         self.server_overrides: dict[str, Any] = {}
@@ -94,7 +106,7 @@ class Runtime:
         kind: str,
         bootstrap_port: int | None,
         managed: bool = False,
-        kv_events: str | None = None,
+        kv_events: KVEventsSource | None = None,
     ) -> Replica:
         """Add a replica to a pool and start watching its engine's load (and KV events)."""
         replica = pool.add_replica(
@@ -103,8 +115,8 @@ class Runtime:
         adapter = pool.adapter_for(replica)
         if adapter is not None:
             self.scraper.add(replica.name, replica.url, adapter)
-        if pool.precise is not None and kv_events:
-            pool.precise.attach(replica.name, kv_events)
+        if pool.precise is not None and kv_events is not None:
+            pool.precise.attach(replica.name, kv_events.endpoint, kv_events.topic)
         return replica
 
     def add_endpoint(self, pool: Pool, ep: EndpointConfig) -> Replica:
@@ -130,7 +142,9 @@ class Runtime:
                 launched.kind,
                 launched.bootstrap_port,
                 managed=True,
-                kv_events=launched.kv_events_endpoint,
+                kv_events=KVEventsSource(endpoint=launched.kv_events_endpoint, topic=KV_EVENTS_TOPIC)
+                if launched.kv_events_endpoint
+                else None,
             )
 
         return on_ready
@@ -152,7 +166,15 @@ class Runtime:
                 replica.engine = load
                 if capacity_changed:
                     pool.set_kv_capacity(replica)
+                if load.prompt_tokens_total is not None:
+                    pool.observe_prompt_counter(name, load.prompt_tokens_total)
                 return
+
+    def _engine_tokens(self, record: RequestRecord) -> None:
+        """The engine's own prompt token count teaches its pool the engines' tokens per character."""
+        pool = self.pools.get(record.pool) if record.pool is not None else None
+        if pool is not None and record.engine_prompt_tokens is not None and record.status < 400:
+            pool.observe_usage(record.prompt_chars, record.engine_prompt_tokens)
 
     def observe(self, record: RequestRecord) -> None:
         for observer in self.observers:
@@ -166,6 +188,17 @@ class Runtime:
 
     def ready(self) -> dict[str, bool]:
         return {name: pool.has_healthy() for name, pool in self.pools.items()}
+
+    def is_ready(self, pools: dict[str, bool]) -> bool:
+        """Whether the gateway can serve, by `server.ready` (never while draining)."""
+        rule = self.settings.server.ready
+        if self.draining or not pools:
+            return False
+        if rule == "any":
+            return any(pools.values())
+        if rule == "all":
+            return all(pools.values())
+        return all(pools.get(name, False) for name in rule)
 
     async def start(self) -> None:
         """Start background work; managed replicas join their pools as each becomes ready, so
@@ -197,5 +230,6 @@ class Runtime:
             if pool.precise is not None:
                 pool.precise.close()
         await self.upstream.close()
+        self.workers.shutdown(wait=False, cancel_futures=True)
         if self.tracing is not None:
             await self.tracing.shutdown()

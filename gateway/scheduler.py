@@ -39,6 +39,7 @@ from gateway.config import PriorityClass, SchedulerConfig, TenantConfig
 from gateway.engines.base import EngineAdapter
 from gateway.errors import GatewayError
 from gateway.limits import Clock, Limits, ShedError, Take
+from gateway.logs import clip
 from gateway.policy import RequestFeatures
 from gateway.prompt_window import fit_window
 
@@ -337,7 +338,8 @@ class Scheduler:
             # A typo must not silently demote (or promote) a request: say which classes exist.
             raise GatewayError(
                 400,
-                f"unknown priority class {name!r} in x-priority; expected one of: {', '.join(self._levels)}",
+                f"unknown priority class {clip(name, 64)!r} in x-priority; "
+                f"expected one of: {', '.join(self._levels)}",
                 "invalid_request_error",
                 "invalid_priority",
             )
@@ -351,13 +353,45 @@ class Scheduler:
 
     def forward_priority(self, pool: Pool, features: RequestFeatures, body: dict[str, Any]) -> bool:
         """Set body `priority` in the engine's own direction when the pool's engines schedule by priority
-        and the client did not choose an engine priority; True when the body changed."""
-        if "priority" in body:
-            return False
+        and the client did not choose an engine priority; True when the body changed.
+
+        A client's own integer is the engine's priority, so a tenant with `max_priority` may not use it to
+        outrank its cap: it is lowered to the engine value of that class (and must be an integer: engines
+        would coerce a string or float)."""
+        given = body.get("priority")
+        if given is not None:
+            return self._cap_body_priority(pool, features, body, given)
         adapter = self._priority_adapter(pool)
         if adapter is None:
             return False
         body["priority"] = adapter.engine_priority(features.priority)
+        return True
+
+    def _cap_body_priority(
+        self, pool: Pool, features: RequestFeatures, body: dict[str, Any], given: Any
+    ) -> bool:
+        tenant = self.tenants.get(features.tenant) if features.tenant else None
+        if tenant is None or tenant.max_priority is None:
+            return False
+        if isinstance(given, bool) or not isinstance(given, int):
+            raise GatewayError(
+                400,
+                "`priority` must be an integer (the engine's priority) or a priority class name",
+                "invalid_request_error",
+                "invalid_priority",
+                "priority",
+            )
+        adapter = self._direction_adapter(pool)
+        if adapter is None:  # no engine known to read it: nothing to check it against
+            del body["priority"]
+            return True
+        ceiling = adapter.engine_priority(self._levels[tenant.max_priority])
+        higher_first = adapter.engine_priority(1) > adapter.engine_priority(0)
+        allowed = min(given, ceiling) if higher_first else max(given, ceiling)
+        if allowed == given:
+            return False
+        body["priority"] = allowed
+        self.priority_lowered += 1
         return True
 
     def _priority_adapter(self, pool: Pool) -> EngineAdapter | None:
@@ -366,6 +400,13 @@ class Scheduler:
             return pool.adapter if cfg.engines.priority_scheduling else None
         if not cfg.priority_scheduling:
             return None
+        return self._direction_adapter(pool)
+
+    @staticmethod
+    def _direction_adapter(pool: Pool) -> EngineAdapter | None:
+        """The adapter that says which way the pool's engines read `priority`."""
+        if pool.adapter is not None:
+            return pool.adapter
         # One body serves every replica the retries may walk: the pool's first replica sets the direction.
         first = next(iter(pool.replicas.values()), None)
         return pool.adapter_for(first) if first is not None else None

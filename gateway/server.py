@@ -17,6 +17,7 @@ from aiohttp import web
 from gateway.admin import ReloadRejected, reload_config
 from gateway.app import build_app
 from gateway.config import Settings
+from gateway.conn_guard import ConnectionGuard, connection_limit
 from gateway.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -25,10 +26,14 @@ log = logging.getLogger(__name__)
 class RunningGateway:
     """A started gateway: its runtime and listener. `port` is the bound port (useful with port 0)."""
 
-    def __init__(self, runtime: Runtime, runner: web.AppRunner, port: int) -> None:
+    def __init__(
+        self, runtime: Runtime, runner: web.AppRunner, listener: asyncio.Server, guard: ConnectionGuard
+    ) -> None:
         self.runtime = runtime
         self.runner = runner
-        self.port = port
+        self.listener = listener
+        self.guard = guard
+        self.port: int = listener.sockets[0].getsockname()[1]
 
     @property
     def url(self) -> str:
@@ -51,6 +56,8 @@ class RunningGateway:
             grace - min(1.0, grace / 10), self.runtime.scheduler.shed_queued, "the gateway is shutting down"
         )
         try:
+            self.listener.close()
+            self.guard.close_all()
             await self.runner.cleanup()
         finally:
             shed.cancel()
@@ -68,32 +75,38 @@ async def start_gateway(
     runtime = Runtime(settings)
     runtime.config_path = config_path
     runtime.server_overrides = dict(server_overrides or {})
+    server = settings.server
     runner = web.AppRunner(
         build_app(runtime),
         handler_cancellation=True,  # a client that leaves cancels its handler and so the upstream call
         access_log=None,
-        shutdown_timeout=settings.server.grace_period_s,
+        shutdown_timeout=server.grace_period_s,
+        # The connection guard closes idle connections (and counts them); aiohttp's own timer is a
+        # backstop that must not beat it.
+        keepalive_timeout=server.keepalive_timeout_s + 5.0,
+        auto_decompress=False,  # request bodies are decoded, within bounds, by request_body
     )
     # Listen first: a taken port must fail before any engine is launched.
     await runner.setup()
+    guard = ConnectionGuard(settings, connection_limit(settings), runner.server)
+    runtime.connections = guard
     try:
-        site = web.TCPSite(runner, settings.server.host, settings.server.port, backlog=4096)
-        await site.start()
+        listener = await asyncio.get_running_loop().create_server(
+            guard.protocol, server.host, server.port, backlog=4096, reuse_address=True
+        )
     except OSError as exc:
         await runner.cleanup()
-        where = f"{settings.server.host}:{settings.server.port}"
-        raise ListenError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+        raise ListenError(f"cannot listen on {server.host}:{server.port}: {exc.strerror or exc}") from None
     try:
         await runtime.start()
     except BaseException:
+        listener.close()
         await runner.cleanup()
         await runtime.stop()
         raise
-    port = settings.server.port
-    for sock in site._server.sockets if site._server else ():  # type: ignore[union-attr]
-        port = sock.getsockname()[1]
-    log.info("kvgate listening on http://%s:%d", settings.server.host, port)
-    return RunningGateway(runtime, runner, port)
+    gateway = RunningGateway(runtime, runner, listener, guard)
+    log.info("kvgate listening on http://%s:%d", server.host, gateway.port)
+    return gateway
 
 
 async def _reload(runtime: Runtime) -> None:

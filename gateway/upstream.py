@@ -1,53 +1,151 @@
-"""How bytes move to and from engines on the hot path: pooled keep-alive connections
-(gateway/http1.py) and the timeouts around them.
+"""How bytes move to and from engines on the hot path, whatever the transport: the per-host
+connection cap, the timeouts, bounded reads, and one classification of what went wrong.
 
-Where a request goes is decided elsewhere (proxy); this module only opens a request,
-yields body chunks under an idle timeout, and classifies transport failures.
+Where a request goes is decided elsewhere (proxy); this module opens a request on the
+configured transport (gateway/transports/), yields body chunks under an idle timeout, and
+turns every failure into an `UpstreamError` that says what the client should get, whether
+another try may help, whether it counts against the replica, and how many times the
+request reached an engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections.abc import AsyncIterator, Mapping
 
 from gateway.config import UpstreamConfig
-from gateway.http1 import ConnectError, ConnectionPool, ProtocolError, UpstreamResponse
+from gateway.errors import GatewayError
+from gateway.transports import make_transport
+from gateway.transports.base import (
+    ConnectError,
+    DisconnectedError,
+    HostSlots,
+    InvalidHeaderError,
+    Response,
+    TransportError,
+    parse_target,
+)
+
+# Error bodies are read only to tell the client what the engine said.
+ERROR_BODY_LIMIT = 64 * 1024
 
 
 class UpstreamError(Exception):
-    """The engine could not be reached or stopped answering."""
+    """The engine gave no usable answer.
 
-    def __init__(self, message: str, *, connect: bool = False, timeout: bool = False) -> None:
+    `status`/`code`: what the client gets. `retryable`: nothing was relayed and another try
+    (on this or another replica) may succeed. `replica_fault`: a transport failure, held
+    against the replica by its circuit breaker (see gateway/claim.py for the rule). `sent`:
+    how many times the request reached an engine in this attempt (a generation may reach
+    engines at most `retry.max_attempts` times in all)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 502,
+        code: str = "upstream_unreachable",
+        retryable: bool = False,
+        replica_fault: bool = True,
+        sent: int = 1,
+        error_type: str = "upstream_error",
+    ) -> None:
         super().__init__(message)
-        self.connect = connect  # failed before the engine answered anything: safe to retry
-        self.timeout = timeout
+        self.status = status
+        self.code = code
+        self.retryable = retryable
+        self.replica_fault = replica_fault
+        self.sent = sent
+        self.error_type = error_type
+
+    def gateway_error(self) -> GatewayError:
+        return GatewayError(self.status, str(self), self.error_type, self.code)
+
+
+def _classify(exc: TransportError, *, head: bool) -> UpstreamError:
+    """A transport failure; `head`: before the answer's head (nothing relayed, may be retried)."""
+    if isinstance(exc, ConnectError):
+        code = "upstream_unreachable"
+    elif isinstance(exc, DisconnectedError):
+        code = "upstream_disconnected"
+    else:
+        code = "upstream_bad_response"
+    return UpstreamError(str(exc), code=code, retryable=head, sent=exc.sent)
+
+
+def _too_large(limit: int) -> UpstreamError:
+    # The engine answered; a big answer is something any client can ask for (n, logprobs).
+    return UpstreamError(
+        f"engine response exceeds {limit} bytes",
+        code="upstream_response_too_large",
+        replica_fault=False,
+    )
 
 
 class Upstream:
     def __init__(self, cfg: UpstreamConfig) -> None:
         self.cfg = cfg
-        self.pool = ConnectionPool(cfg.connect_timeout_s)
+        self.transport = make_transport(cfg)
+        self.slots = HostSlots(cfg.max_connections)
 
     async def close(self) -> None:
-        self.pool.close()
+        await self.transport.close()
 
     async def open(
-        self, method: str, url: str, body: bytes | None, headers: Mapping[str, str]
-    ) -> UpstreamResponse:
-        """Send the request and wait for the response headers (first-byte timeout)."""
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        *,
+        resend: bool = True,
+    ) -> Response:
+        """Send the request and wait for the response head, a free connection included, within
+        `first_byte_timeout_s`. `resend`: may a stale keep-alive connection cost one silent resend."""
+        target = parse_target(url)
+        fbt = self.cfg.first_byte_timeout_s
+        deadline = asyncio.get_running_loop().time() + fbt
+        slot = self.slots.try_acquire(target.origin)
+        if slot is None:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    slot = await self.slots.acquire(target.origin)
+            except TimeoutError:
+                raise UpstreamError(
+                    f"all {self.cfg.max_connections} connections to {target.host_header} stayed busy for"
+                    f" {fbt:g} s (upstream.max_connections)",
+                    status=503,
+                    code="upstream_busy",
+                    replica_fault=False,
+                    sent=0,
+                    error_type="service_unavailable",
+                ) from None
         try:
-            async with asyncio.timeout(self.cfg.first_byte_timeout_s):
-                return await self.pool.request(method, url, body, headers)
-        except TimeoutError:
-            raise UpstreamError(
-                f"no response from the engine within {self.cfg.first_byte_timeout_s:g} s", timeout=True
-            ) from None
-        except ConnectError as exc:
-            raise UpstreamError(str(exc), connect=True) from None
-        except ProtocolError as exc:
-            raise UpstreamError(str(exc)) from None
+            async with asyncio.timeout_at(deadline):
+                return await self.transport.request(
+                    method, target, body or b"", headers, slot=slot, resend=resend
+                )
+        except BaseException as exc:
+            slot.release()
+            if isinstance(exc, TimeoutError):
+                raise UpstreamError(
+                    f"no response from the engine within {fbt:g} s", status=504, code="upstream_timeout"
+                ) from None
+            if isinstance(exc, TransportError):
+                raise _classify(exc, head=True) from None
+            if isinstance(exc, InvalidHeaderError):
+                raise UpstreamError(
+                    str(exc),
+                    status=400,
+                    code="invalid_header",
+                    replica_fault=False,
+                    sent=0,
+                    error_type="invalid_request_error",
+                ) from None
+            raise
 
-    async def chunks(self, resp: UpstreamResponse) -> AsyncIterator[bytes]:
+    async def chunks(self, resp: Response) -> AsyncIterator[bytes]:
         """The response body as it arrives, failing if the engine goes quiet for too long."""
         idle = self.cfg.idle_timeout_s
         loop = asyncio.get_running_loop()
@@ -60,10 +158,49 @@ class Upstream:
                     cm.reschedule(loop.time() + idle)
                     yield chunk
         except TimeoutError:
-            raise UpstreamError(f"engine sent nothing for {idle:g} s", timeout=True) from None
-        except (ProtocolError, ConnectError, ConnectionError) as exc:
-            raise UpstreamError(f"engine response cut short: {exc}") from None
+            raise UpstreamError(
+                f"engine sent nothing for {idle:g} s", status=504, code="upstream_timeout"
+            ) from None
+        except TransportError as exc:
+            raise _classify(exc, head=False) from None
 
-    async def read(self, resp: UpstreamResponse) -> bytes:
-        parts = [chunk async for chunk in self.chunks(resp)]
+    async def read(self, resp: Response, limit: int | None = None) -> bytes:
+        """The whole body as sent (encoded if the engine encoded it), at most `limit` bytes
+        (`upstream.max_response_bytes` by default): beyond it, `upstream_response_too_large`."""
+        limit = self.cfg.max_response_bytes if limit is None else limit
+        declared = resp.header("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        parts: list[bytes] = []
+        size = 0
+        async for chunk in self.chunks(resp):
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            parts.append(chunk)
         return b"".join(parts)
+
+    async def read_content(self, resp: Response, limit: int | None = None) -> bytes:
+        """The body the gateway itself must understand (error bodies, the prefill leg's answer):
+        `read`, then gzip or deflate undone, the decoded size bounded by the same limit."""
+        limit = self.cfg.max_response_bytes if limit is None else limit
+        raw = await self.read(resp, limit)
+        encoding = (resp.header("content-encoding") or "identity").strip().lower()
+        if encoding == "identity":
+            return raw
+        if encoding in ("gzip", "x-gzip", "deflate"):
+            decoder = zlib.decompressobj(zlib.MAX_WBITS | (16 if encoding != "deflate" else 0))
+            try:
+                out = decoder.decompress(raw, limit + 1)
+            except zlib.error as exc:
+                raise UpstreamError(
+                    f"engine body is not valid {encoding}: {exc}", code="upstream_bad_response"
+                ) from None
+            if len(out) > limit:
+                raise _too_large(limit)
+            return out
+        raise UpstreamError(
+            f"engine body has an encoding the gateway cannot read: {encoding[:40]!r}",
+            code="upstream_bad_response",
+            replica_fault=False,
+        )

@@ -15,7 +15,7 @@ import pytest
 
 from gateway.config import BreakerConfig, ScrapeConfig, Settings, load_config
 from gateway.pool import Pool
-from tests.conftest import gateway_settings
+from tests.conftest import gateway_settings, wait_until
 from tests.simfleet import sim_process
 
 
@@ -62,6 +62,8 @@ def settings(gen: str, emb: str) -> Settings:
 @pytest.fixture
 async def client(gen_sim, embed_sim, gateway):  # type: ignore[no-untyped-def]
     gw = await gateway(settings(gen_sim, embed_sim))
+    lora = gw.runtime.pools["gen"].lora
+    await wait_until(lambda: lora.max_model_len is not None, what="the engine's /v1/models to be read")
     async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0) as c:
         c.gateway_url = gw.url  # type: ignore[attr-defined]
         yield c

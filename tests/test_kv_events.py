@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -169,3 +170,109 @@ async def test_the_simulators_publisher_is_understood() -> None:
     finally:
         sub.close()
         pub.close()
+
+
+async def _first_frames(sock: zmq.asyncio.Socket, pub: Any, deadline_s: float = 10) -> list[bytes]:
+    """Publish until the SUB has joined (ZMQ drops what is sent before) and return what arrived."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        assert time.monotonic() < deadline, "no KV event batch arrived"
+        pub.publish([("cleared", None)])
+        try:
+            return await asyncio.wait_for(sock.recv_multipart(), 0.05)
+        except TimeoutError:
+            continue
+
+
+async def test_the_simulator_publisher_binds_or_connects_as_vllm_does() -> None:
+    """vLLM binds only an endpoint with `*` (or `::`, ipc, inproc) and connects to any other, and its
+    default topic is empty: a subscriber that connects to `tcp://host:port` hears nothing unless
+    someone binds there. The simulator must do the same, or tests pass where real engines fail."""
+    import zmq.asyncio
+
+    from gateway.sim.kv_events import KVEventPublisher
+
+    sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    # No `*`: the publisher connects to the subscriber's bound port (a bind there would fail).
+    pub = KVEventPublisher.from_config(
+        {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{port}"}, BS
+    )
+    try:
+        assert not pub.bound
+        topic, seq, _ = await _first_frames(sub, pub)
+        assert topic == b""  # vLLM's KVEventsConfig.topic default
+        assert len(seq) == 8
+    finally:
+        pub.close()
+        sub.close(0)
+
+    # With `*` it binds, and the subscriber connects; an explicit topic is used as given.
+    pub = KVEventPublisher.from_config({"endpoint": "tcp://127.0.0.1:*", "topic": "kv-events"}, BS)
+    sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        assert pub.bound and not pub.endpoint.endswith(":*")
+        sub.connect(pub.endpoint)
+        topic, _, _ = await _first_frames(sub, pub)
+        assert topic == b"kv-events"
+    finally:
+        pub.close()
+        sub.close(0)
+
+
+def test_replica_offsets_follow_vllms_per_rank_rule() -> None:
+    from gateway.sim.kv_events import binds, offset_endpoint
+
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("ipc:///run/kv.sock", 1) == "ipc:///run/kv.sock_dp1"
+    assert offset_endpoint("tcp://127.0.0.1:*", 3) == "tcp://127.0.0.1:*"
+    assert binds("tcp://*:1") and binds("ipc:///x") and binds("tcp://[::]:1")
+    assert not binds("tcp://127.0.0.1:5557") and not binds("tcp://engine-0:5557")
+
+
+async def test_events_owed_too_long_are_missing_until_usable_ones_come(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from gateway.config import PrefixConfig
+    from gateway.precise_prefix import PrecisePrefix
+
+    caplog.set_level(logging.INFO, logger="gateway.precise_prefix")
+    pub = Publisher()
+    precise = PrecisePrefix(PrefixConfig(kv_events_timeout_s=5), "m", BS)
+    precise.attach("r1", pub.endpoint, "kv-events")
+    precise.start()
+    sub = precise.subscribers["r1"]
+    try:
+        deadline = time.monotonic() + 10
+        while sub.stats.batches == 0:  # empty batches until the SUB has joined
+            assert time.monotonic() < deadline, "subscriber never received a batch"
+            pub.send([])
+            await asyncio.sleep(0.01)
+        assert precise.events_state("r1") == "waiting"  # batches, but nothing usable yet, nothing owed
+        precise.expect_events("r1")
+        since = sub.stats.awaiting_since
+        assert since is not None
+        assert precise.events_state("r1", since + 1) == "waiting"
+        assert precise.events_state("r1", since + 6) == "missing" and not precise.exact("r1", since + 6)
+        assert precise.events_state("r1", since + 7) == "missing"
+        warnings = [r for r in caplog.records if "no usable KV events from replica r1" in r.getMessage()]
+        assert len(warnings) == 1  # reported once, not per request
+
+        # Events of another block size are as good as none.
+        seen = sub.stats.batches
+        pub.send([["BlockStored", [1], None, list(range(8)), 8, None, "GPU"]])
+        await wait_until(lambda: sub.stats.batches > seen, timeout=10, what="the mismatched batch")
+        assert precise.events_state("r1", since + 8) == "missing"
+
+        pub.send([stored([2], None, TOKENS[:4])])
+        await wait_until(lambda: sub.stats.awaiting_since is None, timeout=10, what="a usable batch")
+        assert precise.events_state("r1") == "ok" and precise.exact("r1", time.monotonic())
+        assert any("flow again" in r.getMessage() for r in caplog.records)
+    finally:
+        precise.close()
+        pub.sock.close(0)

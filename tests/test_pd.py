@@ -6,13 +6,18 @@ import json
 
 import httpx
 import openai
+import pytest
 
-from tests.conftest import gateway_settings
+from gateway.breaker import Admission, BreakerState
+from tests.conftest import gateway_settings, wait_until
+from tests.hostile_upstream import HostileUpstream
 from tests.simfleet import seen, sim_process
 
 LONG = "Summarize the following text. " + "The quick brown fox jumps over the lazy dog. " * 80
 PRODUCER = ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"}))
 CONSUMER = ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}))
+# What a client could send to make a decode engine pull KV from a host of its choosing.
+EVIL_KV = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1, "remote_block_ids": [1]}
 
 
 def pd_settings(prefill: str, decode: str, kind: str = "vllm", **pool: object):
@@ -33,6 +38,8 @@ async def test_vllm_relay_carries_prefill_kv_params_verbatim_and_keeps_streaming
             max_tokens=8,
             stream=True,
             stream_options={"include_usage": True},
+            # A client's own transfer target is never an engine's: the gateway's replaces it.
+            extra_body={"kv_transfer_params": EVIL_KV, "bootstrap_host": "10.9.9.9"},
         )
         chunks = [c async for c in stream]
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
@@ -45,7 +52,9 @@ async def test_vllm_relay_carries_prefill_kv_params_verbatim_and_keeps_streaming
     ktp = d_leg["kv_transfer_params"]
     assert d_leg["body"]["stream"] is True and d_leg["body"]["max_tokens"] == 8
     assert ktp["do_remote_prefill"] is True and ktp["remote_block_ids"]
-    assert ktp["remote_port"] == int(prefill.rsplit(":", 1)[1])
+    assert ktp["remote_port"] == int(prefill.rsplit(":", 1)[1]) and ktp["remote_host"] != "10.9.9.9"
+    assert p_leg["kv_transfer_params"]["remote_host"] is None
+    assert "bootstrap_host" not in d_leg["body"] and "bootstrap_host" not in p_leg["body"]
     assert p_leg["headers"]["x-request-id"] == d_leg["headers"]["x-request-id"]
 
 
@@ -53,9 +62,12 @@ async def test_short_prompt_is_not_disaggregated(gateway):
     with sim_process(*PRODUCER) as prefill, sim_process(*CONSUMER) as decode:
         gw = await gateway(pd_settings(prefill, decode))
         async with httpx.AsyncClient() as c:
-            r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2})
+            body = {"model": "m", "prompt": "hi", "max_tokens": 2, "kv_transfer_params": EVIL_KV}
+            r = await c.post(gw.url + "/v1/completions", json=body)
         assert r.status_code == 200
-        assert await seen(prefill) == [] and len(await seen(decode)) == 1
+        assert await seen(prefill) == []
+        (d_leg,) = await seen(decode)
+    assert d_leg["kv_transfer_params"] is None  # the client's was removed, and no hand-off happened
 
 
 async def test_prefill_5xx_falls_back_to_decode_only(gateway):
@@ -102,3 +114,75 @@ async def test_sglang_legs_share_one_bootstrap_room(gateway):
     assert p_leg["bootstrap"] == d_leg["bootstrap"]
     assert d_leg["bootstrap"]["bootstrap_port"] == boot and 0 <= d_leg["bootstrap"]["bootstrap_room"] < 2**63
     assert p_leg["body"] == d_leg["body"]
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+async def test_abandoned_request_settles_the_prefill_legs_probe_and_load(gateway, kind: str):
+    """A client that leaves while the prefill leg is in flight (sequential vLLM relay, or SGLang's
+    concurrent leg) must not leave the prefill replica's half-open probe or load claimed."""
+    from tests.conftest import free_port
+
+    # Long enough to outlast the client (1 s), short enough not to hold up the simulator's shutdown.
+    stall = ("--fault-stall-rate", "1", "--fault-stall-s", "4")
+    if kind == "vllm":
+        prefill_args, decode_args = (*PRODUCER, *stall), CONSUMER
+    else:
+        boot = free_port()
+        prefill_args = (
+            "--api",
+            "sglang",
+            "--disaggregation-mode",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(boot),
+            *stall,
+        )
+        decode_args = ("--api", "sglang", "--disaggregation-mode", "decode")
+    with sim_process(*prefill_args) as prefill_url, sim_process(*decode_args) as decode_url:
+        settings = pd_settings(prefill_url, decode_url, kind=kind)
+        settings.breaker.failure_threshold, settings.breaker.open_s = 1, 0.05
+        if kind == "sglang":
+            settings.pools[0].endpoints[0].bootstrap_port = boot
+        gw = await gateway(settings)
+        pool = gw.runtime.pools["p"]
+        prefill, decode = pool.replicas["prefill-0"], pool.replicas["decode-0"]
+        prefill.breaker.record_failure(Admission.ADMITTED)  # open: the next request is the probe
+        await wait_until(prefill.breaker.allows, what="the prefill replica's circuit to half-open")
+        body = {"model": "m", "prompt": LONG, "max_tokens": 2}
+        async with httpx.AsyncClient() as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post(gw.url + "/v1/completions", json=body, timeout=1.0)
+        assert prefill.breaker.state is BreakerState.HALF_OPEN
+        await wait_until(
+            lambda: (
+                not prefill.breaker.probe_in_flight
+                and prefill.inflight_requests == decode.inflight_requests == 0
+            ),
+            what="the prefill probe and both legs' load released",
+        )
+        assert prefill.inflight_tokens == decode.inflight_tokens == 0
+
+
+async def test_sglang_prefill_leg_that_cannot_connect_fails_the_request_fast(gateway):
+    """The decode leg (an engine that would wait forever for its bootstrap partner) is dropped
+    as soon as the concurrent prefill leg fails, and only the prefill replica is blamed."""
+    from tests.conftest import free_port
+
+    decode_engine = await HostileUpstream("stall-head").start()
+    try:
+        settings = pd_settings(f"http://127.0.0.1:{free_port()}", decode_engine.url, kind="sglang")
+        settings.health.enabled = False  # the leg itself must find the prefill replica gone
+        settings.pools[0].endpoints[0].bootstrap_port = free_port()
+        gw = await gateway(settings)
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 2})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_prefill_failed"
+        pool = gw.runtime.pools["p"]
+        prefill, decode = pool.replicas["prefill-0"], pool.replicas["decode-0"]
+        assert prefill.breaker.consecutive_failures == 1  # its transport failure, not the decode replica's
+        assert decode.breaker.consecutive_failures == 0 and len(decode_engine.deliveries) <= 1
+        await wait_until(
+            lambda: prefill.inflight_requests == decode.inflight_requests == 0, what="load released"
+        )
+    finally:
+        await decode_engine.stop()

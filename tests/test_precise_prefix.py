@@ -4,12 +4,16 @@ a replica's blocks the moment the engine drops them."""
 
 from __future__ import annotations
 
+import json
+import logging
+
 import httpx
 import pytest
 
 from gateway.config import ConfigError, load_config
 from gateway.kv_events import TokenBlockHasher
 from tests.conftest import gateway_settings, wait_until
+from tests.simfleet import sim_process
 
 SYSTEM = "You answer questions about the tides of the North Sea, briefly and exactly. " * 40
 
@@ -129,3 +133,76 @@ def test_precise_mode_without_kv_events_is_a_config_error() -> None:
     }
     with pytest.raises(ConfigError, match="precise needs KV events"):
         load_config(None, data)
+
+
+def _publishing_sim(**overrides: object) -> str:
+    """`--kv-events-config` as an operator following vLLM's docs writes it (topic left at its default)."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", **overrides})
+
+
+async def _kv_endpoint(url: str) -> str:
+    async with httpx.AsyncClient() as c:
+        return (await c.get(url + "/sim/state")).json()["kv_events_endpoint"]
+
+
+async def test_an_unmanaged_engine_with_vllms_default_topic_is_heard(gateway) -> None:
+    """vLLM's default topic is the empty string: `endpoints[].kv_events` given as a plain address
+    subscribes to exactly that, so an engine configured by vLLM's docs is heard."""
+    with sim_process("--kv-events-config", _publishing_sim(endpoint="tcp://127.0.0.1:*")) as url:
+        endpoint = await _kv_endpoint(url)
+        pool = {
+            "policy": {"type": "prefix_affinity"},
+            "prefix": {"mode": "precise"},
+            "endpoints": [{"url": url, "name": "r0", "kind": "sim", "kv_events": endpoint}],
+        }
+        gw = await gateway(gateway_settings([url], pool=pool))
+        precise = gw.runtime.pools["p"].precise
+        assert precise is not None and precise.subscribers["r0"].topic == ""
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(gw.url + "/v1/chat/completions", json=_chat("When is high tide at Texel?"))
+            assert r.status_code == 200, r.text
+        await wait_until(lambda: precise.indexer.stats.stored > 40, timeout=10, what="BlockStored events")
+        assert precise.events_state("r0") == "ok"
+
+
+async def test_missing_events_are_reported_and_routing_falls_back_visibly(gateway, caplog) -> None:
+    """Events that never come (here: the topic differs, so ZMQ filters every message out) are
+    reported once owed longer than kv_events_timeout_s, and the replica is routed by the
+    approximate index: the second request for the prompt is a cache hit, not a cold guess."""
+    caplog.set_level(logging.WARNING, logger="gateway.precise_prefix")
+    with sim_process("--kv-events-config", _publishing_sim(endpoint="tcp://127.0.0.1:*")) as url:
+        endpoint = await _kv_endpoint(url)
+        pool = {
+            "policy": {"type": "prefix_affinity"},
+            "prefix": {"mode": "precise", "kv_events_timeout_s": 0.3, "speculative_ttl_s": 0.1},
+            "endpoints": [
+                {
+                    "url": url,
+                    "name": "r0",
+                    "kind": "sim",
+                    "kv_events": {"endpoint": endpoint, "topic": "other"},
+                }
+            ],
+        }
+        gw = await gateway(gateway_settings([url], pool=pool))
+        precise = gw.runtime.pools["p"].precise
+        assert precise is not None
+        async with httpx.AsyncClient(timeout=30) as c:
+            assert precise.events_state("r0") == "waiting"  # nothing owed before any traffic
+            first = await c.post(gw.url + "/v1/chat/completions", json=_chat("When is high tide?"))
+            assert first.status_code == 200
+            await wait_until(lambda: precise.events_state("r0") == "missing", timeout=10, what="missing")
+            assert any("no usable KV events from replica r0" in r.getMessage() for r in caplog.records)
+
+            second = await c.post(gw.url + "/v1/chat/completions", json=_chat("And at Den Helder?"))
+            assert second.status_code == 200
+            metrics = (await c.get(gw.url + "/metrics")).text
+            dashboard = (await c.get(gw.url + "/dashboard/state")).json()
+        assert _sample(metrics, 'kvgate_kv_events_state{pool="p",replica="r0",state="missing"}') == 1
+        assert _sample(metrics, 'kvgate_precise_fallback_decisions_total{pool="p",replica="r0"}') >= 1
+        decisions = 'kvgate_routing_decisions_total{policy="prefix_affinity",pool="p",reason="%s"}'
+        # The second request was matched on the approximate index (the speculative entry of the
+        # first had expired): a hit, where the precise index alone would have said cold.
+        assert _sample(metrics, decisions % "cold") == 1 and _sample(metrics, decisions % "cache_hit") == 1
+        kv = dashboard["pools"][0]["replicas"][0]["kv_events"]
+        assert kv["state"] == "missing" and kv["fallback_decisions"] >= 1

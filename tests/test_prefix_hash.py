@@ -279,3 +279,28 @@ def test_prompt_pieces_join_to_prompt_text() -> None:
     ]
     assert "".join(prompt_pieces(body, "chat")) == prompt_text(body, "chat")
     assert prompt_pieces({"prompt": "abc"}, "completions") == ["abc"]
+
+
+def test_a_detached_hasher_reads_the_caches_changes_none_and_hands_back_what_it_learned() -> None:
+    hasher = PrefixHasher(block_chars=16, piece_min_blocks=2)
+    system = "<|system|>" + "You are terse. " * 40 + "\n"
+    questions = [f"<|user|>Question {i}: " + "what is it, and why so? " * 8 + "\n" for i in range(3)]
+    for question in questions[:2]:  # the system prompt is kept from its second sighting
+        hasher.features("m", None, system + question, [system, question])
+    before = (hasher.cached_blocks(), hasher.cached_pieces())
+    detached = hasher.detached()
+    counted: list[str] = []
+    count = detached._count
+    detached._count = lambda text: counted.append(text) or count(text)  # type: ignore[method-assign,func-returns-value]
+    text = system + questions[2]
+    got = detached.features("m", None, text, [system, questions[2]])
+    assert got == PrefixHasher(block_chars=16).features("m", None, text)
+    assert (hasher.cached_blocks(), hasher.cached_pieces()) == before  # the shared caches are untouched
+    assert sum(map(len, counted)) < len(questions[2]) + 40  # the system prompt came from the shared caches
+    hasher.absorb(detached)
+    assert hasher.cached_blocks() > before[0]
+    again = hasher.detached()
+    again._count = lambda text: counted.append(text) or count(text)  # type: ignore[method-assign,func-returns-value]
+    counted.clear()
+    assert again.features("m", None, text, [system, questions[2]]) == got
+    assert sum(map(len, counted)) < 100  # all but the last block and the tail were absorbed

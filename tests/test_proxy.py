@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from gateway.breaker import BreakerState
+from gateway.config import load_config
 from tests.conftest import free_port, gateway_settings, wait_until
 
 
@@ -42,7 +43,7 @@ async def test_body_forwarded_byte_for_byte_with_unknown_fields(upstreams, gatew
     gw = await gateway(gateway_settings([up.url]))
     raw = (
         b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "user": "u-7", "priority": -3,'
-        b' "cache_salt": "s1", "kv_transfer_params": {"a": [1, 2]}, "vendor_extension": {"deep": null}}'
+        b' "cache_salt": "s1", "vendor_extension": {"deep": null, "kv": [1, 2]}}'
     )
     async with httpx.AsyncClient() as c:
         r = await c.post(
@@ -52,17 +53,23 @@ async def test_body_forwarded_byte_for_byte_with_unknown_fields(upstreams, gatew
     assert up.state.seen[0].raw == raw
 
 
-async def test_request_id_propagated_or_generated(upstreams, gateway):
+async def test_request_id_echoed_to_the_client_engines_get_the_gateways_own(upstreams, gateway):
     (up,) = await upstreams(1)
     gw = await gateway(gateway_settings([up.url]))
     body = {"model": "m", "prompt": "p"}
     async with httpx.AsyncClient() as c:
         r1 = await c.post(gw.url + "/v1/completions", json=body, headers={"x-request-id": "abc-123"})
-        r2 = await c.post(gw.url + "/v1/completions", json=body)
-    assert r1.headers["x-request-id"] == "abc-123"
-    assert up.state.seen[0].headers["X-Request-Id"] == "abc-123"
-    generated = r2.headers["x-request-id"]
-    assert len(generated) >= 16 and generated == up.state.seen[1].headers["X-Request-Id"]
+        r2 = await c.post(gw.url + "/v1/completions", json=body, headers={"x-request-id": "abc-123"})
+        r3 = await c.post(gw.url + "/v1/completions", json=body)
+        # An id unfit for logs (control characters, or too long) is not used at all.
+        r4 = await c.post(gw.url + "/v1/completions", json=body, headers={"x-request-id": "x" * 200})
+    assert r1.headers["x-request-id"] == r2.headers["x-request-id"] == "abc-123"
+    engine_ids = [s.headers.getall("X-Request-Id") for s in up.state.seen]
+    assert all(len(ids) == 1 and len(ids[0]) == 32 for ids in engine_ids)
+    # Two requests with one client id are still two requests to the engine.
+    assert len({ids[0] for ids in engine_ids}) == 4
+    assert r3.headers["x-request-id"] == engine_ids[2][0]
+    assert r4.headers["x-request-id"] == engine_ids[3][0]
     assert r1.headers["x-kvgate-replica"] == "r0" and r1.headers["x-kvgate-pool"] == "p"
 
 
@@ -299,3 +306,51 @@ def test_route_reason_tells_cold_hit_and_spill():
     warm = Candidate(object(), 4, 64)  # type: ignore[arg-type]
     assert route_reason(warm, [warm, a]) == "cache_hit"
     assert route_reason(a, [a, warm]) == "spill"
+
+
+async def test_readiness_is_per_pool_and_liveness_outlasts_the_drain(upstreams, gateway):
+    """One pool without a healthy replica (a dead canary) leaves the gateway ready by default;
+    `/ready/{model}` answers for one model or route, `server.ready` can demand all or named
+    pools, and `/live` answers 200 even while the gateway drains."""
+    (up,) = await upstreams(1)
+    canary = {
+        "name": "canary",
+        "model": "org/canary",
+        "endpoints": [{"url": f"http://127.0.0.1:{free_port()}"}],
+    }
+    split = [{"pools": [{"name": "p", "weight": 90}, {"name": "canary", "weight": 10}]}]
+    only_canary = [{"pools": [{"name": "canary", "weight": 100}]}]
+    routes = [{"model": "llama", "rules": split}, {"model": "beta", "rules": only_canary}]
+    paths = ("/ready", "/ready/m", "/ready/org/canary", "/ready/llama", "/ready/beta", "/ready/nope", "/live")
+
+    async def probe(rule: object, drain: bool = False) -> dict[str, int]:
+        main = {"name": "p", "model": "m", "endpoints": [{"url": up.url}]}
+        settings = load_config(
+            None,
+            {
+                "server": {"port": 0, "ready": rule, "grace_period_s": 1},
+                "health": {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1},
+                "pools": [main, canary],
+                "routes": routes,
+            },
+        )
+        gw = await gateway(settings)
+        await wait_until(lambda: not gw.runtime.pools["canary"].has_healthy(), what="the canary's ejection")
+        gw.runtime.draining = drain
+        async with httpx.AsyncClient() as c:
+            return {path: (await c.get(gw.url + path)).status_code for path in paths}
+
+    assert await probe("any") == {
+        "/ready": 200,
+        "/ready/m": 200,
+        "/ready/org/canary": 503,
+        "/ready/llama": 200,  # one of its pools can serve
+        "/ready/beta": 503,
+        "/ready/nope": 404,
+        "/live": 200,
+    }
+    assert (await probe("all"))["/ready"] == 503
+    assert (await probe(["p"]))["/ready"] == 200
+    assert (await probe(["canary", "p"]))["/ready"] == 503
+    draining = await probe("any", drain=True)
+    assert draining["/ready"] == draining["/ready/m"] == 503 and draining["/live"] == 200

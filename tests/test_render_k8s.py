@@ -31,7 +31,8 @@ def normalized(argv: list[str]) -> list[str]:
     for i, arg in enumerate(argv):
         if i and argv[i - 1] in ("--host", "--port", "--disaggregation-bootstrap-port"):
             arg = "*"
-        out.append(re.sub(r"tcp://[^\"]+", "tcp://*", arg))
+        # A loopback launch publishes KV events on a Unix socket, a pod on tcp://*:PORT.
+        out.append(re.sub(r"(tcp|ipc)://[^\"]+", "<endpoint>", arg))
     return out
 
 

@@ -3,10 +3,11 @@
 It records what arrives (path, headers, parsed body) and behaves as the request's
 `x-test-mode` header asks: `status:503`, `stall:SECONDS` (before headers), `midstream:N`
 (N SSE chunks, then the connection is cut), `hang-stream` (one chunk, then waits until the
-client leaves), `sglang-error` (SGLang's flat error form with 400), `fastapi-422` (FastAPI's
+client leaves), `linger:SECONDS` (the whole stream through `data: [DONE]`, then SECONDS before
+it ends), `sglang-error` (SGLang's flat error form with 400), `fastapi-422` (FastAPI's
 validation error list), `text-error` (a proxy's plain-text 502), `stream-error` (two chunks, then
-an error event as vLLM streams one, then `[DONE]`), `echo-model` (the content names the model, also as
-JSON text, and a stream is written in 7-byte pieces), default: answer normally.
+an error event as vLLM streams one, then `[DONE]`), `echo-model` (the content names the model, also
+as JSON text, and a stream is written in 7-byte pieces), default: answer normally.
 """
 
 from __future__ import annotations
@@ -155,6 +156,8 @@ def build_upstream(state: UpstreamState, chunks: int = 5) -> web.Application:
                 for start in range(0, len(data), piece or len(data)):
                     await resp.write(data[start : start + (piece or len(data))])
             await resp.write(b"data: [DONE]\n\n")
+            if kind == "linger":
+                await asyncio.sleep(float(arg))
             await resp.write_eof()
         except (asyncio.CancelledError, ConnectionResetError):
             state.disconnects.append(time.monotonic())

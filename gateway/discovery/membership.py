@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from gateway.config import KVEventsSource
 from gateway.replica import Role
 
 if TYPE_CHECKING:
@@ -165,7 +166,8 @@ class RuntimeMembership:
             ep.kind,
             ep.bootstrap_port,
             managed=True,  # its membership is the gateway's business: reloads and the admin API leave it
-            kv_events=ep.kv_events,
+            # Topic "" subscribes to every topic the pod's publisher uses.
+            kv_events=KVEventsSource(endpoint=ep.kv_events) if ep.kv_events else None,
         )
         return replica.name
 

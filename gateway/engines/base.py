@@ -11,10 +11,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
+import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 from gateway.config import EngineSpec
@@ -26,6 +29,8 @@ from gateway.replica import Role
 KV_EVENTS_PORT = "kv_events"
 NIXL_SIDE_CHANNEL_PORT = "nixl_side_channel"
 BOOTSTRAP_PORT = "bootstrap"
+# Managed engines publish KV events under this topic, set explicitly on both ends.
+KV_EVENTS_TOPIC = "kv-events"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +45,16 @@ class ReplicaSlot:
     gpu_ids: tuple[int, ...] | None = None
     gpu_sharers: int = 1  # replicas on this replica's most shared GPU, itself included
     aux_ports: Mapping[str, int] = field(default_factory=dict)
+    kv_events: bool = False
 
     @property
     def kv_events_endpoint(self) -> str | None:
         """Where a subscriber connects to this replica's KV events (None when they are off)."""
+        if not self.kv_events:
+            return None
         port = self.aux_ports.get(KV_EVENTS_PORT)
         if port is None:
-            return None
+            return f"ipc://{kv_events_ipc_dir()}/kv-{self.port}.sock"
         return f"tcp://{connect_host(self.host)}:{port}"
 
 
@@ -55,21 +63,50 @@ def connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
+def is_loopback(host: str) -> bool:
+    return host == "localhost" or host.startswith("127.") or host == "::1"
+
+
+def kv_events_port_needed(spec: EngineSpec) -> bool:
+    """A TCP port for the replica's KV events: only for engines reachable beyond loopback (a
+    loopback engine publishes on a Unix socket instead, see `kv_events_config`)."""
+    return spec.kv_events and not is_loopback(spec.host)
+
+
+def kv_events_ipc_dir() -> Path:
+    """The private directory of loopback engines' KV event sockets (one per user)."""
+    return Path(tempfile.gettempdir()) / f"kvgate-{os.getuid()}"
+
+
+def prepare_ipc_endpoint(endpoint: str | None) -> None:
+    """Create the directory of an `ipc://` endpoint, readable by this user only, before an
+    engine binds there; refuse a directory that someone else owns or can enter."""
+    if endpoint is None or not endpoint.startswith("ipc://"):
+        return
+    directory = Path(endpoint.removeprefix("ipc://")).parent
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = directory.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise OSError(f"{directory} must be a directory of this user's with mode 0700")
+
+
 def compact_json(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
 def kv_events_config(slot: ReplicaSlot) -> str:
-    """vLLM's (and SGLang's) `--kv-events-config`: ZMQ PUB bound on the replica's own host, so
-    events stay on loopback unless the engines were deliberately bound wider."""
-    bind = "*" if slot.host in ("0.0.0.0", "") else slot.host
+    """vLLM's (and SGLang's) `--kv-events-config`. Both engines' ZMQ publisher BINDS only an
+    endpoint holding `*` or `::` or an `ipc://` path, and otherwise CONNECTS (vLLM 0.26
+    vllm/distributed/kv_events.py, SGLang sglang/srt/disaggregation/kv_events.py), so an
+    address like tcp://127.0.0.1:PORT reaches no subscriber. A loopback engine binds a Unix
+    socket in a private directory (reachable by this user only, where a loopback TCP port is
+    open to every local user); an engine bound wider binds `tcp://*:PORT`. The topic is set
+    explicitly (the engines' default is the empty string) and subscribed to by the gateway."""
+    endpoint = slot.kv_events_endpoint
+    assert endpoint is not None, "kv_events_config for a replica without KV events"
+    bind = endpoint if endpoint.startswith("ipc://") else f"tcp://*:{slot.aux_ports[KV_EVENTS_PORT]}"
     return compact_json(
-        {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": f"tcp://{bind}:{slot.aux_ports[KV_EVENTS_PORT]}",
-            "topic": "kv-events",
-        }
+        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": bind, "topic": KV_EVENTS_TOPIC}
     )
 
 

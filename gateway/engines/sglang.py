@@ -27,6 +27,7 @@ from gateway.engines.base import (
     EngineAdapter,
     ReplicaSlot,
     kv_events_config,
+    kv_events_port_needed,
     mean,
     scan_exposition,
     split_fraction,
@@ -35,6 +36,7 @@ from gateway.engines.base import (
 from gateway.replica import Role
 
 DEFAULT_MEM_FRACTION_STATIC = 0.88
+DEFAULT_KV_EVENTS_PAGE_SIZE = 16  # precise mode's default engine block (PoolConfig.engine_block_size)
 _KV_DTYPES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "bf16": "bf16"}
 
 RUNNING = "sglang:num_running_reqs"
@@ -52,7 +54,7 @@ class SGLangAdapter(EngineAdapter):
 
     def aux_port_names(self, spec: EngineSpec, role: Role) -> tuple[str, ...]:
         names: list[str] = []
-        if spec.kv_events:
+        if kv_events_port_needed(spec):
             names.append(KV_EVENTS_PORT)
         if role == "prefill":
             names.append(BOOTSTRAP_PORT)
@@ -87,8 +89,13 @@ class SGLangAdapter(EngineAdapter):
             argv += ["--chunked-prefill-size", str(spec.chunked_prefill.max_num_batched_tokens)]
         if not spec.prefix_caching:
             argv.append("--disable-radix-cache")
+        page_size = spec.block_size
+        if page_size is None and spec.kv_events:
+            # SGLang publishes one BlockStored per page, sized page_size (1 by default on CUDA):
+            # precise mode hashes 16-token blocks, so the pages must be 16 tokens as well.
+            page_size = DEFAULT_KV_EVENTS_PAGE_SIZE
         for flag, value in (
-            ("--page-size", spec.block_size),
+            ("--page-size", page_size),
             ("--max-running-requests", spec.max_num_seqs),
             ("--context-length", spec.max_model_len),
         ):

@@ -20,7 +20,7 @@ from typing import ClassVar, Literal
 
 from gateway.config import EngineSpec
 from gateway.engine_load import EngineLoad
-from gateway.engines.base import BOOTSTRAP_PORT, KV_EVENTS_PORT, ReplicaSlot
+from gateway.engines.base import BOOTSTRAP_PORT, KV_EVENTS_PORT, ReplicaSlot, kv_events_port_needed
 from gateway.engines.sglang import SGLangAdapter
 from gateway.engines.vllm import VLLMAdapter
 from gateway.replica import Role
@@ -53,7 +53,7 @@ class SimAdapter(VLLMAdapter):
         return [*(spec.command or [sys.executable, "-m", "gateway.sim"]), "--model", model]
 
     def aux_port_names(self, spec: EngineSpec, role: Role) -> tuple[str, ...]:
-        names = [KV_EVENTS_PORT] if spec.kv_events else []
+        names = [KV_EVENTS_PORT] if kv_events_port_needed(spec) else []
         if self.api == "sglang" and role == "prefill":
             names.append(BOOTSTRAP_PORT)
         return tuple(names)

@@ -28,6 +28,7 @@ from gateway.engines.base import (
     compact_json,
     connect_host,
     kv_events_config,
+    kv_events_port_needed,
     mean,
     scan_exposition,
     split_fraction,
@@ -44,7 +45,8 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 CACHE_CONFIG = "vllm:cache_config_info"
-_LOAD_SERIES = (RUNNING, WAITING, KV_USAGE, CACHE_CONFIG)
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+_LOAD_SERIES = (RUNNING, WAITING, KV_USAGE, CACHE_CONFIG, PROMPT_TOKENS)
 
 
 class VLLMAdapter(EngineAdapter):
@@ -57,7 +59,7 @@ class VLLMAdapter(EngineAdapter):
 
     def aux_port_names(self, spec: EngineSpec, role: Role) -> tuple[str, ...]:
         names: list[str] = []
-        if spec.kv_events:
+        if kv_events_port_needed(spec):
             names.append(KV_EVENTS_PORT)
         if role != "mixed" and spec.pd_transfer_backend == "nixl":
             names.append(NIXL_SIDE_CHANNEL_PORT)
@@ -162,6 +164,8 @@ class VLLMAdapter(EngineAdapter):
                 continue
         if blocks:
             load.num_gpu_blocks = blocks  # data-parallel engines each report their own cache
+        if series[PROMPT_TOKENS]:
+            load.prompt_tokens_total = total(series[PROMPT_TOKENS])
         return load
 
     def engine_priority(self, level: int) -> int:

@@ -4,6 +4,11 @@ Every `vllm serve` flag the simulator models is accepted under vLLM's name (and 
 `--api sglang`); any other flag is accepted with a warning, so real launcher command lines run unchanged.
 Simulator-only flags: --profile, --speedup, --max-waiting, --replicas, --startup-delay, --api, --fault-*,
 --crash-after, --default-max-tokens, --kv-lease-timeout.
+
+`--tokenizer` is vLLM's flag: a tokenizer.json or a model directory holding one (as vLLM, the model's
+own directory is used when `--model` is one), or, simulator-only, `builtin:words` (one token per word,
+the GPU kit's tokenizer) or `builtin:cl100k` (the default). Every count, the KV cache's blocks and
+`/tokenize` are then in that tokenizer's tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from gateway.sim.engine import EngineConfig
 from gateway.sim.faults import FaultConfig
@@ -22,6 +28,7 @@ from gateway.sim.kv_events import parse_kv_events_config
 from gateway.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 from gateway.sim.server import Replica, ReplicaOptions, serve
 from gateway.sim.serving_flags import add_serving_flags, serving_options
+from gateway.tokens import TokenizerError, load_tokenizer, use_tokenizer
 
 log = logging.getLogger("gateway.sim")
 
@@ -32,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", "--model-path", dest="model")
     p.add_argument("--served-model-name", nargs="+")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json, its directory, or builtin:words|cl100k")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="first replica's port (0: pick free ports)")
     p.add_argument("--kv-cache-dtype", default="auto")
@@ -162,6 +170,18 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
     return out
 
 
+def select_tokenizer(args: argparse.Namespace) -> None:
+    """Count in `--tokenizer`'s tokens (or the model directory's, as vLLM does) in this process."""
+    spec = args.tokenizer
+    model = args.model or args.model_pos
+    if spec is None and model and (Path(model) / "tokenizer.json").is_file():
+        spec = model
+    if spec is not None:
+        tokenizer = load_tokenizer(spec)
+        use_tokenizer(tokenizer)
+        log.info("tokenizer %s", tokenizer.name)
+
+
 async def _run(opts: list[ReplicaOptions]) -> None:
     replicas = [Replica(o) for o in opts]
     task = asyncio.current_task()
@@ -178,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger().setLevel(args.log_level.upper())
     try:
+        select_tokenizer(args)
         opts = replica_options(args)
         for o in opts[:1]:
             log.info(
@@ -188,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 o.speedup,
                 o.api,
             )
-    except (ValueError, json.JSONDecodeError) as exc:
+    except (ValueError, json.JSONDecodeError, TokenizerError) as exc:
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
     try:

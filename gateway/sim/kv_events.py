@@ -4,6 +4,13 @@ Each engine step's events go out as one multipart message `[topic, seq (8-byte b
 payload `msgpack([ts, [event, ...], dp_rank])` with events as arrays like vLLM's tagged msgspec structs:
 `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]`,
 `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
+
+The socket follows vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py, as of 0.26): it BINDS only
+an endpoint that holds `*` or `::` or is `ipc://` / `inproc://`, and CONNECTS to any other (a
+subscriber must then bind there). Defaults are vLLM's `KVEventsConfig` ones: endpoint `tcp://*:5557`,
+topic "" (SGLang's publisher, sglang/srt/disaggregation/kv_events.py, behaves the same). A replica with
+index i > 0 (`--replicas`) offsets a tcp port by i as vLLM does per data-parallel rank; an ipc or
+inproc path gets `_dp<i>` appended (vLLM refuses ipc there: a simulator-only extension).
 """
 
 from __future__ import annotations
@@ -14,6 +21,25 @@ from typing import Any
 from gateway.sim.kv_cache import BlockEvent
 
 MEDIUM = "GPU"
+DEFAULT_ENDPOINT = "tcp://*:5557"
+DEFAULT_TOPIC = ""
+
+
+def binds(endpoint: str) -> bool:
+    """Whether vLLM's publisher binds this endpoint (else it connects to it)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def offset_endpoint(endpoint: str, index: int) -> str:
+    """The endpoint of replica `index`: a tcp port moves up by the index, a path gets a suffix."""
+    if index == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{index}"
+    base, _, port = endpoint.rpartition(":")
+    if not port.isdigit():  # a wildcard port: every replica gets its own anyway
+        return endpoint
+    return f"{base}:{int(port) + index}"
 
 
 def parse_kv_events_config(raw: str | None) -> dict[str, Any] | None:
@@ -54,13 +80,25 @@ class KVEventPublisher:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(endpoint)
-        self.endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.bound = binds(endpoint)
+        if self.bound:
+            self._sock.bind(endpoint)
+            self.endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        else:
+            self._sock.connect(endpoint)  # someone else binds there (vLLM's rule: no `*`, no bind)
+            self.endpoint = endpoint
         self._topic = topic.encode()
         self._block_size = block_size
         self._dp_rank = dp_rank
         self._seq = 0
         self._noblock = zmq.NOBLOCK
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], block_size: int, index: int = 0) -> KVEventPublisher:
+        """The publisher `--kv-events-config` asks for, for replica `index` of the process."""
+        endpoint = offset_endpoint(str(cfg.get("endpoint") or DEFAULT_ENDPOINT), index)
+        topic = cfg.get("topic")
+        return cls(endpoint, DEFAULT_TOPIC if topic is None else str(topic), block_size, index)
 
     def publish(self, events: list[BlockEvent]) -> None:
         if not events:

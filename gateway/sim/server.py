@@ -240,13 +240,7 @@ class Replica:
         o = self.opts
         self.extras.load_static_adapters()
         if o.kv_events is not None:
-            endpoint = str(o.kv_events.get("endpoint", "tcp://*:5557")).replace("*", o.host)
-            if o.index and not endpoint.endswith(":0"):
-                host, _, port = endpoint.rpartition(":")
-                endpoint = f"{host}:{int(port) + o.index}"  # like vLLM's per-rank port offset
-            self.kv_pub = KVEventPublisher(
-                endpoint, str(o.kv_events.get("topic", "kv-events")), self.engine.block_size, o.index
-            )
+            self.kv_pub = KVEventPublisher.from_config(o.kv_events, self.engine.block_size, o.index)
             self.engine.pool.record_events = True
         self._web = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._web.setup()

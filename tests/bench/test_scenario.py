@@ -11,6 +11,7 @@ import yaml
 
 from bench import procs
 from bench.cli import main
+from bench.faults import ACTIONS, FaultScenario, fault_scenario_from_dict
 from bench.scenario import (
     FleetSpec,
     available_scenarios,
@@ -52,6 +53,8 @@ def test_builtin_scenarios_are_valid() -> None:
     for name in names:
         scenario = load_scenario(name)
         assert {"quick", "full"} <= set(scenario.sizes), name
+        if isinstance(scenario, FaultScenario):
+            continue  # a fault schedule, validated as it loads
         for size_name, size in scenario.sizes.items():
             make_workload(scenario.workload, size.workload)  # parameters exist
             assert size.loads, (name, size_name)
@@ -246,7 +249,7 @@ async def test_a_fleet_with_kv_events_names_each_replicas_own_publisher(tmp_path
         assert len(set(publishers)) == 2
         index = PrefixIndex()
         indexer = KVEventIndexer(index, TokenBlockHasher(16, "m"))
-        subs = [KVEventSubscriber(p, f"r{i}", indexer, "kv-events") for i, p in enumerate(publishers)]
+        subs = [KVEventSubscriber(p, f"r{i}", indexer) for i, p in enumerate(publishers)]
         for sub in subs:
             sub.start()
         try:
@@ -264,3 +267,18 @@ async def test_a_fleet_with_kv_events_names_each_replicas_own_publisher(tmp_path
         finally:
             for sub in subs:
                 sub.close()
+
+
+def test_fault_schedules_are_checked_as_they_load() -> None:
+    faults = load_scenario("faults")
+    assert isinstance(faults, FaultScenario)
+    assert {s.action for s in faults.size("full").faults} == set(ACTIONS)
+    data = {"name": "f", "kind": "faults", "sizes": {"quick": {"duration_s": 10, "faults": []}}}
+    for bad, match in (
+        ({"at": 1, "action": "explode"}, "unknown action"),
+        ({"at": 1, "action": "kill", "replica": 9}, "needs replica"),
+        ({"at": 11, "action": "kill_redis"}, "outside the run"),
+    ):
+        data["sizes"]["quick"]["faults"] = [bad]  # type: ignore[index]
+        with pytest.raises(ValueError, match=match):
+            fault_scenario_from_dict(data)

@@ -8,7 +8,7 @@ import pytest
 
 from gateway.config import EngineSpec
 from gateway.engines import get_adapter
-from gateway.engines.base import BOOTSTRAP_PORT, KV_EVENTS_PORT, ReplicaSlot
+from gateway.engines.base import BOOTSTRAP_PORT, ReplicaSlot, kv_events_ipc_dir
 from gateway.launcher import plan_fleet
 from gateway.ports import release_ports
 
@@ -35,14 +35,18 @@ def test_fp8_chunked_prefill_priority_kv_events() -> None:
         kv_events=True,
         extra_args=["--attention-backend", "fa3"],
     )
-    argv, env = sglang.command(s, MODEL, slot(gpu_ids=(0,), aux_ports={KV_EVENTS_PORT: 5557}))
+    one = slot(gpu_ids=(0,), kv_events=True)
+    argv, env = sglang.command(s, MODEL, one)
+    # SGLang's publisher binds and connects as vLLM's does; its pages must be precise mode's blocks.
+    events = f'"endpoint":"ipc://{kv_events_ipc_dir()}/kv-30000.sock","topic":"kv-events"}}'
     assert argv == [
         *LAUNCH, "--port", "30000",
         "--kv-cache-dtype", "fp8_e4m3",
         "--chunked-prefill-size", "8192",
+        "--page-size", "16",
         "--max-running-requests", "128",
         "--kv-events-config",
-        '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:5557","topic":"kv-events"}',
+        '{"enable_kv_cache_events":true,"publisher":"zmq",' + events,
         "--schedule-policy", "fcfs", "--enable-priority-scheduling",
         "--enable-metrics", "--enable-cache-report",
         "--attention-backend", "fa3",

@@ -8,7 +8,13 @@ import pytest
 
 from gateway.config import EngineSpec
 from gateway.engines import get_adapter
-from gateway.engines.base import KV_EVENTS_PORT, NIXL_SIDE_CHANNEL_PORT, ReplicaSlot
+from gateway.engines.base import (
+    KV_EVENTS_PORT,
+    KV_EVENTS_TOPIC,
+    NIXL_SIDE_CHANNEL_PORT,
+    ReplicaSlot,
+    kv_events_ipc_dir,
+)
 from gateway.launcher import plan_fleet
 from gateway.ports import release_ports
 
@@ -144,24 +150,31 @@ def test_default_gpu_layout_gives_each_replica_its_own_gpus(fleet) -> None:
     assert all("--gpu-memory-utilization" not in p.argv for p in plans)
 
 
-def test_kv_events_distinct_endpoint_per_replica(fleet) -> None:
+def test_kv_events_bind_a_private_unix_socket_per_loopback_replica(fleet) -> None:
+    """vLLM's publisher binds only `*`, `::` or ipc:// endpoints (it CONNECTS to tcp://127.0.0.1:P,
+    where nobody listens): a loopback replica binds a Unix socket in a directory only this user
+    can enter, and the gateway subscribes to that same socket with the topic set explicitly."""
     plans = fleet(spec(replicas=2, kv_events=True))
     configs = [json.loads(p.argv[p.argv.index("--kv-events-config") + 1]) for p in plans]
-    ports = set()
+    endpoints = set()
     for plan, config in zip(plans, configs, strict=True):
         assert config["enable_kv_cache_events"] is True
-        assert config["publisher"] == "zmq" and config["topic"] == "kv-events"
-        port = int(config["endpoint"].rsplit(":", 1)[1])
-        assert config["endpoint"] == f"tcp://127.0.0.1:{port}"
-        assert plan.kv_events_endpoint == f"tcp://127.0.0.1:{port}"
-        ports.add(port)
-    assert len(ports) == 2
+        assert config["publisher"] == "zmq" and config["topic"] == KV_EVENTS_TOPIC
+        assert config["endpoint"] == plan.kv_events_endpoint
+        assert config["endpoint"] == f"ipc://{kv_events_ipc_dir()}/kv-{plan.port}.sock"
+        endpoints.add(config["endpoint"])
+    assert len(endpoints) == 2
+    assert all(p.ports == (p.port,) for p in plans)  # no TCP port for the events
 
 
-def test_wildcard_host_binds_events_on_all_interfaces() -> None:
-    s = spec(host="0.0.0.0", kv_events=True)
-    argv, _ = vllm.command(s, MODEL, slot(host="0.0.0.0", aux_ports={KV_EVENTS_PORT: 5557}))
-    assert json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:5557"
+def test_a_replica_bound_wider_binds_events_on_a_wildcard_and_is_reached_at_its_host() -> None:
+    for host, reach in (("0.0.0.0", "127.0.0.1"), ("10.0.0.5", "10.0.0.5")):
+        s = spec(host=host, kv_events=True)
+        assert vllm.aux_port_names(s, "mixed") == (KV_EVENTS_PORT,)
+        one = slot(host=host, aux_ports={KV_EVENTS_PORT: 5557}, kv_events=True)
+        argv, _ = vllm.command(s, MODEL, one)
+        assert json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:5557"
+        assert one.kv_events_endpoint == f"tcp://{reach}:5557"
 
 
 def test_base_port_gives_repeatable_ports(fleet) -> None:
@@ -169,9 +182,9 @@ def test_base_port_gives_repeatable_ports(fleet) -> None:
 
     base = reserve_free_port("127.0.0.1", 39000)
     release_ports([base])
-    plans = fleet(spec(replicas=2, base_port=base, roles={"prefill": 1, "decode": 1}, kv_events=True))
+    plans = fleet(spec(replicas=2, base_port=base, roles={"prefill": 1, "decode": 1}))
     assert [p.port for p in plans] == [base, base + 1]
-    assert [port for p in plans for port in p.ports[1:]] == [base + 2, base + 3, base + 4, base + 5]
+    assert [port for p in plans for port in p.ports[1:]] == [base + 2, base + 3]  # NIXL side channels
 
 
 def test_removed_flags_never_emitted(fleet) -> None:

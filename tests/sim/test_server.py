@@ -253,7 +253,7 @@ async def test_kv_events_over_zmq_match_blocks_stored() -> None:
     ctx = zmq.asyncio.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "topic": "kv"}
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "topic": "kv"}
     async with replica(kv_events=cfg) as r, httpx.AsyncClient() as c:
         sub.connect(r.kv_pub.endpoint)  # type: ignore[union-attr]
         # ZMQ slow joiner: a PUB drops what it sends before the SUB has joined, so probe until one arrives.

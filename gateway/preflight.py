@@ -1,0 +1,65 @@
+"""Everything `serve` resolves beyond the settings' own validation, checked before it starts.
+
+`load_config` validates the settings' shape. Serving also resolves references: each pool's
+routing and prefill policy (entry point or `module:Class`) and its `args`, canonicalize rules,
+an explicitly named tokenizer, a managed fleet's command lines, and the optional packages a
+feature needs (precise mode's ZMQ and msgpack). `preflight` does all of that exactly as the
+runtime will, so that `kvgate check-config` fails where `kvgate serve` would, and both fail
+with one line (`ConfigError`) instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from gateway.canonicalize import compile_rules
+from gateway.config import ConfigError, PoolConfig, Settings
+from gateway.engines import adapter_for_spec
+from gateway.engines.base import ReplicaSlot
+from gateway.policy import PolicyLoadError, load_policy
+from gateway.pool import pool_tokenizer
+from gateway.replica import Role
+from gateway.tokens import TokenizerError
+
+
+def preflight(settings: Settings) -> None:
+    """Raise ConfigError naming the first reference that `serve` could not resolve."""
+    for i, pool in enumerate(settings.pools):
+        where = f"pools.{i} ({pool.name})"
+        for key, policy in (("policy", pool.policy), ("pd.prefill_policy", pool.pd.prefill_policy)):
+            try:
+                load_policy(policy.type, policy.args)
+            except PolicyLoadError as exc:
+                raise ConfigError(f"{where}.{key}: {exc}") from None
+        try:
+            compile_rules(pool.canonicalize)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.canonicalize: {exc}") from None
+        try:
+            pool_tokenizer(pool)
+        except TokenizerError as exc:
+            raise ConfigError(f"{where}.tokenizer: {exc}") from None
+        if pool.prefix.mode == "precise":
+            missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
+            if missing:
+                needs = " and ".join(missing)
+                raise ConfigError(
+                    f"{where}.prefix.mode precise needs {needs}: pip install 'kvgate[kvevents]'"
+                )
+        if pool.engines is not None:
+            _check_command(where, pool)
+
+
+def _check_command(where: str, pool: PoolConfig) -> None:
+    """Build one replica's command line per role, as the launcher will (without reserving ports)."""
+    spec = pool.engines
+    assert spec is not None
+    adapter = adapter_for_spec(spec)
+    roles: list[Role] = ["mixed"] if spec.roles is None else ["prefill", "decode"]
+    for role in roles:
+        aux = dict.fromkeys(adapter.aux_port_names(spec, role), 1)
+        slot = ReplicaSlot(0, f"{pool.name}-0", role, spec.host, 1, aux_ports=aux, kv_events=spec.kv_events)
+        try:
+            adapter.command(spec, spec.model or pool.model, slot, pool.served_model or pool.model)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.engines: {exc}") from None

@@ -1,0 +1,128 @@
+"""What of a client's request may reach an engine.
+
+Engines trust their callers: a body field or header can point a decode engine at another host for
+its KV transfer (vLLM's `kv_transfer_params`, SGLang's `bootstrap_*`), pin a data-parallel rank,
+reuse another request's engine id, or inject faults (the simulator's `x-sim-fault`). The gateway
+is the caller engines trust, so a client's copy of these is removed before the request is routed,
+and the gateway's own values (PD hand-off, request id, priority) are the only ones an engine sees.
+A pool may let named fields or headers through (`client_passthrough`), for engines that are meant
+to take them from clients.
+
+Headers never forwarded whatever the pool says: hop-by-hop headers (RFC 9110 section 7.6.1) and
+every header the client's `Connection` header names, framing the proxy redoes, and the gateway's
+own credentials.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from typing import Any
+
+# Body fields that steer an engine: PD transfer targets, data-parallel placement, engine request
+# ids, and SGLang's serialized custom logit processor (code the engine would run).
+ENGINE_BODY_FIELDS = frozenset(
+    {
+        "kv_transfer_params",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "disagg_prefill_dp_rank",
+        "routed_dp_rank",
+        "data_parallel_rank",
+        "request_id",
+        "rid",
+        "custom_logit_processor",
+    }
+)
+# Headers engines act on (vLLM and SGLang both honour X-Data-Parallel-Rank).
+ENGINE_HEADERS = frozenset({"x-data-parallel-rank"})
+ENGINE_HEADER_PREFIXES = ("x-vllm-", "x-sglang-", "x-sim-")
+# Hop-by-hop (RFC 9110 7.6.1, plus the de facto Keep-Alive and Proxy-Connection), framing the
+# proxy redoes, the gateway's own credentials, content coding the gateway has already undone, and
+# the request id, which is always the gateway's (it keys the engine's request and the gateway's own
+# bookkeeping, so a client must not be able to make two requests share one).
+NEVER_FORWARDED = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "host",
+        "content-length",
+        "content-encoding",
+        "content-type",
+        "expect",
+        "accept-encoding",
+        "authorization",
+        "cookie",
+        "x-request-id",
+    }
+)
+# A client's request id is kept for logs and echoed back only when it is short visible ASCII.
+_CLIENT_ID = re.compile(r"[\x21-\x7e]{1,128}")
+# Header values: visible ASCII, space and tab. Anything else (obs-text such as UTF-8, controls)
+# is refused rather than passed on: engines would read it as Latin-1, and no OpenAI client sends it.
+_BAD_VALUE = re.compile(r"[^\t\x20-\x7e]")
+
+
+def invalid_header(items: Iterable[tuple[str, str]]) -> str | None:
+    """The name of the first header whose value holds anything but visible ASCII, space and tab."""
+    items = list(items)
+    joined = "".join(v for _, v in items)
+    if (joined.isascii() and joined.isprintable()) or _BAD_VALUE.search(joined) is None:
+        return None  # the first test is the fast path; tabs fail it and take the second
+    return next(k for k, v in items if _BAD_VALUE.search(v))
+
+
+def new_request_id() -> str:
+    return os.urandom(16).hex()
+
+
+def client_request_id(value: str | None) -> str | None:
+    """The client's `X-Request-Id` if it is safe to log and echo (visible ASCII, at most 128)."""
+    if value and _CLIENT_ID.fullmatch(value):
+        return value
+    return None
+
+
+def strip_body(body: dict[str, Any], allowed: frozenset[str]) -> list[str]:
+    """Remove the engine-steering fields a client sent (except those `allowed`); their names."""
+    if ENGINE_BODY_FIELDS.isdisjoint(body):
+        return []
+    removed = [k for k in ENGINE_BODY_FIELDS.intersection(body) if k not in allowed]
+    for key in removed:
+        del body[key]
+    return sorted(removed)
+
+
+def _connection_tokens(values: Iterable[str]) -> set[str]:
+    return {t.strip().lower() for v in values for t in v.split(",") if t.strip()}
+
+
+def upstream_headers(
+    items: Iterable[tuple[str, str]], allowed: frozenset[str], request_id: str
+) -> dict[str, str]:
+    """The headers an engine gets: the client's, less what must not pass, plus the gateway's id.
+
+    `items` are the client's headers in order (repeats included); `allowed` are lower-case names a
+    pool lets through although engines act on them."""
+    items = list(items)
+    named = _connection_tokens(v for k, v in items if k.lower() == "connection")
+    headers: dict[str, str] = {}
+    for key, value in items:
+        name = key.lower()
+        if name in NEVER_FORWARDED or name in named:
+            continue
+        if (name in ENGINE_HEADERS or name.startswith(ENGINE_HEADER_PREFIXES)) and name not in allowed:
+            continue
+        headers[key] = value
+    headers["X-Request-Id"] = request_id
+    headers["Content-Type"] = "application/json"
+    return headers

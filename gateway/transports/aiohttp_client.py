@@ -1,0 +1,185 @@
+"""The transport on aiohttp's client (`upstream.transport: aiohttp`): the well-kept library
+fallback to kvgate's own HTTP/1.1 client, held to the same hostile-upstream suite.
+
+aiohttp already skips 1xx answers, bounds header lines and counts, and never resends a POST.
+Two things are added: a connection that received bytes while idle (an answer nobody asked
+for, parsed and queued by aiohttp) or has bytes waiting in the kernel is closed rather than
+reused (`_CleanConnector`), and nothing is decoded or added behind the gateway's back
+(no automatic Accept-Encoding, User-Agent or decompression, no cookies, no proxies from the
+environment). A request that fails on a reused connection before any answer is resent once,
+as by the http1 transport, when the caller allows it: aiohttp itself never resends a POST.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from gateway.transports.base import (
+    ConnectError,
+    DisconnectedError,
+    HeaderLookup,
+    ProtocolError,
+    Slot,
+    Target,
+    TransportError,
+    client_tls_context,
+    describe,
+    header_block,
+    pending_bytes,
+    valid_response_header,
+)
+
+if TYPE_CHECKING:
+    from gateway.config import UpstreamConfig
+
+
+class _CleanConnector(aiohttp.TCPConnector):
+    async def _get(self, key: Any, traces: Any) -> Any:
+        # aiohttp's own check is only "still connected"; ours is also "nothing arrived since".
+        # Traces (which tell a request it got a reused connection) only for the one handed out.
+        while (conn := await super()._get(key, [])) is not None:
+            proto = conn.protocol
+            transport = proto.transport if proto is not None else None
+            sock = transport.get_extra_info("socket") if transport is not None else None
+            if sock is not None and not proto.should_close and pending_bytes(sock.fileno()) == 0:
+                for trace in traces:
+                    await trace.send_connection_reuseconn()
+                return conn
+            conn.close()
+        return None
+
+
+class _Attempt:
+    """Whether aiohttp took a pooled connection for this try (told through its trace hooks)."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _mark_reused(session: aiohttp.ClientSession, ctx: Any, params: Any) -> None:
+    ctx.trace_request_ctx.reused = True
+
+
+def _body_error(exc: BaseException) -> TransportError:
+    if isinstance(exc, aiohttp.ClientPayloadError) and "not completed" not in str(exc):
+        return ProtocolError(f"malformed response body from the engine: {exc}")
+    return DisconnectedError(f"engine closed the connection mid-answer ({describe(exc)})")
+
+
+class AiohttpResponse(HeaderLookup):
+    __slots__ = ("_resp", "_slot", "headers", "sent", "status")
+
+    def __init__(self, resp: aiohttp.ClientResponse, slot: Slot, sent: int) -> None:
+        self.status = resp.status
+        self.sent = sent
+        self.headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in resp.raw_headers]
+        self._resp = resp
+        self._slot = slot
+
+    async def readany(self) -> bytes:
+        try:
+            return await self._resp.content.readany()
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _body_error(exc) from None
+
+    def release(self) -> None:
+        self._resp.release()  # aiohttp keeps the connection only if the body was read to its end
+        self._slot.release()
+
+    def close(self) -> None:
+        self._resp.close()
+        self._slot.release()
+
+
+class AiohttpTransport:
+    def __init__(self, cfg: UpstreamConfig) -> None:
+        self.cfg = cfg
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:  # inside the running loop, as aiohttp wants
+            cfg = self.cfg
+            connector = _CleanConnector(
+                limit=0,
+                limit_per_host=cfg.max_connections,
+                ssl=client_tls_context(cfg.tls.verify, cfg.tls.ca_file),
+            )
+            reuse = aiohttp.TraceConfig()
+            reuse.on_connection_reuseconn.append(_mark_reused)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                trace_configs=[reuse],
+                auto_decompress=False,
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                trust_env=False,
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s),
+                max_line_size=cfg.max_header_bytes,
+                max_field_size=cfg.max_header_bytes,
+                max_headers=cfg.max_headers,
+            )
+        return self._session
+
+    async def request(
+        self,
+        method: str,
+        target: Target,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        slot: Slot,
+        resend: bool,
+    ) -> AiohttpResponse:
+        header_block(headers)  # the same refusals as the http1 transport
+        sent = 1
+        try:
+            resp = await self._send(method, target, body, headers, sent)
+        except DisconnectedError as exc:
+            if not (resend and exc.stale):
+                raise
+            sent = 2  # once more; the connector hands out only connections that passed its checks
+            resp = await self._send(method, target, body, headers, sent)
+        return AiohttpResponse(resp, slot, sent)
+
+    async def _send(
+        self, method: str, target: Target, body: bytes, headers: Mapping[str, str], sent: int
+    ) -> aiohttp.ClientResponse:
+        attempt = _Attempt()
+        try:
+            resp = await self._client().request(
+                method,
+                target.url,
+                data=body,
+                headers=dict(headers),
+                allow_redirects=False,
+                trace_request_ctx=attempt,
+            )
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            raise ConnectError(
+                f"cannot connect to {target.host_header}: {describe(exc)}", sent=sent - 1
+            ) from None
+        except aiohttp.ClientResponseError as exc:
+            raise ProtocolError(f"malformed response from the engine: {exc.message}", sent=sent) from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise DisconnectedError(
+                f"engine closed the connection before answering ({describe(exc)})",
+                sent=sent,
+                stale=attempt.reused,
+            ) from None
+        if not 200 <= resp.status <= 599:  # 101: nothing here asked to switch protocols
+            resp.close()
+            raise ProtocolError(f"engine answered with status {resp.status}", sent=sent)
+        if not all(valid_response_header(k, v) for k, v in resp.raw_headers):
+            resp.close()
+            raise ProtocolError("malformed response from the engine: invalid header bytes", sent=sent)
+        return resp
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

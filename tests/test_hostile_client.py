@@ -1,0 +1,181 @@
+"""A hostile client against a real gateway over raw sockets: malformed HTTP, smuggling attempts,
+oversized heads, slowloris, connection floods, pipelining and abrupt closes.
+
+Each case must end in a 4xx (or a closed connection), never a 5xx from the gateway itself and
+never a hang; afterwards a normal request succeeds and every load counter is back at zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import httpx
+import orjson
+import pytest
+
+from gateway.logs import MalformedRequests
+from gateway.server import RunningGateway
+from tests.conftest import gateway_settings, wait_until
+from tests.rawhttp import closed_within, exchange, post, read_response
+
+BODY = orjson.dumps({"model": "m", "prompt": "x"})  # 26 bytes
+CHUNKED = b"1a\r\n" + BODY + b"\r\n0\r\n\r\n"
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\n"
+
+MALFORMED = {
+    "garbage": b"GARBAGE\r\n\r\n",
+    "tls_hello": bytes.fromhex("16030100a5010000a10303") + bytes(40),
+    "unknown_version": b"GET /health HTTP/9.9\r\nHost: gw\r\n\r\n",
+    "bare_lf": b"POST /v1/completions HTTP/1.1\nHost: gw\nContent-Length: 26\n\n" + BODY,
+    "no_host": b"POST /v1/completions HTTP/1.1\r\nContent-Length: 26\r\n\r\n" + BODY,
+    "control_in_method": b"G\x01T /health HTTP/1.1\r\nHost: gw\r\n\r\n",
+    "space_in_header_name": b"GET /health HTTP/1.1\r\nHost: gw\r\nx a: 1\r\n\r\n",
+    "nul_in_header_value": b"GET /health HTTP/1.1\r\nHost: gw\r\nx-a: a\x00b\r\n\r\n",
+    "obs_fold": HEAD + b"x-a: a\r\n folded\r\nContent-Length: 26\r\n\r\n" + BODY,
+    "long_request_line": b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: gw\r\n\r\n",
+    "huge_header": b"GET /health HTTP/1.1\r\nHost: gw\r\nx-a: " + b"a" * 10_000 + b"\r\n\r\n",
+    "many_headers": b"GET /health HTTP/1.1\r\nHost: gw\r\n"
+    + b"".join(b"x-%d: 1\r\n" % i for i in range(200))
+    + b"\r\n",
+    # Request smuggling: the framing must be unambiguous or refused.
+    "cl_and_te": HEAD + b"Content-Length: 26\r\nTransfer-Encoding: chunked\r\n\r\n" + CHUNKED,
+    "duplicate_cl": HEAD + b"Content-Length: 26\r\nContent-Length: 5\r\n\r\n" + BODY,
+    "duplicate_equal_cl": HEAD + b"Content-Length: 26\r\nContent-Length: 26\r\n\r\n" + BODY,
+    "te_not_chunked": HEAD + b"Transfer-Encoding: xchunked\r\n\r\n" + BODY,
+    "te_chunked_then_identity": HEAD + b"Transfer-Encoding: chunked, identity\r\n\r\n" + CHUNKED,
+    "te_space_before_colon": HEAD + b"Transfer-Encoding : chunked\r\n\r\n" + CHUNKED,
+    "bad_chunk_size": HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n" + BODY + b"\r\n0\r\n\r\n",
+    "negative_cl": HEAD + b"Content-Length: -5\r\n\r\n" + BODY,
+    "signed_cl": HEAD + b"Content-Length: +26\r\n\r\n" + BODY,
+    "cl_too_large": HEAD + b"Content-Length: 99999999999\r\n\r\n" + BODY,
+    "wrong_method": b"PUT /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 26\r\n\r\n" + BODY,
+    "unknown_path": b"POST /v1/../admin/reload HTTP/1.1\r\nHost: gw\r\nContent-Length: 26\r\n\r\n" + BODY,
+    "empty_body": HEAD + b"Content-Length: 0\r\n\r\n",
+    "body_not_json": HEAD + b"Content-Length: 5\r\n\r\n{nope",
+}
+
+
+@pytest.fixture
+async def gw(upstreams, gateway) -> AsyncIterator[RunningGateway]:
+    (up,) = await upstreams(1)
+    server = {"header_timeout_s": 1.0, "keepalive_timeout_s": 2.0, "body_timeout_s": 1.0}
+    server |= {"max_connections": 20, "reserved_connections": 2}
+    running = await gateway(gateway_settings([up.url], server=server))
+    quiet = MalformedRequests()  # as `kvgate serve` sets it up: no traceback per bad request
+    logging.getLogger("aiohttp.server").addFilter(quiet)
+    yield running
+    logging.getLogger("aiohttp.server").removeFilter(quiet)
+
+
+async def assert_serving_and_settled(gw: RunningGateway) -> None:
+    """A normal request succeeds, and nothing is left counted: in flight, queued, or connected."""
+    async with httpx.AsyncClient() as c:
+        r = await c.post(gw.url + "/v1/completions", content=BODY)
+        assert r.status_code == 200, r.text
+    rt = gw.runtime
+    guard = rt.connections
+    assert guard is not None
+    await wait_until(lambda: guard.open == 0 and guard.overflow == 0, what="client connections closed")
+    assert all(r.inflight_requests == 0 and r.inflight_tokens == 0 for r in rt.all_replicas())
+    assert all(n == 0 for n in rt.scheduler.queue_depth().values())
+
+
+async def test_malformed_requests_get_a_4xx(gw, caplog):
+    answers = {name: await exchange(gw.port, data) for name, data in MALFORMED.items()}
+    wrong = {name: (r.status, r.body[:80]) for name, r in answers.items() if not 400 <= r.status < 500}
+    assert not wrong
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    await assert_serving_and_settled(gw)
+
+
+async def test_pipelined_requests_are_answered_in_order_on_one_connection(gw):
+    bodies = [orjson.dumps({"model": "m", "prompt": f"p{i}"}) for i in range(3)]
+    ids = [f"pipelined-{i}" for i in range(3)]
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(
+        b"".join(post("/v1/completions", b, f"x-request-id: {i}") for b, i in zip(bodies, ids, strict=True))
+    )
+    answers = [await asyncio.wait_for(read_response(reader), 5) for _ in ids]
+    writer.close()
+    assert [a.status for a in answers] == [200, 200, 200]
+    assert [a.header("x-request-id") for a in answers] == ids
+    await assert_serving_and_settled(gw)
+
+
+async def test_abrupt_closes_mid_body_and_mid_stream_leave_nothing_behind(gw):
+    for data in (
+        post("/v1/completions", BODY)[:-10],  # mid body
+        HEAD + b"Transfer-Encoding: chunked\r\n\r\n1a\r\n" + BODY[:10],  # mid chunk
+        post(
+            "/v1/completions",
+            orjson.dumps({"model": "m", "prompt": "x", "stream": True}),
+            "x-test-mode: hang-stream",
+        ),
+    ):
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(data)
+        if b"hang-stream" in data:
+            await reader.readuntil(b"tok0")  # the stream has started
+        writer.transport.abort()  # RST, not a polite FIN
+    await assert_serving_and_settled(gw)
+
+
+async def test_slowloris_is_cut_off_at_the_header_timeout(gw):
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    head = post("/v1/completions", BODY)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(ConnectionError):
+        for i in range(len(head)):  # a byte every 50 ms: the head would take about 5 s
+            writer.write(head[i : i + 1])
+            await writer.drain()
+            if await closed_within(reader, 0.05):
+                raise ConnectionError("closed")
+    assert asyncio.get_running_loop().time() - started < 2.0
+    writer.close()
+    assert gw.runtime.connections.closed["header_timeout"] == 1  # type: ignore[union-attr]
+    await assert_serving_and_settled(gw)
+
+
+async def test_a_flood_of_idle_connections_makes_room_for_real_clients(gw):
+    flood = [await asyncio.open_connection("127.0.0.1", gw.port) for _ in range(40)]
+    guard = gw.runtime.connections
+    assert guard is not None and guard.open == 20  # the oldest were closed to make room
+    assert guard.closed["evicted"] == 20
+    async with httpx.AsyncClient() as c:
+        assert (await c.get(gw.url + "/health")).status_code == 200
+        assert (await c.post(gw.url + "/v1/completions", content=BODY)).status_code == 200
+    evicted = [r for r, _ in flood[:20]]
+    assert all([await closed_within(r, 2) for r in evicted])
+    for _, writer in flood:
+        writer.close()
+    await assert_serving_and_settled(gw)
+
+
+async def test_at_the_cap_probes_are_answered_and_the_rest_refused(gw, caplog):
+    caplog.set_level(logging.WARNING, logger="gateway.conn_guard")
+    stall = orjson.dumps({"model": "m", "prompt": "x", "stream": True})
+    busy = []
+    for _ in range(20):  # every connection serving a stream that does not end
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(post("/v1/completions", stall, "x-test-mode: hang-stream"))
+        await reader.readuntil(b"tok0")
+        busy.append((reader, writer))
+    health = await exchange(gw.port, b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")
+    ready = await exchange(gw.port, b"GET /ready HTTP/1.1\r\nHost: gw\r\n\r\n")
+    assert health.status == 200 and ready.status == 200
+    refused = await exchange(gw.port, post("/v1/completions", BODY))
+    assert refused.status == 503 and refused.header("retry-after") == "1"
+    assert refused.json()["error"]["code"] == "too_many_connections"  # type: ignore[index]
+    # Two overflow connections hold the reserve; the next is closed as soon as it is accepted.
+    held = [await asyncio.open_connection("127.0.0.1", gw.port) for _ in range(2)]
+    dropped, _ = await asyncio.open_connection("127.0.0.1", gw.port)
+    assert await closed_within(dropped, 1)
+    guard = gw.runtime.connections
+    assert guard is not None and guard.closed["refused"] == 1 and guard.closed["dropped"] >= 1
+    warnings = [r.getMessage() for r in caplog.records if r.name == "gateway.conn_guard"]
+    assert len(warnings) == 1 and "server.max_connections 20" in warnings[0]  # one warning, not one per event
+    for _, writer in busy + held:
+        writer.transport.abort()
+    await assert_serving_and_settled(gw)
