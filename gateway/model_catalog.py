@@ -71,7 +71,7 @@ class ModelCatalog:
         if choice is None:
             raise GatewayError(
                 404,
-                f"the model `{model}` does not exist",
+                f"the model `{clip(model)}` does not exist",
                 "invalid_request_error",
                 "model_not_found",
                 "model",
