@@ -186,9 +186,9 @@ def rewrite_cost(n: int = 20000) -> dict[str, float]:
     }
 
 
-def table(pairs: list[Pair], conc: dict[str, dict[str, float]]) -> str:
+def pair_rows(pairs: list[Pair], what: str, first: str, second: str) -> list[str]:
     lines = [
-        "| measurement | direct p50 / p95 / p99 (ms) | gateway p50 / p95 / p99 (ms) | added p50 / p99 (ms) |",
+        f"| {what} | {first} p50 / p95 / p99 (ms) | {second} p50 / p95 / p99 (ms) | added p50 / p99 (ms) |",
         "| --- | --- | --- | --- |",
     ]
     for p in pairs:
@@ -197,6 +197,11 @@ def table(pairs: list[Pair], conc: dict[str, dict[str, float]]) -> str:
             f"| {p.name} | {d['p50']:.3f} / {d['p95']:.3f} / {d['p99']:.3f} | "
             f"{g['p50']:.3f} / {g['p95']:.3f} / {g['p99']:.3f} | {a['p50']:.3f} / {a['p99']:.3f} |"
         )
+    return lines
+
+
+def table(pairs: list[Pair], conc: dict[str, dict[str, float]]) -> str:
+    lines = pair_rows(pairs, "measurement", "direct", "gateway")
     lines += [
         "",
         "| concurrent clients | requests/s | p50 / p99 (ms) | errors | gateway CPU per request |",
@@ -276,17 +281,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
 
 
 def rename_table(pairs: list[Pair], cost: dict[str, float]) -> str:
-    lines = [
-        "| rename (same alias) | rewrite_model false p50 / p99 (ms) | renamed p50 / p99 (ms) "
-        "| added p50 / p99 (ms) |",
-        "| --- | --- | --- | --- |",
-    ]
-    for p in pairs:
-        d, g, a = p.direct_ms, p.gateway_ms, p.added_ms
-        lines.append(
-            f"| {p.name} | {d['p50']:.3f} / {d['p99']:.3f} | {g['p50']:.3f} / {g['p99']:.3f} | "
-            f"{a['p50']:.3f} / {a['p99']:.3f} |"
-        )
+    lines = pair_rows(pairs, "rename (same alias)", "rewrite_model false", "renamed")
     lines += [
         "",
         f"In process: rename of a whole body {cost['body_rename_us']:.2f} us; a streamed chunk through the "
