@@ -181,6 +181,8 @@ class EngineAdapter(ABC):
     load_path: str
     """The endpoint `parse_load` understands."""
     health_path: ClassVar[str] = "/health"
+    lora_load_path: ClassVar[str] = "/v1/load_lora_adapter"
+    """Where the engine loads a LoRA adapter at run time (body: lora_name, lora_path)."""
     uses_gpus: ClassVar[bool] = True
 
     @abstractmethod
