@@ -96,6 +96,11 @@ def prepare_ipc_endpoint(endpoint: str | None) -> None:
         raise OSError(f"{directory} must be a directory of this user's with mode 0700")
 
 
+def valued_flags(*pairs: tuple[str, object]) -> list[str]:
+    """`flag value` for each pair whose value is set (None: the engine's default)."""
+    return [arg for flag, value in pairs if value is not None for arg in (flag, str(value))]
+
+
 def compact_json(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
 

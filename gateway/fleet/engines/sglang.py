@@ -33,6 +33,7 @@ from gateway.fleet.engines.base import (
     scan_exposition,
     split_fraction,
     total,
+    valued_flags,
 )
 from gateway.fleet.replica import Role
 
@@ -95,13 +96,11 @@ class SGLangAdapter(EngineAdapter):
             # SGLang publishes one BlockStored per page, sized page_size (1 by default on CUDA):
             # precise mode hashes 16-token blocks, so the pages must be 16 tokens as well.
             page_size = DEFAULT_KV_EVENTS_PAGE_SIZE
-        for flag, value in (
+        argv += valued_flags(
             ("--page-size", page_size),
             ("--max-running-requests", spec.max_num_seqs),
             ("--context-length", spec.max_model_len),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
+        )
         if spec.gpu_memory_utilization is not None or slot.gpu_sharers > 1:
             fraction = spec.gpu_memory_utilization or DEFAULT_MEM_FRACTION_STATIC
             argv += ["--mem-fraction-static", split_fraction(fraction, slot.gpu_sharers)]
@@ -151,13 +150,11 @@ def lora_args(lora: EngineLora) -> list[str]:
     args = ["--enable-lora"]
     if lora.modules:
         args += ["--lora-paths", *(f"{m.name}={m.path}" for m in lora.modules)]
-    for flag, value in (
+    args += valued_flags(
         ("--max-loras-per-batch", lora.max_loras),
         ("--max-lora-rank", lora.max_lora_rank),
         ("--max-loaded-loras", lora.max_cpu_loras),
-    ):
-        if value is not None:
-            args += [flag, str(value)]
+    )
     return args
 
 

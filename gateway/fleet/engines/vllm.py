@@ -34,6 +34,7 @@ from gateway.fleet.engines.base import (
     scan_exposition,
     split_fraction,
     total,
+    valued_flags,
 )
 from gateway.fleet.replica import Role
 
@@ -87,13 +88,11 @@ class VLLMAdapter(EngineAdapter):
         else:
             argv.append("--no-enable-chunked-prefill")
         argv.append("--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching")
-        for flag, value in (
+        argv += valued_flags(
             ("--block-size", spec.block_size),
             ("--max-num-seqs", spec.max_num_seqs),
             ("--max-model-len", spec.max_model_len),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
+        )
         argv += self.memory_args(spec, slot)
         env = self.gpu_env(slot)
         if slot.role != "mixed":
@@ -123,13 +122,11 @@ class VLLMAdapter(EngineAdapter):
                     args.append(
                         compact_json({"name": m.name, "path": m.path, "base_model_name": m.base_model_name})
                     )
-        for flag, value in (
+        args += valued_flags(
             ("--max-loras", lora.max_loras),
             ("--max-lora-rank", lora.max_lora_rank),
             ("--max-cpu-loras", lora.max_cpu_loras),
-        ):
-            if value is not None:
-                args += [flag, str(value)]
+        )
         return args
 
     def pd_args(self, spec: EngineSpec, slot: ReplicaSlot) -> list[str]:
