@@ -7,6 +7,8 @@ from typing import Any
 
 import orjson
 
+from gateway.logs import clip
+
 
 class GatewayError(Exception):
     """An error with the status and OpenAI error fields a client should see."""
@@ -40,6 +42,11 @@ class GatewayError(Exception):
 def client_error(message: str, code: str, param: str | None = None, status: int = 400) -> GatewayError:
     """The client's mistake (400 unless said otherwise)."""
     return GatewayError(status, message, "invalid_request_error", code, param)
+
+
+def model_not_found(model: str) -> GatewayError:
+    """404 for a model the gateway does not serve (the client's name, made safe to echo)."""
+    return client_error(f"the model `{clip(model)}` does not exist", "model_not_found", "model", 404)
 
 
 def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> bytes:

@@ -11,10 +11,9 @@ import orjson
 from aiohttp import web
 
 from gateway.config import ServerConfig
-from gateway.errors import GatewayError
+from gateway.errors import model_not_found
 from gateway.http.auth import Auth
 from gateway.http.request_body import read_body
-from gateway.logs import clip
 from gateway.path.request import parse_json_body
 from gateway.path.tokenize import Tokenize
 from gateway.routing.model_catalog import ModelCatalog
@@ -49,13 +48,7 @@ class ApiRoutes:
         name = request.match_info["model"]
         card = self.catalog.card(name)
         if card is None:
-            raise GatewayError(
-                404,
-                f"the model `{clip(name)}` does not exist",
-                "invalid_request_error",
-                "model_not_found",
-                "model",
-            )
+            raise model_not_found(name)
         return _json(card)
 
     async def tokenizer(self, request: web.Request) -> web.Response:

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from gateway.admission.limits import ShedError
 from gateway.config import ServerConfig
-from gateway.errors import GatewayError, client_error, error_body
+from gateway.errors import GatewayError, client_error, error_body, model_not_found
 from gateway.fleet.pool import Pool
 from gateway.http.api_routes import ApiRoutes
 from gateway.http.auth import Auth
@@ -200,13 +200,7 @@ class DataPlane:
         model = request.match_info["model"]
         names = self.routes.pools_for(model)
         if names is None:
-            raise GatewayError(
-                404,
-                f"the model `{model}` does not exist",
-                "invalid_request_error",
-                "model_not_found",
-                "model",
-            )
+            raise model_not_found(model)
         pools = {name: self.pools[name].has_healthy() for name in names}
         draining = self.draining()
         ok = any(pools.values()) and not draining

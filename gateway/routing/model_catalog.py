@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, model_not_found
 from gateway.logs import clip
 from gateway.routing.pool_router import PoolRouter
 from gateway.routing.rollout import Choice, Router
@@ -67,13 +67,7 @@ class ModelCatalog:
         else:
             choice = self._direct(model, wanted)
         if choice is None:
-            raise GatewayError(
-                404,
-                f"the model `{clip(model)}` does not exist",
-                "invalid_request_error",
-                "model_not_found",
-                "model",
-            )
+            raise model_not_found(model)
         router = self.routers[choice.pool]
         pool = router.pool
         if wanted is not None and wanted.isdisjoint(pool.cfg.tasks):
