@@ -92,6 +92,13 @@ class CircuitBreaker:
             self.state = BreakerState.OPEN
             self._open_until = (time.monotonic() if now is None else now) + self.open_s
 
+    def probe_now(self, now: float | None = None) -> None:
+        """Evidence that the engine is up (a passing health check): an open circuit lets its probe
+        through at once instead of waiting out `open_s`. The probe's own verdict still decides, so
+        an engine whose health endpoint answers while requests fail costs one probe per check."""
+        if self.state is BreakerState.OPEN:
+            self._open_until = min(self._open_until, time.monotonic() if now is None else now)
+
     def release(self, admission: Admission) -> None:
         """An attempt that ended without a verdict (the client left, our own limit) frees its probe."""
         if admission is Admission.PROBE:

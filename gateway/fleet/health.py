@@ -63,6 +63,7 @@ class HealthChecker:
         ok = await self.probe(replica)
         name = replica.name
         if ok:
+            replica.breaker.probe_now()  # an engine back from a crash is tried at once, not after open_s
             self._fails[name] = 0
             self._oks[name] = self._oks.get(name, 0) + 1
             if not replica.healthy and self._oks[name] >= self.cfg.success_threshold:

@@ -55,6 +55,17 @@ def test_half_open_admits_one_probe_and_its_verdict_decides():
     assert not b.allows(19) and b.try_acquire(20) is Admission.PROBE  # open_s counted from the failure
 
 
+def test_evidence_of_life_lets_an_open_circuit_probe_at_once():
+    b = opened(now=0.0)
+    assert not b.allows(1.0)
+    b.probe_now(1.0)
+    assert b.allows(1.0) and b.try_acquire(1.0) is Admission.PROBE  # not after open_s (10 s)
+    b.probe_now(1.0)  # half-open: nothing changes, the probe in flight decides
+    assert b.state is BreakerState.HALF_OPEN and b.try_acquire(1.0) is Admission.REFUSED
+    b.record_failure(Admission.PROBE, 1.0)
+    assert not b.allows(2.0)
+
+
 def test_a_probe_without_verdict_frees_the_slot_for_the_next():
     b = opened()
     probe = b.try_acquire(10)
@@ -201,3 +212,27 @@ async def test_retry_budget_stops_retries_when_spent(transport: str, gateway):
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_passing_health_check_ends_an_open_circuit_early(transport: str, gateway):
+    """An engine back from a crash gets traffic once its health check passes, not after open_s."""
+    srv = await HostileUpstream("ok").start()
+    await srv.stop()  # the port now refuses
+    settings = hostile_settings([srv.url], transport, breaker={"failure_threshold": 1, "open_s": 600})
+    settings.health.enabled = True
+    settings.health.interval_s = 0.05
+    settings.health.failure_threshold = 1_000_000  # the replica stays in the pool: only the circuit decides
+    gw = await gateway(settings)
+    r0 = gw.runtime.pools["p"].replicas["r0"]
+    try:
+        async with httpx.AsyncClient() as c:
+            assert openai_error(await ask(c, gw, marker()))["code"] == "upstream_unreachable"
+            assert r0.breaker.state is BreakerState.OPEN and not r0.breaker.allows()
+            await srv.start()  # the same port
+            await wait_until(r0.breaker.allows, what="a passing health check to let the probe through")
+            mark = marker()
+            r = await ask(c, gw, mark)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == mark
+            assert r0.breaker.state is BreakerState.CLOSED
+    finally:
+        await srv.stop()
