@@ -66,7 +66,7 @@ class ClientOptions:
 
 def request_body(req: BenchRequest, opts: ClientOptions) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": opts.model,
+        "model": req.model or opts.model,
         "max_tokens": req.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},

@@ -11,12 +11,12 @@ import argparse
 
 from aiohttp import web
 
-_COMPLETION = (
+COMPLETION = (
     b'{"id":"cmpl-echo","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,'
     b'"message":{"role":"assistant","content":"ok"},"finish_reason":"stop"}],'
     b'"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}'
 )
-_CHUNK = (
+CHUNK = (
     b'data: {"id":"cmpl-echo","object":"chat.completion.chunk","created":0,"model":"m",'
     b'"choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}\n\n'
 )
@@ -25,11 +25,11 @@ _CHUNK = (
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     if b'"stream":true' not in body.replace(b" ", b""):
-        return web.Response(body=_COMPLETION, content_type="application/json")
+        return web.Response(body=COMPLETION, content_type="application/json")
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     for _ in range(4):
-        await resp.write(_CHUNK)
+        await resp.write(CHUNK)
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

@@ -1,11 +1,14 @@
 """The engines' own counters after a run (vLLM metric names, which the simulator speaks too).
 
 The client's cache-hit rate comes from usage fields; the engines' prefix-cache counters and
-preemptions are a second opinion from the other end, summed over the fleet.
+preemptions are a second opinion from the other end, summed over the fleet. A simulator serving
+LoRA adapters also reports how often it swapped an adapter into a GPU slot and read one from disk
+(`/sim/state`; vLLM exposes no such counter, only the adapters in its running batch).
 """
 
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -20,6 +23,7 @@ COUNTERS = {
     "vllm:generation_tokens": "generation_tokens",
     "vllm:num_preemptions": "preemptions",
 }
+LORA_COUNTERS = ("lora_swaps", "lora_disk_loads")
 
 
 def scrape(url: str, timeout_s: float = 2.0) -> dict[str, float]:
@@ -40,19 +44,36 @@ def scrape(url: str, timeout_s: float = 2.0) -> dict[str, float]:
     return out
 
 
+def sim_lora(url: str, timeout_s: float = 2.0) -> dict[str, float]:
+    """A simulator's adapter swaps and disk reads; empty when it is no simulator or serves no LoRA."""
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/sim/state", timeout=timeout_s) as resp:
+            lora = json.loads(resp.read()).get("lora")
+    except (urllib.error.URLError, OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(lora, dict):
+        return {}
+    return {"lora_swaps": float(lora.get("swaps", 0)), "lora_disk_loads": float(lora.get("disk_loads", 0))}
+
+
 def fleet_counters(urls: Sequence[str]) -> dict[str, Any]:
     """Counters summed over the engines, with the engines' own prefix-cache hit rate."""
-    per_engine = [scrape(u) for u in urls]
+    per_engine = [scrape(u) | sim_lora(u) for u in urls]
     if not any(per_engine):
         return {}
-    return _with_hit_rate({key: sum(e.get(key, 0.0) for e in per_engine) for key in COUNTERS.values()})
+    return _with_hit_rate({key: sum(e.get(key, 0.0) for e in per_engine) for key in _keys(per_engine[0])})
 
 
 def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """What a run added to long-running engines' counters (both from `fleet_counters`)."""
     if not after:
         return {}
-    return _with_hit_rate({key: after[key] - before.get(key, 0.0) for key in COUNTERS.values()})
+    return _with_hit_rate({key: after[key] - before.get(key, 0.0) for key in _keys(after)})
+
+
+def _keys(counters: dict[str, Any]) -> list[str]:
+    """The counters summed: vLLM's, and the simulator's LoRA figures where it reports them."""
+    return [*COUNTERS.values(), *(LORA_COUNTERS if "lora_swaps" in counters else ())]
 
 
 def _with_hit_rate(total: dict[str, Any]) -> dict[str, Any]:

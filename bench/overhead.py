@@ -6,6 +6,9 @@ that every extra microsecond is the gateway's:
   (b) streaming first-chunk latency over keep-alive, gateway vs direct, interleaved;
   (c) C concurrent clients for D seconds: throughput, and the gateway process's CPU time
       per request (from /proc), which is what the gateway costs whatever the machine.
+And what naming the client's model in answers costs: (a) and (b) again through a route alias
+whose answers are renamed, against the same alias with `rewrite_model: false`, interleaved;
+and the rewrite's own time per body and per streamed chunk, in this process.
 The client is aiohttp on uvloop (an httpx client saturates a core near 900 requests/s,
 so it would measure itself). `--transport both` puts one gateway per upstream transport
 (`upstream.transport`: http1, aiohttp) in front of the same upstream and interleaves all of
@@ -22,12 +25,14 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import aiohttp
 import yaml
 
+from bench import echo_upstream
 from bench.procs import HOST, Child, free_port_range, python_module
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
@@ -77,20 +82,28 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, first_chun
 
 
 async def sequential(
-    direct: str, gateways: dict[str, str], n: int, body: bytes, first_chunk: bool, name: str
+    direct: str,
+    gateways: dict[str, str],
+    n: int,
+    body: bytes,
+    first_chunk: bool,
+    name: str,
+    bodies: dict[str, bytes] | None = None,
 ) -> list[Pair]:
-    """One Pair per gateway; all sides interleaved, the direct samples shared."""
+    """One Pair per gateway; all sides interleaved, the direct samples shared. `bodies`: what a
+    gateway side sends when it differs from `body` (the rename pairs)."""
     sides = {"direct": direct, **gateways}
+    send = {side: (bodies or {}).get(side, body) for side in sides}
     lat: dict[str, list[float]] = {side: [] for side in sides}
     connector = aiohttp.TCPConnector(limit=4)
     async with aiohttp.ClientSession(connector=connector) as session:
         for _ in range(50):  # warm the keep-alive connections and every process
-            for url in sides.values():
-                await _one(session, url, body, first_chunk)
+            for side, url in sides.items():
+                await _one(session, url, send[side], first_chunk)
         # Interleaved so every side sees the same machine state (other load, CPU frequency).
         for _ in range(n):
             for side, url in sides.items():
-                lat[side].append(await _one(session, url, body, first_chunk))
+                lat[side].append(await _one(session, url, send[side], first_chunk))
     ms = {k: summary([v * 1e3 for v in vals]) for k, vals in lat.items()}
     return [Pair(f"{name} [{label}]", ms["direct"], ms[label]) for label in gateways]
 
@@ -138,12 +151,44 @@ def gateway_config(upstream: str, port: int, transport: str) -> dict[str, object
         "pools": [
             {"name": "p", "model": "m", "policy": {"type": "round_robin"}, "endpoints": [{"url": upstream}]}
         ],
+        # The rename pairs: the same alias, answers renamed or not.
+        "routes": [
+            {"model": "alias", "rules": [{"pools": [{"name": "p"}]}]},
+            {"model": "alias-raw", "rules": [{"pools": [{"name": "p"}]}], "rewrite_model": False},
+        ],
     }
 
 
-def table(pairs: list[Pair], conc: dict[str, dict[str, float]]) -> str:
+def _aliased(body: bytes, model: str) -> bytes:
+    return body.replace(b'"model": "m"', f'"model": "{model}"'.encode())
+
+
+def rewrite_cost(n: int = 20000) -> dict[str, float]:
+    """Microseconds per call of the rename on a whole body and per chunk of a stream, in this process."""
+    from gateway.path.model_names import ModelRename
+    from gateway.path.sse_events import EventStream
+
+    rename = ModelRename(["m"], "alias")
+    body = echo_upstream.COMPLETION
+    chunk = echo_upstream.CHUNK
+
+    def per_call(fn: Callable[[], object]) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    plain, renamed = EventStream(None), EventStream(rename)
+    return {
+        "body_rename_us": per_call(lambda: rename.apply(body)),
+        "chunk_events_us": per_call(lambda: plain.feed(chunk)),
+        "chunk_events_renamed_us": per_call(lambda: renamed.feed(chunk)),
+    }
+
+
+def pair_rows(pairs: list[Pair], what: str, first: str, second: str) -> list[str]:
     lines = [
-        "| measurement | direct p50 / p95 / p99 (ms) | gateway p50 / p95 / p99 (ms) | added p50 / p99 (ms) |",
+        f"| {what} | {first} p50 / p95 / p99 (ms) | {second} p50 / p95 / p99 (ms) | added p50 / p99 (ms) |",
         "| --- | --- | --- | --- |",
     ]
     for p in pairs:
@@ -152,6 +197,11 @@ def table(pairs: list[Pair], conc: dict[str, dict[str, float]]) -> str:
             f"| {p.name} | {d['p50']:.3f} / {d['p95']:.3f} / {d['p99']:.3f} | "
             f"{g['p50']:.3f} / {g['p95']:.3f} / {g['p99']:.3f} | {a['p50']:.3f} / {a['p99']:.3f} |"
         )
+    return lines
+
+
+def table(pairs: list[Pair], conc: dict[str, dict[str, float]]) -> str:
+    lines = pair_rows(pairs, "measurement", "direct", "gateway")
     lines += [
         "",
         "| concurrent clients | requests/s | p50 / p99 (ms) | errors | gateway CPU per request |",
@@ -197,6 +247,17 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             *await sequential(upstream_url + path, urls, args.n, BODY, False, "(a) sequential"),
             *await sequential(upstream_url + path, urls, args.n, STREAM_BODY, True, "(b) stream first chunk"),
         ]
+        # The rename pairs, on the first gateway: the same alias, renamed against not.
+        gw = next(iter(urls.values()))
+        raw_body, raw_stream = _aliased(BODY, "alias-raw"), _aliased(STREAM_BODY, "alias-raw")
+        renamed_body = {"renamed": _aliased(BODY, "alias")}
+        renamed_stream = {"renamed": _aliased(STREAM_BODY, "alias")}
+        renames = [
+            *await sequential(gw, {"renamed": gw}, args.n, raw_body, False, "(a) alias", renamed_body),
+            *await sequential(
+                gw, {"renamed": gw}, args.n, raw_stream, True, "(b) alias chunk", renamed_stream
+            ),
+        ]
         conc = {
             f"direct x{args.clients}": await concurrent(
                 upstream_url + path, args.clients, args.duration, None
@@ -207,13 +268,26 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             conc[f"gateway [{t}] x{args.clients}"] = await concurrent(
                 url + path, args.clients, args.duration, child.proc.pid
             )
+    cost = rewrite_cost()
     load = f"load average (1 min) {load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end"
     return {
         "pairs": [{**asdict(p), "added_ms": p.added_ms} for p in pairs],
         "concurrent": conc,
+        "rename_pairs": [{**asdict(p), "added_ms": p.added_ms} for p in renames],
+        "rewrite_cost_us": cost,
         "load": load,
-        "table": table(pairs, conc) + f"\n\n{load}",
+        "table": table(pairs, conc) + "\n\n" + rename_table(renames, cost) + f"\n\n{load}",
     }
+
+
+def rename_table(pairs: list[Pair], cost: dict[str, float]) -> str:
+    lines = pair_rows(pairs, "rename (same alias)", "rewrite_model false", "renamed")
+    lines += [
+        "",
+        f"In process: rename of a whole body {cost['body_rename_us']:.2f} us; a streamed chunk through the "
+        f"event rewriter {cost['chunk_events_us']:.2f} us, renamed {cost['chunk_events_renamed_us']:.2f} us.",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -126,6 +126,12 @@ def markdown(title: str, points: Sequence[RunPoint], baseline: str, meta: dict[s
             f"- {p.config} @ {p.load}: prefix-cache hit {_pct(e['prefix_cache_hit_rate'])}, "
             f"preemptions {e['preemptions']:.0f}, prompt tokens {e['prompt_tokens']:.0f}, "
             f"generated {e['generation_tokens']:.0f}"
+            + (
+                f", LoRA swaps {e['lora_swaps']:.0f} ({e['lora_swaps_per_min']:.0f}/min), "
+                f"disk loads {e['lora_disk_loads']:.0f} ({e['lora_disk_loads_per_min']:.0f}/min)"
+                if "lora_swaps_per_min" in e
+                else ""
+            )
             for p, e in engines
         ]
     return "\n".join(lines) + "\n"
@@ -136,6 +142,9 @@ def summary_table(points: Sequence[RunPoint], baseline: str) -> str:
     base = {p.load: p.summary for p in points if p.config == baseline}
     header = ["config", "load", "ok/sent", "TTFT p50", "TTFT p95", "vs base p50/p95", "ITL p50", "cache hit",
               "req/s", "vs base", "spread", "errors"]  # fmt: skip
+    lora = any("lora_swaps_per_min" in (p.summary.get("engine") or {}) for p in points)
+    if lora:
+        header += ["LoRA swaps/min", "disk loads/min"]
     rows = [header]
     for p in points:
         s, b = p.summary, base.get(p.load, {})
@@ -158,6 +167,9 @@ def summary_table(points: Sequence[RunPoint], baseline: str) -> str:
                 _errors(s),
             ]
         )
+        if lora:
+            e = s.get("engine") or {}
+            rows[-1] += [_f(e.get("lora_swaps_per_min"), 0), _f(e.get("lora_disk_loads_per_min"), 0)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -230,6 +230,7 @@ class Fleet:
         self.endpoints: list[dict[str, Any]] = []
         self.log_dir = log_dir
         self.tag = tag
+        self._at_start: dict[str, Any] = {}
 
     def start(self) -> Fleet:
         try:
@@ -265,6 +266,9 @@ class Fleet:
         except BaseException:
             self.stop()
             raise
+        # A fresh fleet's counters are zero but for the adapters its --lora-modules read from disk
+        # at start: only the run's own count.
+        self._at_start = engine_metrics.fleet_counters(self.urls)
         return self
 
     @property
@@ -272,7 +276,7 @@ class Fleet:
         return [e["url"] for e in self.endpoints]
 
     def counters(self) -> dict[str, Any]:
-        return engine_metrics.fleet_counters(self.urls)  # a fresh fleet: its totals are this run's
+        return engine_metrics.counter_delta(self._at_start, engine_metrics.fleet_counters(self.urls))
 
     def describe(self) -> dict[str, Any]:
         return {"profile": self.spec.profile, "speedup": self.spec.speedup}
@@ -451,6 +455,11 @@ def run_point(
             fh.write(json.dumps(r.to_dict()) + "\n")
     summary = summarize(result)
     if engine:
+        if "lora_swaps" in engine and result.wall_s > 0:
+            # Per minute of the run (simulated minutes at a speedup other than 1: the engines' clock).
+            minutes = result.wall_s * fleet_spec.speedup / 60.0
+            engine["lora_swaps_per_min"] = engine["lora_swaps"] / minutes
+            engine["lora_disk_loads_per_min"] = engine["lora_disk_loads"] / minutes
         summary["engine"] = engine
     summary["fleet"] = {**fleet.describe(), "replicas": len(fleet.urls)}
     return point_from_result(config.name, result, summary)

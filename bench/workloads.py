@@ -38,6 +38,7 @@ class BenchRequest:
     kind: str = "default"  # breakdown label in reports (short/long, interactive/batch)
     at: float | None = None  # intrinsic arrival offset in seconds (trace replay)
     depends_on: int | None = None  # index of a request that must finish first (next chat turn)
+    model: str | None = None  # the model to ask for, when not the run's (a LoRA adapter)
 
     def prompt_text(self) -> str:
         """The messages joined, for the completions API."""
@@ -185,6 +186,41 @@ class PrefixRepetition(Workload):
                     max_tokens=self.output_tokens,
                     prompt_tokens=self.prefix_tokens + self.suffix_tokens,
                     group=f"p{k}",
+                )
+            )
+        return out
+
+
+@_register
+@dataclass
+class LoraMix(Workload):
+    name: ClassVar[str] = "lora-mix"
+    summary: ClassVar[str] = "requests over A LoRA adapters (Zipf popularity), each one asks for its adapter"
+    adapters: int = 8
+    adapter_prefix: str = "lora-"  # adapter k is named <prefix><k>
+    zipf_s: float = 1.0  # popularity of adapter k ~ 1/(k+1)^s; 0 is uniform
+    system_tokens: int = 0  # a system prompt shared by every adapter's requests (0: none)
+    question_tokens: int = 512
+    output_tokens: int = 64
+    num_requests: int = 400
+
+    def build(self, seed: int) -> list[BenchRequest]:
+        rng = random.Random(f"lora-mix:{seed}")
+        weights = [1.0 / (k + 1) ** self.zipf_s for k in range(self.adapters)]
+        system = text.words(f"lora-sys:{seed}", self.system_tokens) if self.system_tokens else None
+        out = []
+        for i in range(self.num_requests):
+            k = rng.choices(range(self.adapters), weights)[0]
+            question = text.words(f"lora-q:{seed}:{i}", self.question_tokens)
+            out.append(
+                BenchRequest(
+                    index=i,
+                    messages=_chat(system, question),
+                    max_tokens=self.output_tokens,
+                    prompt_tokens=self.system_tokens + self.question_tokens,
+                    group=f"{self.adapter_prefix}{k}",
+                    kind=f"{self.adapter_prefix}{k}",
+                    model=f"{self.adapter_prefix}{k}",
                 )
             )
         return out

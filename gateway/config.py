@@ -217,6 +217,35 @@ class SimOptions(_Strict):
     extra_args: list[str] = Field(default_factory=list)
 
 
+class LoraModuleSpec(_Strict):
+    name: str = Field(min_length=1, description="The adapter's name: what requests ask for as `model`")
+    path: str = Field(min_length=1, description="Where the engine reads the adapter's weights")
+    base_model_name: str | None = Field(None, description="vLLM's JSON --lora-modules form: the parent model")
+
+
+class EngineLora(_Strict):
+    """The engines' LoRA flags (vLLM's names; SGLang's equivalents are written for an sglang fleet)."""
+
+    modules: list[LoraModuleSpec] = Field(
+        default_factory=list,
+        description="Adapters every replica loads at start (vLLM --lora-modules, SGLang --lora-paths)",
+    )
+    max_loras: int | None = Field(
+        None, gt=0, description="Adapters one batch may use (vLLM --max-loras, SGLang --max-loras-per-batch)"
+    )
+    max_lora_rank: int | None = Field(None, gt=0, description="--max-lora-rank")
+    max_cpu_loras: int | None = Field(
+        None,
+        gt=0,
+        description="Adapters kept in CPU memory (vLLM --max-cpu-loras, SGLang --max-loaded-loras)",
+    )
+    runtime_updates: bool = Field(
+        False,
+        description="Allow loading adapters at run time (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); "
+        "pools[].lora.load_on_demand needs it",
+    )
+
+
 class EngineSpec(_Strict):
     """A managed fleet: the gateway launches and supervises these replicas."""
 
@@ -239,6 +268,7 @@ class EngineSpec(_Strict):
     pd_transfer_backend: Literal["nixl", "mooncake"] = "nixl"
     kv_events: bool = False
     priority_scheduling: bool = False
+    lora: EngineLora | None = Field(None, description="Serve LoRA adapters (--enable-lora and its limits)")
     extra_args: list[str] = Field(default_factory=list)
     command: list[str] | None = Field(
         None, description="Replaces the engine's executable, e.g. [/opt/vllm/bin/vllm, serve]"
@@ -434,10 +464,68 @@ class PDConfig(_Strict):
     prefill_policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(type="least_load"))
 
 
+Task = Literal["generate", "embed", "classify", "score"]
+
+
+class AdapterSpec(_Strict):
+    name: str = Field(min_length=1, max_length=256, description="The adapter's name at the engines")
+    path: str | None = Field(None, min_length=1, description="Where an engine loads it from (load_on_demand)")
+
+
+class PoolLoraConfig(_Strict):
+    """The LoRA adapters a pool's replicas serve, as routing facts."""
+
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        description="Adapters clients may ask for by name; taken to be on every replica unless `discover` "
+        "reads a replica's own list or `load_on_demand` loads them (engines.lora.modules are added)",
+    )
+    discover: bool = Field(
+        False, description="Learn each replica's adapters (and max_model_len) from its /v1/models"
+    )
+    discover_interval_s: float = Field(10.0, gt=0)
+    load_on_demand: bool = Field(
+        False,
+        description="Load a declared adapter onto a replica that lacks it (POST /v1/load_lora_adapter "
+        "with its path) before sending it the request",
+    )
+    load_timeout_s: float = Field(120.0, gt=0)
+    load_retry_s: float = Field(
+        10.0, gt=0, description="After a failed load, wait this long before trying that replica again"
+    )
+    affinity_tokens: int = Field(
+        512,
+        ge=0,
+        description="Prefix-aware policies: an adapter believed resident on a replica counts as this "
+        "many cached prompt tokens there (a swap-in, and a batch slot)",
+    )
+    slots_per_replica: int | None = Field(
+        None, gt=0, description="Adapters a replica keeps resident (default: engines.lora.max_loras, else 1)"
+    )
+
+    @model_validator(mode="after")
+    def _loadable(self) -> PoolLoraConfig:
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"adapter names must be unique: {names}")
+        if self.load_on_demand:
+            missing = [a.name for a in self.adapters if a.path is None]
+            if missing:
+                raise ValueError(f"load_on_demand needs a path for every adapter; missing: {missing}")
+        return self
+
+
 class PoolConfig(_Strict):
     name: str
     model: str = Field(description="Model name the engines serve")
     served_model: str | None = Field(None, description="Rewrite `model` to this upstream (default: model)")
+    tasks: list[Task] = Field(
+        default_factory=lambda: ["generate"],
+        min_length=1,
+        description="What the pool's engines serve: generate (chat, completions, responses), embed "
+        "(embeddings, pooling, score, rerank), classify (classify, pooling), score (score, rerank, pooling)",
+    )
+    lora: PoolLoraConfig = Field(default_factory=PoolLoraConfig)
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     canonicalize: CanonicalizeConfig = Field(default_factory=CanonicalizeConfig)
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
@@ -469,6 +557,10 @@ class PoolConfig(_Strict):
             raise ValueError("needs `engines` (managed), `endpoints` (unmanaged) or `discovery`")
         if self.engines is not None and self.discovery is not None:
             raise ValueError("`engines` (launched here) and `discovery` exclude each other")
+        if self.lora.load_on_demand and self.engines is not None:
+            lora = self.engines.lora
+            if self.engines.kind != "sglang" and (lora is None or not lora.runtime_updates):
+                raise ValueError("lora.load_on_demand needs engines.lora.runtime_updates: true")
         if self.prefix.mode == "precise" and not (
             (self.engines is not None and self.engines.kv_events)
             or any(e.kv_events for e in self.endpoints)
@@ -478,6 +570,19 @@ class PoolConfig(_Strict):
                 "prefix.mode precise needs KV events: set engines.kv_events: true or endpoints[].kv_events"
             )
         return self
+
+    @property
+    def adapter_specs(self) -> list[AdapterSpec]:
+        """Declared adapters: `lora.adapters`, then the managed engines' `--lora-modules`."""
+        out = list(self.lora.adapters)
+        names = {a.name for a in out}
+        if self.engines is not None and self.engines.lora is not None:
+            out += [
+                AdapterSpec(name=m.name, path=m.path)
+                for m in self.engines.lora.modules
+                if m.name not in names
+            ]
+        return out
 
     @property
     def engine_block_size(self) -> int:
@@ -493,6 +598,7 @@ class HeaderMatch(_Strict):
 class WeightedPool(_Strict):
     name: str
     weight: float = Field(100.0, ge=0)
+    adapter: str | None = Field(None, description="Serve the route with this LoRA adapter of the pool")
 
 
 class StickyConfig(_Strict):
@@ -521,6 +627,11 @@ class RouteRule(_Strict):
 class RouteConfig(_Strict):
     model: str = Field(description="The model name clients ask for")
     rules: list[RouteRule] = Field(min_length=1)
+    rewrite_model: bool = Field(
+        True,
+        description="Responses name the model as the client asked for it, not the engine's name for it "
+        "(a canary's internal model name never reaches clients)",
+    )
 
 
 class PriorityClass(_Strict):
@@ -651,11 +762,27 @@ class Settings(BaseSettings):
         pool_names = [p.name for p in self.pools]
         if len(set(pool_names)) != len(pool_names):
             raise ValueError(f"pool names must be unique: {pool_names}")
+        pools = {p.name: p for p in self.pools}
         for i, route in enumerate(self.routes):
             for j, rule in enumerate(route.rules):
+                names = [wp.name for wp in rule.pools]
+                if len(set(names)) != len(names):
+                    raise ValueError(f"routes.{i}.rules.{j}: a pool may appear once per rule: {names}")
                 for wp in rule.pools:
                     if wp.name not in pool_names:
                         raise ValueError(f"routes.{i}.rules.{j}: unknown pool {wp.name!r}")
+                    pool = pools[wp.name]
+                    declared = {a.name for a in pool.adapter_specs}
+                    if wp.adapter is not None and wp.adapter not in declared and not pool.lora.discover:
+                        raise ValueError(
+                            f"routes.{i}.rules.{j}: pool {wp.name!r} declares no adapter {wp.adapter!r} "
+                            "(pools[].lora.adapters, engines.lora.modules, or lora.discover)"
+                        )
+        models = {p.model for p in self.pools}
+        for p in self.pools:
+            clash = sorted(models & {a.name for a in p.adapter_specs})
+            if clash:
+                raise ValueError(f"pool {p.name!r}: adapter names {clash} are also pool model names")
         if isinstance(self.server.ready, list):
             unknown = [name for name in self.server.ready if name not in pool_names]
             if unknown or not self.server.ready:

@@ -23,6 +23,7 @@ from gateway.control.state import make_state
 from gateway.control.variant_stats import VariantStats
 from gateway.fleet.fleet import Fleet
 from gateway.fleet.pool import Pool
+from gateway.http.api_routes import ApiRoutes
 from gateway.http.app import DataPlane
 from gateway.http.auth import Auth
 from gateway.http.conn_guard import ConnectionGuard
@@ -35,9 +36,12 @@ from gateway.path.prepare import Preparation
 from gateway.path.proxy import Proxy
 from gateway.path.request_record import Observer, RequestRecord
 from gateway.path.retry_budget import RetryBudget
+from gateway.path.tokenize import Tokenize
 from gateway.path.trace import NO_TRACER, Tracer
 from gateway.path.transports.base import client_tls_context
 from gateway.path.upstream import Upstream
+from gateway.routing.lora import LoraWatch
+from gateway.routing.model_catalog import ModelCatalog
 from gateway.routing.pool_router import PoolRouter
 from gateway.routing.rollout import Router
 
@@ -64,6 +68,9 @@ class Runtime:
         self.routers: dict[str, PoolRouter] = {name: PoolRouter(pool) for name, pool in self.pools.items()}
         self.fleet.add_configured_endpoints()
         self.router = Router(settings.routes, {p.name: p.model for p in self.pools.values()})
+        self.catalog = ModelCatalog(self.routers, self.router)
+        # LoRA adapters: each replica's list read from its /v1/models, and loads on demand.
+        self.lora = LoraWatch((r.lora for r in self.routers.values()), tls=control_tls)
         self.upstream = Upstream(settings.upstream)
         # Large prompts are prepared here, off the event loop; one thread, so that the loop
         # competes with at most one other holder of the GIL.
@@ -87,6 +94,7 @@ class Runtime:
             pools=self.pools,
             routers=self.routers,
             routes=self.router,
+            catalog=self.catalog,
             scheduler_stats=self.scheduler.stats,
             draining=lambda: self.draining,
             connections=lambda: self.connections,
@@ -110,8 +118,7 @@ class Runtime:
 
         preparation = Preparation(
             settings.server,
-            self.router,
-            self.routers,
+            self.catalog,
             self.scheduler.classes,
             self.upstream,
             self.workers,
@@ -125,10 +132,15 @@ class Runtime:
             self.upstream,
             self.retry_budget,
             tracer,
+            self.lora,
+        )
+        tokenize = Tokenize(
+            self.catalog, self.upstream, settings.retry.max_attempts, settings.scheduler.retry_after_s
         )
         self.data_plane = DataPlane(
             settings.server,
             proxy,
+            ApiRoutes(settings.server, self.auth, self.catalog, tokenize),
             self.auth,
             self.observe,
             tracer,
@@ -180,10 +192,12 @@ class Runtime:
         for router in self.routers.values():
             if router.precise is not None:
                 router.precise.start()
+        self.lora.start()
         await self.fleet.start()
 
     async def stop(self) -> None:
         await self.state.stop()
+        await self.lora.stop()
         await self.scheduler.close()
         await self.fleet.stop()
         for router in self.routers.values():

@@ -4,12 +4,16 @@ It records what arrives (path, headers, parsed body) and behaves as the request'
 `x-test-mode` header asks: `status:503`, `stall:SECONDS` (before headers), `midstream:N`
 (N SSE chunks, then the connection is cut), `hang-stream` (one chunk, then waits until the
 client leaves), `linger:SECONDS` (the whole stream through `data: [DONE]`, then SECONDS before
-it ends), `sglang-error` (SGLang's flat error form with 400), default: answer normally.
+it ends), `sglang-error` (SGLang's flat error form with 400), `fastapi-422` (FastAPI's
+validation error list), `text-error` (a proxy's plain-text 502), `stream-error` (two chunks, then
+an error event as vLLM streams one, then `[DONE]`), `echo-model` (the content names the model, also
+as JSON text, and a stream is written in 7-byte pieces), default: answer normally.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +41,13 @@ class UpstreamState:
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def _completion(state: UpstreamState, body: dict[str, Any], path: str) -> dict[str, Any]:
-    text = f"hello from {state.name}"
+def _echo(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    return f'model {model} says {{"model":"{model}"}}'
+
+
+def _completion(state: UpstreamState, body: dict[str, Any], path: str, echo: bool = False) -> dict[str, Any]:
+    text = _echo(body) if echo else f"hello from {state.name}"
     if path.endswith("chat/completions"):
         choice: dict[str, Any] = {
             "index": 0,
@@ -64,12 +73,13 @@ def _completion(state: UpstreamState, body: dict[str, Any], path: str) -> dict[s
     }
 
 
-def _chunk(body: dict[str, Any], path: str, i: int) -> bytes:
+def _chunk(body: dict[str, Any], path: str, i: int, echo: bool = False) -> bytes:
+    text = _echo(body) if echo else f"tok{i} "
     if path.endswith("chat/completions"):
-        choice: dict[str, Any] = {"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "finish_reason": None}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": f"tok{i} ", "finish_reason": None}
+        choice = {"index": 0, "text": text, "finish_reason": None}
         obj = "text_completion"
     doc = {"id": "cmpl-test", "object": obj, "created": 0, "model": body.get("model"), "choices": [choice]}
     return b"data: " + orjson.dumps(doc) + b"\n\n"
@@ -105,10 +115,16 @@ def build_upstream(state: UpstreamState, chunks: int = 5) -> web.Application:
                 "code": 400,
             }
             return web.json_response(flat, status=400)
+        if kind == "fastapi-422":
+            detail = [{"type": "missing", "loc": ["body", "messages"], "msg": "Field required", "input": {}}]
+            return web.json_response({"detail": detail}, status=422)
+        if kind == "text-error":
+            return web.Response(status=502, text="upstream connect error or disconnect/reset before headers")
         if kind == "stall":
             await asyncio.sleep(float(arg))
+        echo = kind == "echo-model"
         if not body.get("stream"):
-            return web.json_response(_completion(state, body, request.path), headers=rid)
+            return web.json_response(_completion(state, body, request.path, echo), headers=rid)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **rid})
         await resp.prepare(request)
         try:
@@ -121,8 +137,24 @@ def build_upstream(state: UpstreamState, chunks: int = 5) -> web.Application:
             if kind == "hang-stream":
                 await resp.write(_chunk(body, request.path, 0))
                 await asyncio.Event().wait()
+            if kind == "stream-error":
+                for i in range(2):
+                    await resp.write(_chunk(body, request.path, i))
+                err = {
+                    "message": "engine overloaded",
+                    "type": "ServiceUnavailableError",
+                    "param": None,
+                    "code": 503,
+                }
+                await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            piece = 7 if echo else None  # small writes: SSE events cut anywhere on the wire
             for i in range(chunks):
-                await resp.write(_chunk(body, request.path, i))
+                data = _chunk(body, request.path, i, echo)
+                for start in range(0, len(data), piece or len(data)):
+                    await resp.write(data[start : start + (piece or len(data))])
             await resp.write(b"data: [DONE]\n\n")
             if kind == "linger":
                 await asyncio.sleep(float(arg))

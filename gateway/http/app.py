@@ -13,8 +13,9 @@ from aiohttp import web
 
 from gateway.admission.limits import ShedError
 from gateway.config import ServerConfig
-from gateway.errors import GatewayError, client_error, error_body
+from gateway.errors import GatewayError, client_error, error_body, model_not_found
 from gateway.fleet.pool import Pool
+from gateway.http.api_routes import ApiRoutes
 from gateway.http.auth import Auth
 from gateway.http.conn_guard import GuardedConnection
 from gateway.http.request_body import read_body
@@ -95,12 +96,14 @@ async def live(request: web.Request) -> web.Response:
 
 
 class DataPlane:
-    """The OpenAI routes, the model list and the readiness probes of one gateway."""
+    """The OpenAI routes (inference, the model list, the tokenizer) and the readiness probes of one
+    gateway."""
 
     def __init__(
         self,
         server: ServerConfig,
         proxy: Proxy,
+        api: ApiRoutes,
         auth: Auth,
         observe: Observer,
         tracer: Tracer,
@@ -110,6 +113,7 @@ class DataPlane:
     ) -> None:
         self.server = server
         self.proxy = proxy
+        self.api = api
         self.auth = auth
         self.observe = observe  # every request's record, at its end
         self.tracer = tracer
@@ -124,7 +128,7 @@ class DataPlane:
         )
         for path in ENDPOINTS:
             app.router.add_post(path, self.inference)
-        app.router.add_get("/v1/models", self.models)
+        app.router.add_routes(self.api.routes())
         app.router.add_get("/live", live)
         app.router.add_get("/health", live)
         app.router.add_get("/ready", self.ready)
@@ -169,14 +173,7 @@ class DataPlane:
         raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
         return await self.proxy.handle(request, raw, tenant, rec)
 
-    # -- models and probes --------------------------------------------------------------------
-    async def models(self, request: web.Request) -> web.Response:
-        self.auth.client(request)
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "kvgate"} for m in self.routes.models()
-        ]
-        return _json({"object": "list", "data": data})
-
+    # -- probes -------------------------------------------------------------------------------
     def pools_ready(self) -> dict[str, bool]:
         return {name: pool.has_healthy() for name, pool in self.pools.items()}
 
@@ -203,13 +200,7 @@ class DataPlane:
         model = request.match_info["model"]
         names = self.routes.pools_for(model)
         if names is None:
-            raise GatewayError(
-                404,
-                f"the model `{model}` does not exist",
-                "invalid_request_error",
-                "model_not_found",
-                "model",
-            )
+            raise model_not_found(model)
         pools = {name: self.pools[name].has_healthy() for name in names}
         draining = self.draining()
         ok = any(pools.values()) and not draining

@@ -202,7 +202,7 @@ class GatewayMetrics:
         PlatformCollector(registry=reg)
         self.traffic: dict[str, PoolTraffic] = {}
         self._bound: dict[tuple[Any, ...], _Bound] = {}
-        self._models = frozenset(view.routes.models())
+        self._models = frozenset(view.catalog.names())
         self._reasons: dict[str, set[str]] = {}
 
     # -- the observer ---------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from gateway.admission.scheduler import SchedulerStats
 from gateway.fleet.pool import Pool
+from gateway.routing.model_catalog import ModelCatalog
 from gateway.routing.pool_router import PoolRouter
 from gateway.routing.rollout import Router
 
@@ -28,6 +29,7 @@ class GatewayView:
     pools: Mapping[str, Pool]
     routers: Mapping[str, PoolRouter]
     routes: Router
+    catalog: ModelCatalog
     scheduler_stats: Callable[[], SchedulerStats]
     draining: Callable[[], bool]
     connections: Callable[[], ConnectionFigures | None]

@@ -1,11 +1,12 @@
 """The preparation step: from a client's bytes to the request object that admission and dispatch read.
 
-In order: parse the body; resolve the model to a pool (rollout); remove what clients may not send
-engines and name the engines' own model; canonicalize and measure the prompt (tokens, prefix
-block hashes); set its priority class; apply the prompt limit (400, or the window that drops the
-oldest turns); set the engine's `priority` field; in precise prefix mode, have an engine tokenize
-the prompt. Every change to the body goes through the request object, which knows whether the
-client's bytes can be sent as they are.
+In order: parse the body; resolve the model to a pool, maybe one of its LoRA adapters (the model
+catalog: rollout routes, pools' models, adapters, by the endpoint's task); remove what clients may
+not send engines and name the engines' own model (and how the answer names the client's);
+canonicalize and measure the prompt (tokens, prefix block hashes); set its priority class; apply
+the prompt limit (400, or the window that drops the oldest turns); set the engine's `priority`
+field; in precise prefix mode, have an engine tokenize the prompt. Every change to the body goes
+through the request object, which knows whether the client's bytes can be sent as they are.
 
 A large body (`server.offload_body_bytes`) is parsed, canonicalized, hashed and counted in a
 worker thread: on the event loop a 7.5 MB prompt took 0.6 s, during which no other request moved.
@@ -27,14 +28,14 @@ from gateway.admission.classes import PriorityClasses
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError, client_error
 from gateway.logs import clip
+from gateway.path.model_names import Renames
 from gateway.path.request import InferenceRequest, parse_json_body
 from gateway.path.request_record import RequestRecord
 from gateway.path.trace import Tracer
 from gateway.path.upstream import Upstream, UpstreamError
 from gateway.routing.canonicalize import canonicalize
-from gateway.routing.pool_router import PoolRouter
+from gateway.routing.model_catalog import ModelCatalog, Target
 from gateway.routing.prefix_hash import PrefixHasher
-from gateway.routing.rollout import Router
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +46,15 @@ class Preparation:
     def __init__(
         self,
         server: ServerConfig,
-        routes: Router,
-        routers: Mapping[str, PoolRouter],
+        catalog: ModelCatalog,
         classes: PriorityClasses,
         upstream: Upstream,
         workers: Executor,
         tracer: Tracer,
     ) -> None:
         self.server = server
-        self.routes = routes
-        self.routers = routers
+        self.catalog = catalog
+        self.renames = Renames()
         self.classes = classes
         self.upstream = upstream
         self.workers = workers  # one thread: the loop competes with at most one other GIL holder
@@ -70,9 +70,11 @@ class Preparation:
             body = await loop.run_in_executor(self.workers, parse_json_body, raw, server.max_json_depth)
         else:
             body = parse_json_body(raw, server.max_json_depth)
-        router = self._resolve(body, headers, rec)
+        target = self._resolve(body, headers, rec)
+        router = target.router
         req = InferenceRequest(path, headers, raw, body, tenant, rec, router)
-        self._engine_fields(req)
+        req.rename = self.renames.get(target.engine_names, body["model"])
+        self._engine_fields(req, target.upstream)
         if offload:
             # The worker reads the pool's caches through a detached hasher; what it learned joins
             # them back here, on the loop.
@@ -96,35 +98,26 @@ class Preparation:
         rec.priority_class = features.priority_class
         return req
 
-    def _resolve(self, body: dict[str, Any], headers: Mapping[str, str], rec: RequestRecord) -> PoolRouter:
-        """The router of the pool that serves the request's model (rollout rules apply)."""
+    def _resolve(self, body: dict[str, Any], headers: Mapping[str, str], rec: RequestRecord) -> Target:
+        """Where the request's model is served (rollout rules apply), for its endpoint."""
         model = body.get("model")
         if model is None or model == "":
             raise client_error("you must provide a model parameter", "missing_model", "model")
         if not isinstance(model, str):
             raise client_error("`model` must be a string", "invalid_model", "model")
         rec.model = clip(model)
-        pool_name = self.routes.resolve(model, headers, body)
-        if pool_name is None:
-            raise GatewayError(
-                404,
-                f"the model `{rec.model}` does not exist",
-                "invalid_request_error",
-                "model_not_found",
-                "model",
-            )
-        rec.pool = pool_name
-        return self.routers[pool_name]
+        target = self.catalog.resolve(model, rec.endpoint, headers, body)
+        rec.pool = target.router.name
+        return target
 
     @staticmethod
-    def _engine_fields(req: InferenceRequest) -> None:
-        """Remove what the client may not send the pool's engines; name the engines' own model."""
-        pool = req.router.pool
-        removed = req.strip(pool.passthrough_fields)
+    def _engine_fields(req: InferenceRequest, upstream: str) -> None:
+        """Remove what the client may not send the pool's engines; name the engines' `upstream` model."""
+        removed = req.strip(req.router.pool.passthrough_fields)
         if removed:
             log.debug("request %s: client fields not for engines removed: %s", req.record.request_id, removed)
-        if req.body.get("model") != pool.upstream_model:
-            req.set("model", pool.upstream_model)
+        if req.body.get("model") != upstream:
+            req.set("model", upstream)
 
     def _measure(self, req: InferenceRequest, hasher: PrefixHasher | None = None) -> None:
         """Canonicalize (when the pool does) and measure the prompt. With a detached `hasher` it

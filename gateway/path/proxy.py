@@ -1,9 +1,10 @@
 """Admission and dispatch: a prepared request waits for its admission, is ranked across its
 pool's replicas, sent (plainly or through a prefill/decode hand-off, retried on another replica
-before the first byte), and its answer relayed.
+before the first byte; a LoRA adapter loaded there first when needed), and its answer relayed.
 
-Every request ends in exactly one of: the engine's answer relayed byte-for-byte, or an
-OpenAI-style error. Load taken on a replica is released exactly once, whether the request
+Every request ends in exactly one of: the engine's answer relayed byte-for-byte but for the
+model's name (the client's, not the engine's: gateway/path/model_names.py), or an OpenAI-style
+error. Load taken on a replica is released exactly once, whether the request
 succeeds, fails, times out or the client goes away.
 """
 
@@ -21,16 +22,19 @@ from gateway.config import RetryConfig
 from gateway.errors import GatewayError, error_body, normalize_error_body
 from gateway.fleet.replica import Replica
 from gateway.path.claim import Claim
+from gateway.path.model_names import ModelRename
 from gateway.path.pd import DecodePlan, PDHandoff
 from gateway.path.prepare import Preparation
 from gateway.path.request import InferenceRequest
 from gateway.path.request_record import RequestRecord
 from gateway.path.retry_budget import RetryBudget
 from gateway.path.sanitize import upstream_headers
+from gateway.path.sse_events import EventStream
 from gateway.path.stream_end import StreamEnd
 from gateway.path.trace import Tracer
 from gateway.path.transports.base import Response
 from gateway.path.upstream import ERROR_BODY_LIMIT, Upstream, UpstreamError
+from gateway.routing.lora import LoraWatch
 from gateway.routing.policy import Candidate
 from gateway.routing.tokens import engine_prompt_tokens
 
@@ -74,6 +78,7 @@ class Proxy:
         upstream: Upstream,
         retry_budget: RetryBudget,
         tracer: Tracer,
+        lora: LoraWatch,
     ) -> None:
         self.retry = retry
         self.retry_after_s = retry_after_s  # what a 503 for want of replicas tells the client
@@ -82,6 +87,7 @@ class Proxy:
         self.upstream = upstream
         self.retry_budget = retry_budget
         self.tracer = tracer
+        self.lora = lora  # loads LoRA adapters onto replicas on demand
         self.pd = PDHandoff(upstream, resend=retry.max_attempts >= 2)
 
     async def handle(
@@ -133,6 +139,10 @@ class Proxy:
                     rec.retries += 1
                     delay = min(retry_cfg.backoff_max_s, retry_cfg.backoff_initial_s * 2 ** (attempt - 1))
                     await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                if features.adapter is not None and not await router.lora.ensure(
+                    replica, features.adapter, self.lora.session
+                ):
+                    continue  # the adapter could not be loaded there
                 claim = Claim.take(replica, features.prompt_tokens)
                 if claim is None:
                     continue
@@ -172,7 +182,7 @@ class Proxy:
                         rec.route_reason = (
                             route_reason(candidate, ranked) if router.policy.uses_prefix_match else None
                         )
-                        return await self._relay(request, resp, claim, rec)
+                        return await self._relay(request, resp, claim, rec, req.rename)
                     finally:
                         up.end(rec)
         finally:
@@ -233,6 +243,7 @@ class Proxy:
         resp: Response,
         claim: Claim,
         rec: RequestRecord,
+        rename: ModelRename | None,
     ) -> web.StreamResponse:
         rec.status = resp.status
         if resp.status >= 400:
@@ -255,8 +266,10 @@ class Proxy:
                 resp.release()
             rec.first_byte_at = time.perf_counter()
             rec.engine_prompt_tokens = engine_prompt_tokens(raw)
+            if rename is not None and not resp.header("Content-Encoding"):
+                raw = rename.apply(raw)
             return web.Response(status=resp.status, body=raw, headers=headers)
-        return await self._relay_stream(request, resp, headers, claim, rec)
+        return await self._relay_stream(request, resp, headers, claim, rec, rename)
 
     async def _relay_stream(
         self,
@@ -265,9 +278,11 @@ class Proxy:
         headers: dict[str, str],
         claim: Claim,
         rec: RequestRecord,
+        rename: ModelRename | None,
     ) -> web.StreamResponse:
         out = web.StreamResponse(status=resp.status, headers=headers)
         finished = False
+        events = EventStream(rename)
         end = StreamEnd(rec.endpoint)
         try:
             await out.prepare(request)
@@ -275,10 +290,17 @@ class Proxy:
                 async for chunk in self.upstream.chunks(resp):
                     if rec.first_byte_at is None:
                         rec.first_byte_at = time.perf_counter()
+                    chunk = events.feed(chunk)
+                    if not chunk:
+                        continue
                     if _USAGE in chunk:  # a substring test per chunk; only a usage chunk is read
                         rec.engine_prompt_tokens = engine_prompt_tokens(chunk) or rec.engine_prompt_tokens
                     await out.write(chunk)
                     end.feed(chunk)
+                tail = events.flush()
+                if tail:
+                    await out.write(tail)
+                    end.feed(tail)
             except UpstreamError as exc:
                 if exc.replica_fault:
                     claim.failed()

@@ -15,6 +15,7 @@ import orjson
 
 from gateway.admission.prompt_window import fit_window
 from gateway.errors import client_error
+from gateway.path.model_names import ModelRename
 from gateway.path.request_record import RequestRecord
 from gateway.path.sanitize import strip_body
 from gateway.routing.policy import RequestFeatures
@@ -24,6 +25,14 @@ ENDPOINTS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/responses": "responses",
+    "/v1/embeddings": "embeddings",
+    "/pooling": "pooling",
+    "/classify": "classify",
+    "/score": "score",
+    "/v1/score": "score",
+    "/rerank": "rerank",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
 }
 
 
@@ -59,9 +68,10 @@ def nesting_exceeds(doc: Any, limit: int) -> bool:
 @dataclass(slots=True, eq=False)
 class InferenceRequest:
     """Filled by the preparation step, in this order: the client's part (`path`, `headers`, `raw`,
-    `tenant`, `record` with the request ids) and the parsed `body`; the pool's `router` once the
-    model is resolved; `features` (prompt tokens and block hashes, then the priority class and
-    level) once the prompt is canonicalized and measured; `trimmed` when the prompt window cut it."""
+    `tenant`, `record` with the request ids) and the parsed `body`; the pool's `router` and the
+    answer's `rename` once the model is resolved; `features` (prompt tokens and block hashes, then
+    the priority class and level) once the prompt is canonicalized and measured; `trimmed` when the
+    prompt window cut it."""
 
     path: str  # the URL path, e.g. /v1/chat/completions (engines are sent the same)
     headers: Mapping[str, str]  # the client's
@@ -70,6 +80,7 @@ class InferenceRequest:
     tenant: str | None
     record: RequestRecord  # request ids, and what happened, for the observers
     router: PoolRouter
+    rename: ModelRename | None = None  # the client's model name back in the answer (None: as it is)
     features: RequestFeatures = field(init=False)
     dirty: bool = False  # the body differs from `raw`
     trimmed: bool = False  # the prompt window dropped turns

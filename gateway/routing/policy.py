@@ -56,7 +56,7 @@ class RequestFeatures:
     request_id: str
     model: str
     pool: str
-    endpoint: str  # "chat" | "completions" | "responses"
+    endpoint: str  # "chat" | "completions" | "responses" | "embeddings" | "pooling" | ... (ENDPOINTS)
     prompt_tokens: int
     max_tokens: int | None = None
     block_hashes: Sequence[int] = ()
@@ -67,6 +67,7 @@ class RequestFeatures:
     stream: bool = False
     headers: Mapping[str, str] = field(default_factory=dict)
     text: str = ""  # the serialized prompt the hashes were taken over (for text-based policies)
+    adapter: str | None = None  # the LoRA adapter serving it (None: the base model)
     # Precise prefix mode: `block_hashes` become the engine's token blocks; the text blocks stay
     # here for the replicas matched against the approximate index.
     text_block_hashes: Sequence[int] = ()

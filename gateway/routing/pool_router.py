@@ -2,8 +2,9 @@
 
 Per pool: the routing policy (and the prefill policy of PD pools), the prompt hasher and token
 counter, the prefix index (and, in precise mode, the KV event index with the approximate one as
-its fallback), and the engines' tokens per character. It follows the pool's membership as a
-`PoolListener`: a replica that leaves is forgotten, a KV capacity that changes resizes its index.
+its fallback), the engines' tokens per character, and its LoRA adapters (`gateway.routing.lora`).
+It follows the pool's membership as a `PoolListener`: a replica that leaves is forgotten, a KV
+capacity that changes resizes its index.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 from gateway.config import KVEventsSource, PoolConfig
 from gateway.fleet.pool import Pool
 from gateway.fleet.replica import Replica
+from gateway.routing.lora import PoolLora
 from gateway.routing.policy import Candidate, Policy, RequestFeatures, load_policy
 from gateway.routing.precise_prefix import PrecisePrefix
-from gateway.routing.prefix_hash import PrefixHasher, prompt_pieces
+from gateway.routing.prefix_hash import PrefixHasher, batch_tokens, prompt_pieces
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.tokens import Tokenizer, TokenizerError, get_tokenizer, load_tokenizer, model_tokenizer
 
@@ -96,9 +98,8 @@ class PoolRouter:
         self.policy = policy or load_policy(cfg.policy.type, cfg.policy.args)
         self.prefill_policy = load_policy(cfg.pd.prefill_policy.type, cfg.pd.prefill_policy.args)
         self.tokenizer = pool_tokenizer(cfg)
-        self.hasher = PrefixHasher(
-            block_chars=cfg.prefix.block_chars, count=(self.tokenizer or get_tokenizer()).count
-        )
+        self._count = (self.tokenizer or get_tokenizer()).count
+        self.hasher = PrefixHasher(block_chars=cfg.prefix.block_chars, count=self._count)
         # Precise mode matches engine token blocks against the engines' KV events; its index
         # replaces the one learned from text blocks.
         self.precise = (
@@ -128,6 +129,7 @@ class PoolRouter:
         self._counter_chars = 0
         self._counter_tokens = 0.0
         self.token_scale = 1.0  # engine tokens per counted token, once measured
+        self.lora = PoolLora(pool)
         pool.listen(self)
 
     @property
@@ -145,6 +147,7 @@ class PoolRouter:
 
     def replica_removed(self, name: str) -> None:
         self.prefix_index.remove_replica(name)
+        self.lora.forget(name)
         if self.fallback_index is not None:
             self.fallback_index.remove_replica(name)
         self._chars_routed.pop(name, None)
@@ -173,20 +176,31 @@ class PoolRouter:
         text = "".join(pieces)
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
-        pf = (hasher or self.hasher).features(self.pool.upstream_model, salt, text, pieces)
+        # The preparation step set `model` to the engines' name for the request: the base model's, or
+        # an adapter's, whose prefixes are cached (and hashed here) apart from the base model's.
+        model = body.get("model")
+        adapter = self.lora.adapter_of(model) if isinstance(model, str) else None
+        pf = (hasher or self.hasher).features(adapter or self.pool.upstream_model, salt, text, pieces)
         if hasher is None:
             self.learn_token_size(len(text), pf.prompt_tokens)
         prompt_tokens, block_tokens = pf.prompt_tokens, pf.block_tokens
         scale = self.token_scale
-        if scale != 1.0:  # the counting tokenizer is not the engines': state sizes in theirs
+        exact_first, others = batch_tokens(body, endpoint, self._count)
+        if exact_first is not None:
+            # Token ids were hashed as text: the engine's own count, and blocks scaled to it.
+            ratio = exact_first / max(1, prompt_tokens)
+            block_tokens = [round(t * ratio) for t in block_tokens]
+            prompt_tokens = exact_first
+        elif scale != 1.0:  # the counting tokenizer is not the engines': state sizes in theirs
             prompt_tokens = round(prompt_tokens * scale)
             block_tokens = [round(t * scale) for t in block_tokens]
+        prompt_tokens += round(others * scale)
         max_tokens = (
             body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
         )
         features = RequestFeatures(
             request_id=request_id,
-            model=self.pool.upstream_model,
+            model=adapter or self.pool.upstream_model,
             pool=self.pool.name,
             endpoint=endpoint,
             prompt_tokens=prompt_tokens,
@@ -196,6 +210,7 @@ class PoolRouter:
             stream=bool(body.get("stream")),
             headers=headers,
             text=text,
+            adapter=adapter,
         )
         if self.precise is not None:
             features.text_block_hashes, features.text_block_tokens = pf.block_hashes, block_tokens
@@ -231,7 +246,14 @@ class PoolRouter:
     async def rank(self, features: RequestFeatures, role: str = "decode") -> list[Candidate]:
         """Available replicas for the leg, ranked best first by the pool's (or prefill) policy."""
         policy = self.prefill_policy if role == "prefill" else self.policy
-        return await policy.rank(features, self.candidates(features, self.pool.serving(role), policy))
+        replicas = self.pool.serving(role)
+        adapter = features.adapter
+        if adapter is None:
+            return await policy.rank(features, self.candidates(features, replicas, policy))
+        candidates = self.candidates(features, self.lora.eligible(replicas, adapter), policy)
+        if policy.uses_prefix_match:
+            self.lora.credit(candidates, adapter)
+        return await policy.rank(features, candidates)
 
     def learn(self, features: RequestFeatures, replica: Replica, role: str = "decode") -> None:
         """The request went to `replica`: it will hold the prompt's blocks once prefilled."""
@@ -255,6 +277,8 @@ class PoolRouter:
             if policy.uses_prefix_match and not (blocks and self.precise.exact(name, time.monotonic())):
                 self.precise.fallback_decisions[name] += 1
         self._chars_routed[name] = self._chars_routed.get(name, 0) + len(features.text)
+        if features.adapter is not None:
+            self.lora.routed(name, features.adapter)
         (self.prefill_policy if role == "prefill" else self.policy).on_routed(features, replica)
 
     def tokens_per_block(self) -> float:

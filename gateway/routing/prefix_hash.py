@@ -34,7 +34,17 @@ import xxhash
 
 from gateway.routing.tokens import get_tokenizer
 
-Endpoint = Literal["chat", "completions", "responses"]
+Endpoint = Literal["chat", "completions", "responses", "embeddings", "pooling", "classify", "score", "rerank"]
+# Where each non-chat endpoint carries its prompt(s): a string, a list of strings, token ids, or a
+# list of token-id lists.
+_PROMPT_FIELDS: dict[str, tuple[str, ...]] = {
+    "completions": ("prompt",),
+    "embeddings": ("input",),
+    "pooling": ("input",),
+    "classify": ("input",),
+    "score": ("queries", "data_1", "text_1"),
+    "rerank": ("query",),
+}
 
 _xxh64 = xxhash.xxh64_intdigest
 _xxh128 = xxhash.xxh3_128_intdigest
@@ -104,12 +114,20 @@ def _first_prompt(prompt: Any) -> str:
     return ""
 
 
+def _prompt_value(body: Mapping[str, Any], endpoint: str) -> Any:
+    for name in _PROMPT_FIELDS[endpoint]:
+        if name in body:
+            return body[name]
+    return None
+
+
 def prompt_pieces(body: Mapping[str, Any], endpoint: Endpoint) -> list[str]:
-    """The request's prompt as the engine caches it, in order, one piece per tool list or message."""
+    """The request's prompt as the engine caches it, in order, one piece per tool list or message.
+    Of a batch of prompts, the first (each prompt is cached on its own: the first routes the batch)."""
     if not isinstance(body, Mapping):
         return []
-    if endpoint == "completions":
-        return [_first_prompt(body.get("prompt"))]
+    if endpoint in _PROMPT_FIELDS:
+        return [_first_prompt(_prompt_value(body, endpoint))]
     out: list[str] = []
     tools = body.get("tools")
     if tools:
@@ -127,6 +145,28 @@ def prompt_pieces(body: Mapping[str, Any], endpoint: Endpoint) -> list[str]:
     if isinstance(messages, list):
         out.extend(message_text(m) for m in messages)
     return out
+
+
+def batch_tokens(
+    body: Mapping[str, Any], endpoint: Endpoint, count: Callable[[str], int]
+) -> tuple[int | None, int]:
+    """What `prompt_pieces`' text does not count right in a prompt given as a list: (the first prompt's
+    exact token count when it is token ids, else None; the tokens of the batch's other prompts)."""
+    if endpoint not in _PROMPT_FIELDS or not isinstance(body, Mapping):
+        return None, 0
+    value = _prompt_value(body, endpoint)
+    if not isinstance(value, list) or not value:
+        return None, 0
+    if isinstance(value[0], int):  # one prompt of token ids
+        return len(value), 0
+    first = len(value[0]) if isinstance(value[0], list) else None
+    rest = 0
+    for prompt in value[1:]:
+        if isinstance(prompt, str):
+            rest += count(prompt)
+        elif isinstance(prompt, list):
+            rest += len(prompt)
+    return first, rest
 
 
 def prompt_text(body: Mapping[str, Any], endpoint: Endpoint) -> str:

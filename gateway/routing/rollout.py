@@ -6,7 +6,7 @@ against the cumulative weights, so a key always lands in the same place for give
 and raising a canary's weight only moves keys from the other pools to it. A request without
 a sticky key is assigned at random by weight. Keys come from a header (a user or session id) or a
 body field (`user`, or a dotted path like `metadata.session_id`). A pool's own model name
-always routes to it.
+always routes to it. A rule's pool may be served with one of its LoRA adapters (`adapter`).
 Weights change at runtime (`set_weights`, the admin API, the shared state backend); a
 weight of 0 takes a pool out of its rule at once (rollback).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -26,6 +26,16 @@ BUCKETS = 10_000
 STICKY_KINDS = ("header", "body")
 
 
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Where a request for a model goes: a pool, maybe one of its adapters, and whether responses
+    name the model as the client asked for it."""
+
+    pool: str
+    adapter: str | None = None
+    rewrite_model: bool = True
+
+
 @dataclass(slots=True)
 class Rule:
     headers: dict[str, str]
@@ -34,9 +44,11 @@ class Rule:
     sticky_sources: list[tuple[str, str]] | None
     salt: str
     sticky_spec: str | None = None
+    adapters: dict[str, str] = field(default_factory=dict)  # pool -> the adapter serving the route there
+    rewrite_model: bool = True  # the route's `rewrite_model`, on each rule so a reload swaps both at once
 
     @classmethod
-    def from_config(cls, rule: RouteRule) -> Rule:
+    def from_config(cls, rule: RouteRule, rewrite_model: bool = True) -> Rule:
         sources = None
         if rule.sticky is not None:
             sources = []
@@ -52,6 +64,8 @@ class Rule:
             sticky_sources=sources,
             salt=rule.sticky.salt if rule.sticky else "",
             sticky_spec=rule.sticky.key if rule.sticky else None,
+            adapters={p.name: p.adapter for p in rule.pools if p.adapter is not None},
+            rewrite_model=rewrite_model,
         )
 
     def matches(self, headers: Mapping[str, str]) -> bool:
@@ -84,8 +98,12 @@ class Rule:
     def describe(self) -> dict[str, Any]:
         return {
             "match": {"headers": self.headers} if self.headers else None,
-            "pools": [{"name": n, "weight": w} for n, w in zip(self.pools, self.weights, strict=True)],
+            "pools": [
+                {"name": n, "weight": w, **({"adapter": self.adapters[n]} if n in self.adapters else {})}
+                for n, w in zip(self.pools, self.weights, strict=True)
+            ],
             "sticky": {"key": self.sticky_spec, "salt": self.salt} if self.sticky_spec else None,
+            **({} if self.rewrite_model else {"rewrite_model": False}),
         }
 
 
@@ -106,22 +124,25 @@ def sticky_bucket(salt: str, key: str) -> int:
 class Router:
     def __init__(self, routes: list[RouteConfig], pool_models: Mapping[str, str]) -> None:
         """`pool_models` maps each pool name to the model name it serves."""
-        self.routes: dict[str, list[Rule]] = {r.model: [Rule.from_config(x) for x in r.rules] for r in routes}
+        self.routes: dict[str, list[Rule]] = {
+            r.model: [Rule.from_config(x, r.rewrite_model) for x in r.rules] for r in routes
+        }
         self._direct: dict[str, str] = {}
         for pool, model in pool_models.items():
             self._direct.setdefault(model, pool)
 
-    def models(self) -> list[str]:
-        return sorted(set(self.routes) | set(self._direct))
-
-    def resolve(self, model: str, headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
-        """Name of the pool that serves this request, or None if the model is unknown."""
+    def resolve(self, model: str, headers: Mapping[str, str], body: Mapping[str, Any]) -> Choice | None:
+        """Where this request goes, or None if the model is neither a route nor a pool's model."""
         rules = self.routes.get(model)
         if rules is None:
-            return self._direct.get(model)
+            pool = self._direct.get(model)
+            return None if pool is None else Choice(pool)
         for rule in rules:
             if rule.matches(headers):
-                return rule.pick(headers, body)
+                pool = rule.pick(headers, body)
+                if pool is None:
+                    return None
+                return Choice(pool, rule.adapters.get(pool), rule.rewrite_model)
         return None
 
     def pools_for(self, model: str) -> list[str] | None:

@@ -21,6 +21,7 @@ SMALL: dict[str, dict[str, Any]] = {
     "mixed-priority": {"num_requests": 20, "batch_prompt_tokens": 300},
     "long-prompt": {"num_requests": 20, "long_fraction": 0.2, "long_min_tokens": 300, "long_max_tokens": 400},
     "mooncake": {"length_scale": 0.05, "max_requests": 20},
+    "lora-mix": {"adapters": 4, "system_tokens": 16, "question_tokens": 8, "num_requests": 40},
 }
 
 needs_trace = pytest.mark.skipif(
@@ -53,7 +54,9 @@ def test_same_seed_same_requests_other_seed_other_text(name: str) -> None:
     assert [r.index for r in first] == list(range(len(first)))
 
 
-@pytest.mark.parametrize("name", ["shared-prefix", "prefix-repetition", "mixed-priority", "long-prompt"])
+@pytest.mark.parametrize(
+    "name", ["shared-prefix", "prefix-repetition", "mixed-priority", "long-prompt", "lora-mix"]
+)
 def test_prompt_tokens_are_exact(name: str) -> None:
     tok = get_tokenizer()
     for req in make_workload(name, SMALL[name]).build(seed=1):
@@ -170,3 +173,12 @@ def test_mooncake_groups_skip_the_prefix_every_request_shares() -> None:
     sizes = Counter(r.group for r in reqs)
     assert max(sizes.values()) < 0.1 * len(reqs)  # block 0 starts every request; it is no group
     assert len(sizes) < len(reqs)  # but turns of one conversation do share a group
+
+
+def test_lora_mix_asks_for_adapters_by_popularity() -> None:
+    reqs = make_workload("lora-mix", {"adapters": 4, "num_requests": 400, "question_tokens": 8}).build(seed=3)
+    counts = Counter(r.model for r in reqs)
+    assert set(counts) == {"lora-0", "lora-1", "lora-2", "lora-3"}
+    assert counts["lora-0"] > counts["lora-1"] > counts["lora-3"]  # Zipf: the first is the hot one
+    uniform = make_workload("lora-mix", {"adapters": 4, "num_requests": 400, "zipf_s": 0}).build(seed=3)
+    assert max(Counter(r.model for r in uniform).values()) < 140

@@ -229,15 +229,21 @@ def file_config(
     }
 
 
-async def test_reload_valid_invalid_and_inflight_survives(upstreams, gateway, tmp_path) -> None:
+async def reloadable(gateway, path: Path, data: dict[str, Any]):  # type: ignore[no-untyped-def]
+    """A gateway started from `data`, written to `path`, which its reloads re-read."""
     from gateway.config import load_config
 
-    s, c, extra = await upstreams(3)
-    path = tmp_path / "kvgate.yaml"
-    data = file_config(s.url, c.url, (100, 0))
     write_config(path, data)
     gw = await gateway(load_config(path))
     gw.runtime.reloader.config_path = str(path)
+    return gw
+
+
+async def test_reload_valid_invalid_and_inflight_survives(upstreams, gateway, tmp_path) -> None:
+    s, c, extra = await upstreams(3)
+    path = tmp_path / "kvgate.yaml"
+    data = file_config(s.url, c.url, (100, 0))
+    gw = await reloadable(gateway, path, data)
     async with httpx.AsyncClient(timeout=10) as client:
         # A request in flight on the canary replica that the reload removes still completes.
         slow = asyncio.create_task(post(client, gw.url, **{"x-test-mode": "stall:1"}))
@@ -277,6 +283,23 @@ async def test_reload_valid_invalid_and_inflight_survives(upstreams, gateway, tm
         # Nothing of a rejected reload was applied.
         assert gw.runtime.router.weights("llama") == {"stable": 0.0, "canary": 100.0}
         assert gw.runtime.settings.server.max_body_bytes != 1000
+
+
+async def test_reload_swaps_a_routes_model_rewrite_with_its_rules(upstreams, gateway, tmp_path) -> None:
+    s, c = await upstreams(2)
+    path = tmp_path / "kvgate.yaml"
+    data = file_config(s.url, c.url, (100, 0))
+    gw = await reloadable(gateway, path, data)
+    async with httpx.AsyncClient(timeout=10) as client:
+        assert (await post(client, gw.url)).json()["model"] == "llama"  # the engines' `m`, renamed
+        data["routes"][0]["rewrite_model"] = False
+        data["routes"].append({"model": "plain", "rules": [{"pools": [{"name": "stable"}]}]})
+        write_config(path, data)
+        r = await client.post(gw.url + "/admin/reload", headers=AUTH)
+        assert r.status_code == 200 and r.json()["changes"] == ["routes replaced"], r.text
+        assert (await post(client, gw.url)).json()["model"] == "m"
+        body = {"model": "plain", "prompt": "hi"}
+        assert (await client.post(gw.url + "/v1/completions", json=body)).json()["model"] == "plain"
 
 
 async def test_sighup_reloads_a_serving_process(upstreams, tmp_path) -> None:

@@ -115,7 +115,8 @@ async def test_upstream_errors_relayed_and_sglang_form_normalized(upstreams, gat
         assert err["message"] == "u0 says 400"
         r = await c.post(gw.url + "/v1/completions", json=body, headers={"x-test-mode": "sglang-error"})
         err = _assert_openai_error(r, 400)
-        assert err["message"] == "bad sampling params" and err["type"] == "BadRequestError"
+        assert err["message"] == "bad sampling params" and err["type"] == "invalid_request_error"
+        assert err["code"] == "bad_request"
 
 
 async def test_retry_on_503_goes_to_next_replica(upstreams, gateway):

@@ -11,7 +11,7 @@ import pytest
 from gateway.config import ConfigError, RouteConfig, load_config
 from gateway.control.variant_stats import VariantStats
 from gateway.path.request_record import RequestRecord
-from gateway.routing.rollout import BUCKETS, Router, sticky_bucket
+from gateway.routing.rollout import BUCKETS, Choice, Router, sticky_bucket
 from tests.conftest import gateway_settings
 
 POOLS = {"stable": "m-stable", "canary": "m-canary"}
@@ -30,15 +30,19 @@ def route(stable: float = 95, canary: float = 5, salt: str = "rollout-7", **stic
     )
 
 
+def _pool(choice: Choice | None) -> str | None:
+    return None if choice is None else choice.pool
+
+
 def split(router: Router, keys: range, header: str = "x-user-id") -> dict[str, str]:
-    return {str(k): router.resolve("llama", {header: f"user-{k}"}, {}) for k in keys}
+    return {str(k): _pool(router.resolve("llama", {header: f"user-{k}"}, {})) for k in keys}
 
 
 def test_header_rule_overrides_the_split() -> None:
     router = Router([route(100, 0)], POOLS)
-    assert router.resolve("llama", {"x-canary": "1"}, {}) == "canary"
-    assert router.resolve("llama", {"x-canary": "0", "x-user-id": "a"}, {}) == "stable"
-    assert router.resolve("m-canary", {}, {}) == "canary"  # a pool's own model name routes to it
+    assert _pool(router.resolve("llama", {"x-canary": "1"}, {})) == "canary"
+    assert _pool(router.resolve("llama", {"x-canary": "0", "x-user-id": "a"}, {})) == "stable"
+    assert _pool(router.resolve("m-canary", {}, {})) == "canary"  # a pool's own model name routes to it
     assert router.resolve("nope", {}, {}) is None
 
 
@@ -78,13 +82,13 @@ def test_sticky_key_sources_in_order() -> None:
     assert rule.sticky_key({}, {"user": {"an": "object"}}) is None  # not a usable key
     assert rule.sticky_key({}, {}) is None
     # Keyed by the body's user, a user always lands in the same pool.
-    picks = {router.resolve("llama", {}, {"user": "alice"}) for _ in range(50)}
+    picks = {_pool(router.resolve("llama", {}, {"user": "alice"})) for _ in range(50)}
     assert len(picks) == 1
 
 
 def test_requests_without_key_are_split_at_random_by_weight() -> None:
     router = Router([route(70, 30)], POOLS)
-    counts = Counter(router.resolve("llama", {}, {}) for _ in range(10_000))
+    counts = Counter(_pool(router.resolve("llama", {}, {})) for _ in range(10_000))
     assert abs(counts["canary"] / 10_000 - 0.30) < 0.03, counts
 
 

@@ -96,6 +96,11 @@ def prepare_ipc_endpoint(endpoint: str | None) -> None:
         raise OSError(f"{directory} must be a directory of this user's with mode 0700")
 
 
+def valued_flags(*pairs: tuple[str, object]) -> list[str]:
+    """`flag value` for each pair whose value is set (None: the engine's default)."""
+    return [arg for flag, value in pairs if value is not None for arg in (flag, str(value))]
+
+
 def compact_json(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
 
@@ -181,6 +186,8 @@ class EngineAdapter(ABC):
     load_path: str
     """The endpoint `parse_load` understands."""
     health_path: ClassVar[str] = "/health"
+    lora_load_path: ClassVar[str] = "/v1/load_lora_adapter"
+    """Where the engine loads a LoRA adapter at run time (body: lora_name, lora_path)."""
     uses_gpus: ClassVar[bool] = True
 
     @abstractmethod

@@ -4,7 +4,10 @@ Flags checked against SGLang 0.5.23 (`python -m sglang.launch_server --help`,
 `sglang/srt/server_args.py`), see /work/shared/engines.md. Differences from vLLM kept here:
 FP8 KV is spelled `fp8_e4m3`; chunked prefill is a size (-1 disables it); prefix caching is the
 radix cache (on unless disabled); PD uses `--disaggregation-mode` with a bootstrap port on each
-prefill replica and the concurrent bootstrap hand-off; `priority` runs higher values first.
+prefill replica and the concurrent bootstrap hand-off; `priority` runs higher values first. LoRA
+(docs/advanced_features/lora.md, server_args.py): `--enable-lora`, `--lora-paths name=path ...`,
+`--max-loras-per-batch`, `--max-lora-rank`, `--max-loaded-loras` (CPU-resident adapters); adapters
+are loaded at run time on `/load_lora_adapter` and named `base:adapter` in OpenAI requests.
 
 Memory when replicas share a GPU: `--mem-fraction-static` (default 0.88 here) is split among
 them. SGLang has no per-instance KV byte budget, so `kv_cache_memory_bytes` is refused.
@@ -16,7 +19,7 @@ from typing import Any, ClassVar
 
 import orjson
 
-from gateway.config import EngineSpec
+from gateway.config import EngineLora, EngineSpec
 from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.engines.base import (
     BOOTSTRAP_PORT,
@@ -30,6 +33,7 @@ from gateway.fleet.engines.base import (
     scan_exposition,
     split_fraction,
     total,
+    valued_flags,
 )
 from gateway.fleet.replica import Role
 
@@ -48,6 +52,7 @@ class SGLangAdapter(EngineAdapter):
     kind: ClassVar[str] = "sglang"
     pd_protocol = SGLANG_CONCURRENT
     load_path = "/v1/loads"
+    lora_load_path: ClassVar[str] = "/load_lora_adapter"
 
     def aux_port_names(self, spec: EngineSpec, role: Role) -> tuple[str, ...]:
         names: list[str] = []
@@ -91,13 +96,11 @@ class SGLangAdapter(EngineAdapter):
             # SGLang publishes one BlockStored per page, sized page_size (1 by default on CUDA):
             # precise mode hashes 16-token blocks, so the pages must be 16 tokens as well.
             page_size = DEFAULT_KV_EVENTS_PAGE_SIZE
-        for flag, value in (
+        argv += valued_flags(
             ("--page-size", page_size),
             ("--max-running-requests", spec.max_num_seqs),
             ("--context-length", spec.max_model_len),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
+        )
         if spec.gpu_memory_utilization is not None or slot.gpu_sharers > 1:
             fraction = spec.gpu_memory_utilization or DEFAULT_MEM_FRACTION_STATIC
             argv += ["--mem-fraction-static", split_fraction(fraction, slot.gpu_sharers)]
@@ -115,6 +118,8 @@ class SGLangAdapter(EngineAdapter):
         if spec.priority_scheduling:
             # Priority scheduling works only with the fcfs or lof policies.
             argv += ["--schedule-policy", "fcfs", "--enable-priority-scheduling"]
+        if spec.lora is not None:
+            argv += lora_args(spec.lora)
         argv += ["--enable-metrics", "--enable-cache-report", *spec.extra_args]
         return argv, self.gpu_env(slot) | spec.env
 
@@ -138,6 +143,19 @@ class SGLangAdapter(EngineAdapter):
         # SGLang schedules the highest `priority` value first (unless started with
         # --schedule-low-priority-values-first, which this adapter never emits).
         return level
+
+
+def lora_args(lora: EngineLora) -> list[str]:
+    """SGLang's LoRA flags; its run-time endpoints (/load_lora_adapter) need no switch."""
+    args = ["--enable-lora"]
+    if lora.modules:
+        args += ["--lora-paths", *(f"{m.name}={m.path}" for m in lora.modules)]
+    args += valued_flags(
+        ("--max-loras-per-batch", lora.max_loras),
+        ("--max-lora-rank", lora.max_lora_rank),
+        ("--max-loaded-loras", lora.max_cpu_loras),
+    )
+    return args
 
 
 def _parse_loads_json(doc: Any) -> EngineLoad:

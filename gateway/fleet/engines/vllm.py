@@ -1,7 +1,10 @@
 """vLLM: command line, load metrics, priority direction and PD protocol.
 
 Flags checked against vLLM 0.33 (`vllm serve --help` and `vllm/engine/arg_utils.py`), see
-/work/shared/engines.md. Removed flags are never emitted: `--swap-space`, `--calculate-kv-scales`.
+/work/shared/engines.md. LoRA: `--enable-lora`, `--lora-modules name=path` (the JSON form when a
+parent model is named), `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`; run-time loading needs
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` in the environment. Removed flags are never emitted:
+`--swap-space`, `--calculate-kv-scales`.
 
 Memory when replicas share a GPU: each vLLM instance profiles free memory at start-up, so
 replicas starting together on one GPU mis-measure each other's usage when given only a fraction.
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gateway.config import EngineSpec
+from gateway.config import EngineLora, EngineSpec
 from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.engines.base import (
     KV_EVENTS_PORT,
@@ -31,6 +34,7 @@ from gateway.fleet.engines.base import (
     scan_exposition,
     split_fraction,
     total,
+    valued_flags,
 )
 from gateway.fleet.replica import Role
 
@@ -84,13 +88,11 @@ class VLLMAdapter(EngineAdapter):
         else:
             argv.append("--no-enable-chunked-prefill")
         argv.append("--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching")
-        for flag, value in (
+        argv += valued_flags(
             ("--block-size", spec.block_size),
             ("--max-num-seqs", spec.max_num_seqs),
             ("--max-model-len", spec.max_model_len),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
+        )
         argv += self.memory_args(spec, slot)
         env = self.gpu_env(slot)
         if slot.role != "mixed":
@@ -102,8 +104,30 @@ class VLLMAdapter(EngineAdapter):
             argv += ["--kv-events-config", kv_events_config(slot)]
         if spec.priority_scheduling:
             argv += ["--scheduling-policy", "priority"]
+        if spec.lora is not None:
+            argv += self.lora_args(spec.lora)
+            if spec.lora.runtime_updates:
+                env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         argv += spec.extra_args
         return argv, env | spec.env
+
+    def lora_args(self, lora: EngineLora) -> list[str]:
+        args = ["--enable-lora"]
+        if lora.modules:
+            args.append("--lora-modules")
+            for m in lora.modules:
+                if m.base_model_name is None:
+                    args.append(f"{m.name}={m.path}")
+                else:  # only the JSON form names the parent model
+                    args.append(
+                        compact_json({"name": m.name, "path": m.path, "base_model_name": m.base_model_name})
+                    )
+        args += valued_flags(
+            ("--max-loras", lora.max_loras),
+            ("--max-lora-rank", lora.max_lora_rank),
+            ("--max-cpu-loras", lora.max_cpu_loras),
+        )
+        return args
 
     def pd_args(self, spec: EngineSpec, slot: ReplicaSlot) -> list[str]:
         connector = _CONNECTORS[spec.pd_transfer_backend]

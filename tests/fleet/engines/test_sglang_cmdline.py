@@ -117,5 +117,29 @@ def test_priority_direction_and_protocol() -> None:
 def test_flat_error_becomes_openai_error() -> None:
     flat = b'{"object":"error","message":"prompt too long","type":"BadRequestError","param":null,"code":400}'
     assert json.loads(normalize_error_body(flat, 400)) == {
-        "error": {"message": "prompt too long", "type": "BadRequestError", "param": None, "code": "400"}
+        "error": {
+            "message": "prompt too long",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "bad_request",
+        }
     }
+
+
+def test_lora_flags() -> None:
+    lora = {
+        "modules": [{"name": "sql", "path": "/adapters/sql"}, {"name": "fr", "path": "/adapters/fr"}],
+        "max_loras": 4,
+        "max_lora_rank": 64,
+        "max_cpu_loras": 16,
+        "runtime_updates": True,  # SGLang's /load_lora_adapter needs no switch
+    }
+    argv, env = sglang.command(spec(lora=lora), MODEL, slot())
+    assert argv == [
+        *LAUNCH, "--port", "30000",
+        "--enable-lora", "--lora-paths", "sql=/adapters/sql", "fr=/adapters/fr",
+        "--max-loras-per-batch", "4", "--max-lora-rank", "64", "--max-loaded-loras", "16",
+        "--enable-metrics", "--enable-cache-report",
+    ]  # fmt: skip
+    assert env == {}
+    assert sglang.lora_load_path == "/load_lora_adapter"

@@ -70,3 +70,11 @@ def test_sim_speaking_sglang_is_read_the_sglang_way() -> None:
 def test_unknown_kind_names_the_known_ones() -> None:
     with pytest.raises(KeyError, match="sglang"):
         get_adapter("tgi")
+
+
+def test_sim_takes_vllms_lora_flags_and_environment() -> None:
+    lora = {"modules": [{"name": "sql", "path": "/adapters/sql"}], "max_loras": 2, "runtime_updates": True}
+    argv, env = sim.command(EngineSpec(kind="sim", lora=lora), "m", slot())
+    flags = argv[argv.index("--enable-lora") : argv.index("--profile")]
+    assert flags == ["--enable-lora", "--lora-modules", "sql=/adapters/sql", "--max-loras", "2"]
+    assert env == {"PYTHONUNBUFFERED": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}

@@ -214,3 +214,28 @@ def test_nixl_side_channel_reserves_a_port_per_tensor_parallel_rank(fleet) -> No
     for plan, first in zip(plans, firsts, strict=True):
         assert plan.ports[1:] == (first, first + 1)
     assert abs(firsts[0] - firsts[1]) >= 2
+
+
+def test_lora_flags_and_runtime_updating() -> None:
+    lora = {
+        "modules": [
+            {"name": "sql", "path": "/adapters/sql"},
+            {"name": "fr", "path": "/adapters/fr", "base_model_name": "llama"},
+        ],
+        "max_loras": 4,
+        "max_lora_rank": 64,
+        "max_cpu_loras": 16,
+        "runtime_updates": True,
+    }
+    argv, env = vllm.command(spec(lora=lora, prefix_caching=False), MODEL, slot(gpu_ids=(0,)))
+    assert argv == [
+        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8100",
+        "--enable-chunked-prefill", "--no-enable-prefix-caching",
+        "--enable-lora", "--lora-modules", "sql=/adapters/sql",
+        '{"name":"fr","path":"/adapters/fr","base_model_name":"llama"}',
+        "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "16",
+    ]  # fmt: skip
+    assert env == {"CUDA_VISIBLE_DEVICES": "0", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    argv, env = vllm.command(spec(lora={}), MODEL, slot())
+    assert argv[-1] == "--enable-lora" and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    assert vllm.lora_load_path == "/v1/load_lora_adapter"
