@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.config import EndpointConfig, RouteRule
+from gateway.config import EndpointConfig
 from gateway.control.audit import AuditTrail
 from gateway.control.reload import Reloader, ReloadRejected
 from gateway.control.state import StateBackend
@@ -85,8 +85,34 @@ class ErrorResponse(_Model):
     error: ErrorDetail
 
 
+class MatchView(_Model):
+    headers: dict[str, str]
+
+
+class PoolWeightView(_Model):
+    name: str
+    weight: float
+    adapter: str | None = Field(
+        None, description="Present when the pool serves the route with a LoRA adapter"
+    )
+
+
+class StickyView(_Model):
+    key: str
+    salt: str
+
+
+class RuleView(_Model):
+    match: MatchView | None
+    pools: list[PoolWeightView]
+    sticky: StickyView | None
+    rewrite_model: bool | None = Field(
+        None, description="Present (false) when answers keep the engine's model name"
+    )
+
+
 class RoutesView(_Model):
-    routes: dict[str, list[RouteRule]] = Field(description="Each route's rules, in order")
+    routes: dict[str, list[RuleView]] = Field(description="Each route's rules, in order")
 
 
 # A number (not a string, not a bool), finite: the router checks the rest (>= 0, one positive).
@@ -200,7 +226,7 @@ class Variant(_Model):
 
 
 class RouteRollout(_Model):
-    rules: list[RouteRule]
+    rules: list[RuleView]
     split_rule: int
     variants: dict[str, Variant]
 
@@ -267,7 +293,12 @@ class Admin:
         )
         pool_404 = {404: {"model": ErrorResponse, "description": "No such pool or replica"}}
         api.add_api_route(
-            "/routes", self.routes, methods=["GET"], summary="Routes and their rules", tags=["rollouts"]
+            "/routes",
+            self.routes,
+            methods=["GET"],
+            summary="Routes and their rules",
+            tags=["rollouts"],
+            response_model_exclude_unset=True,  # a pool's adapter, a rule's rewrite_model: when set
         )
         api.add_api_route(
             "/routes/{model:path}/weights",

@@ -295,7 +295,7 @@ async def test_reload_swaps_a_routes_model_rewrite_with_its_rules(upstreams, gat
         data["routes"][0]["rewrite_model"] = False
         data["routes"].append({"model": "plain", "rules": [{"pools": [{"name": "stable"}]}]})
         write_config(path, data)
-        r = await client.post(gw.url + "/admin/reload", headers=AUTH)
+        r = await client.post(gw.control_url + "/admin/reload", headers=AUTH)
         assert r.status_code == 200 and r.json()["changes"] == ["routes replaced"], r.text
         assert (await post(client, gw.url)).json()["model"] == "m"
         body = {"model": "plain", "prompt": "hi"}

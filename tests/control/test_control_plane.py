@@ -150,6 +150,30 @@ async def test_every_route_needs_the_key_checked_in_constant_time(
     assert_openai_error(await control.get("/nope", headers=AUTH), 404, "not_found")
 
 
+async def test_routes_and_rollouts_show_rules_as_the_router_has_them(upstreams, gateway) -> None:
+    (up,) = await upstreams(1)
+    pool = {"model": "m", "lora": {"adapters": [{"name": "sql"}]}}
+    routes = [
+        {"model": "llama", "rules": [{"pools": [{"name": "p"}]}]},
+        {
+            "model": "assistant",
+            "rules": [
+                {"match": {"headers": {"x-canary": "1"}}, "pools": [{"name": "p", "adapter": "sql"}]},
+                {"pools": [{"name": "p", "weight": 50}], "sticky": {"salt": "s"}},
+            ],
+            "rewrite_model": False,
+        },
+    ]
+    gw = await gateway(gateway_settings([up.url], pool=pool, routes=routes, control={"admin_key": KEY}))
+    async with httpx.AsyncClient(base_url=gw.control_url, headers=AUTH) as client:
+        shown = (await client.get("/admin/routes")).json()["routes"]
+        rollouts = (await client.get("/admin/rollouts")).json()["routes"]
+    assert shown == gw.runtime.router.describe()  # the same keys: optional ones only when set
+    assert "adapter" not in shown["llama"][0]["pools"][0] and shown["assistant"][0]["rewrite_model"] is False
+    assert rollouts["assistant"]["rules"] == shown["assistant"]
+    assert rollouts["assistant"]["variants"]["p"]["weight"] == 50.0
+
+
 async def test_errors_come_in_the_openai_form(gw: RunningGateway, control: httpx.AsyncClient) -> None:
     weights = "/admin/routes/llama/weights"
     err = assert_openai_error(
