@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "check-config":
             settings = load_config(args.config)
             preflight(settings)
+            for deprecated in settings.deprecations():
+                print(f"kvgate: warning: {deprecated}", file=sys.stderr)
             print(f"{args.config}: ok ({len(settings.pools)} pools, {len(settings.routes)} routes)")
             return 0
         if args.command == "launch":

@@ -95,7 +95,9 @@ class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_keys: list[str] = Field(default_factory=list, description="Client keys; empty = no auth")
-    admin_key: str | None = Field(None, description="Key for /admin routes; unset = admin disabled")
+    admin_key: str | None = Field(
+        None, description="Deprecated: use control.admin_key (the admin API has its own listener)"
+    )
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0, description="After decompression")
     max_json_depth: int = Field(
         64, ge=2, le=200, description="Deepest nesting of arrays and objects a request body may have"
@@ -126,6 +128,17 @@ class ServerConfig(_Strict):
         "any",
         description="When /ready answers 200: `any` pool has a healthy replica, `all` pools do, or "
         "every pool of a list does (never while draining)",
+    )
+
+
+class ControlConfig(_Strict):
+    """The control plane: the admin API (and its OpenAPI schema and docs page) on a listener of its
+    own, never on the data plane's port."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(9001, ge=0, le=65535, description="0: a free port, picked at start")
+    admin_key: str | None = Field(
+        None, description="Bearer key every /admin route needs; unset = no control listener at all"
     )
 
 
@@ -703,6 +716,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid")
 
     server: ServerConfig = Field(default_factory=ServerConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
     upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
@@ -726,6 +740,22 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The environment wins over the file (the file arrives as init kwargs).
         return (_EnvSource(settings_cls), init_settings)
+
+    @model_validator(mode="after")
+    def _admin_key(self) -> Settings:
+        """`server.admin_key`, from before the control plane had its own listener, still works."""
+        old, new = self.server.admin_key, self.control.admin_key
+        if old and new and old != new:
+            raise ValueError("server.admin_key (deprecated) and control.admin_key differ: keep control's")
+        if old and not new:
+            self.control.admin_key = old
+        return self
+
+    def deprecations(self) -> list[str]:
+        """What the settings use that is deprecated, one line each, to be logged at start."""
+        if self.server.admin_key:
+            return ["server.admin_key is deprecated: use control.admin_key (KVGATE_CONTROL__ADMIN_KEY)"]
+        return []
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Settings:

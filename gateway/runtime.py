@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from gateway.admission.scheduler import Scheduler
 from gateway.config import Settings
-from gateway.control.admin import Admin
 from gateway.control.audit import AuditTrail
 from gateway.control.reload import Reloader
 from gateway.control.state import make_state
@@ -45,6 +44,9 @@ from gateway.routing.lora import LoraWatch
 from gateway.routing.model_catalog import ModelCatalog
 from gateway.routing.pool_router import PoolRouter
 from gateway.routing.rollout import Router
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
 
 log = logging.getLogger(__name__)
 
@@ -110,20 +112,8 @@ class Runtime:
         self.reloader = Reloader(
             settings, self.fleet, self.router, self.state, self.audit, config_path, server_overrides
         )
-        self.admin = Admin(
-            self.fleet,
-            self.router,
-            self.state,
-            self.reloader,
-            self.audit,
-            self.variant_stats,
-            settings.server.max_json_depth,
-        )
         self.dashboard = Dashboard(
-            self.view,
-            self.metrics,
-            tracing=self.tracing is not None,
-            check_admin=self.auth.admin if settings.server.admin_key else None,
+            self.view, self.metrics, tracing=self.tracing is not None, check_admin=self.auth.admin
         )
 
         preparation = Preparation(
@@ -160,11 +150,22 @@ class Runtime:
         )
 
     def app(self) -> web.Application:
-        """The HTTP app: the OpenAI routes and probes, metrics, the status page and the admin API."""
+        """The data plane's app: the OpenAI routes and probes, metrics and the status page (both
+        read-only: Prometheus and the page's readers reach them where clients do)."""
         routes = [] if self.metrics is None else [web.get("/metrics", self.metrics.handle)]
-        return self.data_plane.app(
-            [*routes, *self.dashboard.routes(), *self.admin.route_defs(self.auth.admin)]
-        )
+        return self.data_plane.app([*routes, *self.dashboard.routes()])
+
+    def control_app(self) -> ASGIApp | None:
+        """The control plane's app (the admin API, its schema and docs page); None without an
+        admin key, and then there is no control plane."""
+        check_admin = self.auth.admin
+        if check_admin is None:
+            return None
+        # FastAPI takes about half a second to import: only a gateway with a control plane pays it.
+        from gateway.control.admin import Admin
+
+        admin = Admin(self.fleet, self.router, self.state, self.reloader, self.audit, self.variant_stats)
+        return admin.app(check_admin)
 
     @property
     def settings(self) -> Settings:

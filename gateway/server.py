@@ -1,7 +1,8 @@
-"""Process lifecycle: start the runtime and listener, stop gracefully on SIGTERM/SIGINT.
+"""Process lifecycle: start the runtime and its listeners (the data plane's, and the control
+plane's when an admin key is set), stop gracefully on SIGTERM/SIGINT, reload on SIGHUP.
 
-On a stop signal /ready fails at once; after `server.shutdown_delay_s` (0: at once) the listener
-closes (new connections are refused), requests in flight get up to `server.grace_period_s` to
+On a stop signal /ready fails at once; after `server.shutdown_delay_s` (0: at once) both listeners
+close (new connections are refused), requests in flight get up to `server.grace_period_s` to
 finish, then managed engines are stopped and the process exits 0.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -19,24 +20,38 @@ from gateway.control.reload import ReloadRejected
 from gateway.http.conn_guard import ConnectionGuard, connection_limit
 from gateway.runtime import Runtime
 
+if TYPE_CHECKING:
+    from gateway.control.listener import ControlListener
+
 log = logging.getLogger(__name__)
 
 
 class RunningGateway:
-    """A started gateway: its runtime and listener. `port` is the bound port (useful with port 0)."""
+    """A started gateway: its runtime and listeners. `port` is the bound port (useful with port 0);
+    `control` is the control plane's listener, None without an admin key."""
 
     def __init__(
-        self, runtime: Runtime, runner: web.AppRunner, listener: asyncio.Server, guard: ConnectionGuard
+        self,
+        runtime: Runtime,
+        runner: web.AppRunner,
+        listener: asyncio.Server,
+        guard: ConnectionGuard,
+        control: ControlListener | None,
     ) -> None:
         self.runtime = runtime
         self.runner = runner
         self.listener = listener
         self.guard = guard
+        self.control = control
         self.port: int = listener.sockets[0].getsockname()[1]
 
     @property
     def url(self) -> str:
         return f"http://{self.runtime.settings.server.host}:{self.port}"
+
+    @property
+    def control_url(self) -> str | None:
+        return None if self.control is None else self.control.url
 
     async def stop(self) -> None:
         """Stop listening, let in-flight requests finish within the grace period, release all.
@@ -57,7 +72,7 @@ class RunningGateway:
         try:
             self.listener.close()
             self.guard.close_all()
-            await self.runner.cleanup()
+            await asyncio.gather(self.runner.cleanup(), *([self.control.stop()] if self.control else []))
         finally:
             shed.cancel()
             await self.runtime.stop()
@@ -71,6 +86,8 @@ async def start_gateway(
     settings: Settings, config_path: str | None = None, server_overrides: dict[str, Any] | None = None
 ) -> RunningGateway:
     """`config_path` and `server_overrides` (command-line server.* values) are what a reload re-reads."""
+    for deprecated in settings.deprecations():
+        log.warning("%s", deprecated)
     runtime = Runtime(settings, config_path, server_overrides)
     server = settings.server
     runner = web.AppRunner(
@@ -95,15 +112,43 @@ async def start_gateway(
         await runner.cleanup()
         raise ListenError(f"cannot listen on {server.host}:{server.port}: {exc.strerror or exc}") from None
     try:
-        await runtime.start()
+        control = _control_listener(runtime, settings)
     except BaseException:
         listener.close()
         await runner.cleanup()
+        raise
+    try:
+        await runtime.start()
+    except BaseException:
+        listener.close()
+        await asyncio.gather(runner.cleanup(), *([control.stop()] if control else []))
         await runtime.stop()
         raise
-    gateway = RunningGateway(runtime, runner, listener, guard)
+    gateway = RunningGateway(runtime, runner, listener, guard, control)
     log.info("kvgate listening on http://%s:%d", server.host, gateway.port)
+    if control is None:
+        log.info("control plane off: set control.admin_key to serve the admin API")
+    else:
+        log.info("kvgate control plane on %s (admin API /admin/, docs %s/docs)", control.url, control.url)
     return gateway
+
+
+def _control_listener(runtime: Runtime, settings: Settings) -> ControlListener | None:
+    """The control plane, listening and serving; None without an admin key."""
+    app = runtime.control_app()
+    if app is None:
+        return None
+    from gateway.control.listener import ControlListener  # uvicorn: imported only when it serves
+
+    cfg = settings.control
+    try:
+        control = ControlListener(app, cfg.host, cfg.port, settings.server.grace_period_s)
+    except OSError as exc:
+        raise ListenError(
+            f"cannot listen on control.host:control.port {cfg.host}:{cfg.port}: {exc.strerror or exc}"
+        ) from None
+    control.start()
+    return control
 
 
 async def _reload(runtime: Runtime) -> None:

@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 def gateway_settings(endpoints: list[str], **overrides: Any) -> Settings:
-    """A one-pool gateway config on an ephemeral port with fast health checks."""
+    """A one-pool gateway config on ephemeral ports with fast health checks."""
     pool: dict[str, Any] = {
         "name": "p",
         "model": "m",
@@ -38,6 +38,7 @@ def gateway_settings(endpoints: list[str], **overrides: Any) -> Settings:
     pool.update(overrides.pop("pool", {}))
     data: dict[str, Any] = {
         "server": {"port": 0, "grace_period_s": 5},
+        "control": {"port": 0},  # listens only with an admin key (`control={"admin_key": ...}`)
         "health": {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1},
         "retry": {"backoff_initial_s": 0.001, "backoff_max_s": 0.01},
         "pools": [pool],

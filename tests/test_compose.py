@@ -185,6 +185,7 @@ def test_gateway_config_matches_the_stack(stack_name: str) -> None:
     settings = gateway_config(stack)
     assert settings.server.host == "0.0.0.0"
     assert settings.server.port in service_ports(stack, "gateway")
+    assert settings.control.host == "0.0.0.0" and settings.control.port in service_ports(stack, "gateway")
     assert settings.telemetry.tracing and settings.telemetry.metrics
     assert settings.state.backend == "redis"
     redis = urlsplit(settings.state.redis_url)

@@ -24,6 +24,7 @@ EVERYTHING = {
     "serviceMonitor": {"enabled": True},
     "autoscaling": {"keda": {"enabled": True}, "hpa": {"enabled": True}},
     "adminKey": {"existingSecret": "kvgate-admin"},
+    "control": {"expose": True},
 }
 
 
@@ -89,6 +90,44 @@ def test_gateway_config_probes_rbac_and_rollout() -> None:
     slices = rendered({"discovery": {"resource": "endpointslices"}})
     (rule,) = find(slices, "Role")["rules"]
     assert rule["apiGroups"] == ["discovery.k8s.io"] and rule["resources"] == ["endpointslices"]
+
+
+def container_of(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = find(docs, "Deployment", "kv-kvgate")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_control_plane_stays_inside_the_pod_unless_exposed() -> None:
+    secret = {"adminKey": {"existingSecret": "kvgate-admin"}}
+    docs = rendered(secret)
+    container = container_of(docs)
+    env = {e["name"]: e for e in container["env"]}
+    assert env["KVGATE_CONTROL__ADMIN_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "kvgate-admin",
+        "key": "admin-key",
+    }
+    assert "KVGATE_SERVER__ADMIN_KEY" not in env
+    # Not exposed: it binds the pod's loopback (kubectl port-forward reaches it), no port, no Service.
+    assert "KVGATE_CONTROL__HOST" not in env and env["KVGATE_CONTROL__PORT"]["value"] == "9001"
+    assert [p["name"] for p in container["ports"]] == ["http"]
+    assert [s["metadata"]["name"] for s in docs if s["kind"] == "Service"] == ["kv-kvgate"]
+
+    docs = rendered({**secret, "control": {"expose": True}})
+    container = container_of(docs)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    settings = load_config(
+        None, {"control": {"host": env["KVGATE_CONTROL__HOST"], "port": env["KVGATE_CONTROL__PORT"]}}
+    )
+    assert settings.control.host == "0.0.0.0"
+    (port,) = [p for p in container["ports"] if p["name"] == "control"]
+    assert port["containerPort"] == settings.control.port
+    service = find(docs, "Service", "kv-kvgate-control")
+    assert service["spec"]["ports"] == [
+        {"name": "control", "port": 9001, "targetPort": "control", "protocol": "TCP"}
+    ]
+    assert [p["name"] for p in find(docs, "Service", "kv-kvgate")["spec"]["ports"]] == ["http"]
+    with pytest.raises(helm.HelmRenderError, match=r"control\.expose needs adminKey\.existingSecret"):
+        rendered({"control": {"expose": True}})
 
 
 @pytest.mark.parametrize(

@@ -102,13 +102,14 @@ def test_a_fresh_install_with_runtime_dependencies_serves_a_completion(tmp_path:
     _run(["sh", script, "install", str(tmp_path / "wheels"), extras], env, tmp_path)
     # Runtime dependencies only: none of the dev extra came along.
     listed = subprocess.run(["pip", "list"], env=env, capture_output=True, text=True)
-    installed = {line.split()[0].lower() for line in listed.stdout.splitlines()[2:]}
-    assert "kvgate" in installed and not {"pytest", "httpx", "openai", "uvicorn"} & installed
+    installed = {line.split()[0].lower().replace("_", "-") for line in listed.stdout.splitlines()[2:]}
+    assert "kvgate" in installed and not {"pytest", "httpx", "openai", "hypothesis"} & installed
+    assert {"fastapi", "uvicorn", "fastapi-offline"} <= installed  # the control plane's
 
-    port = free_port()
+    port, control_port = free_port(), free_port()
     serve = subprocess.Popen(
         [str(venv / "bin" / "kvgate"), "serve", "--port", str(port)],
-        env=env,
+        env={**env, "KVGATE_CONTROL__ADMIN_KEY": "install-test", "KVGATE_CONTROL__PORT": str(control_port)},
         cwd=tmp_path,  # the default config's engine logs land here
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -132,6 +133,15 @@ def test_a_fresh_install_with_runtime_dependencies_serves_a_completion(tmp_path:
         with urllib.request.urlopen(request, timeout=30) as resp:
             answer = resp.read()
         assert b'"completion_tokens":4' in answer.replace(b" ", b""), answer
+        # The control plane: the admin API, and its docs page with the assets the wheels ship.
+        control = f"http://127.0.0.1:{control_port}"
+        request = urllib.request.Request(
+            control + "/admin/pools", headers={"Authorization": "Bearer install-test"}
+        )
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert b'"demo"' in resp.read()
+        with urllib.request.urlopen(control + "/docs/static/swagger-ui-bundle.js", timeout=10) as resp:
+            assert b"SwaggerUIBundle" in resp.read()
     finally:
         serve.send_signal(signal.SIGTERM)
         try:

@@ -13,6 +13,7 @@ LIMIT=${LIMIT:-570}
 T0=$(date +%s)
 OUT=${OUT:?where the results go back from}
 GW=http://127.0.0.1:8100
+CTL=http://127.0.0.1:8101  # the gateway's control plane (fleet.yaml's control.port)
 CALL=$(( $(cat "$KG/calls" 2>/dev/null || echo 0) + 1 )); echo $CALL > "$KG/calls"
 exec > >(tee -a "$KG/drive.log") 2>&1
 TEE=$!
@@ -127,7 +128,7 @@ fleet_stop() {  # TAG: SIGTERM the managing gateway; it stops its engines (SIGKI
   done
   gpu_mem
 }
-fleet_wait() { host wait-fleet "$KG" "$GW" --tag "$1" --deadline $(( T0 + LIMIT - 10 )); }
+fleet_wait() { host wait-fleet "$KG" "$CTL" --tag "$1" --deadline $(( T0 + LIMIT - 10 )); }
 gpu_mem() { [ "${KG_DRY:-0}" = 1 ] || nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$KG/nvidia-smi.txt"; }
 dtype() { if [ -f "$KG/fleet_fallback" ]; then echo auto; else echo fp8; fi; }
 step fleet_start 10 fleet_start fp8 "$(dtype)" 8001
@@ -198,7 +199,7 @@ for cfg in prefix_affinity_default radix_cache_aware; do
 done
 
 # ---- a replica killed under load, restarted by the supervisor ------------------------------------------
-step kill_restart 200 host kill-test "$KG" "$GW" --rate "$(calc "0.5 * $R")" --max-s 170
+step kill_restart 200 host kill-test "$KG" "$GW" --control "$CTL" --rate "$(calc "0.5 * $R")" --max-s 170
 
 # ---- FP8 vs BF16 KV cache: the same fleet restarted with BF16 (same memory), the same routing runs ----
 [ -f "$KG/fleet_fallback" ] && { echo "=== no FP8/BF16 pair: the whole run was on BF16"; finish; }

@@ -96,7 +96,7 @@ def endpoints(dryrun: Path, out: Path) -> int:
 def start_gateway(kg: Path, tag: str, config: Path) -> int:
     """`kvgate serve --config CONFIG` in a session of its own, so that it outlives this device call,
     holding none of the driver's file descriptors (a pipe it kept open would keep the call waiting)."""
-    env = {**os.environ, "KVGATE_SERVER__ADMIN_KEY": (kg / "admin_key").read_text().strip()}
+    env = {**os.environ, "KVGATE_CONTROL__ADMIN_KEY": (kg / "admin_key").read_text().strip()}
     with (kg / f"gateway_{tag}.log").open("ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "gateway", "serve", "--config", str(config)],
@@ -118,10 +118,11 @@ def start_gateway(kg: Path, tag: str, config: Path) -> int:
 
 
 # ---- wait-fleet ---------------------------------------------------------------------------------------
-def admin_pools(gateway: str, kg: Path) -> dict[str, dict[str, Any]]:
-    """The managed pool's replicas as the gateway sees them, by name ({} when it does not answer)."""
+def admin_pools(control: str, kg: Path) -> dict[str, dict[str, Any]]:
+    """The managed pool's replicas as the gateway sees them, by name ({} when it does not answer),
+    from its control plane (`control`: its URL)."""
     key = (kg / "admin_key").read_text().strip()
-    status, body = _get(f"{gateway}/admin/pools", headers={"authorization": f"Bearer {key}"})
+    status, body = _get(f"{control}/admin/pools", headers={"authorization": f"Bearer {key}"})
     if status != 200:
         return {}
     return {name: r for pool in json.loads(body)["pools"].values() for name, r in pool["replicas"].items()}
@@ -150,7 +151,7 @@ def crash_loops(log: Path, limit: int = 2) -> list[str]:
     return sorted(n for n, c in counts.items() if c >= limit)
 
 
-def wait_fleet(kg: Path, gateway: str, deadline: float, tag: str) -> int:
+def wait_fleet(kg: Path, control: str, deadline: float, tag: str) -> int:
     """0 when every replica serves (engine /health and the gateway's pool), 3 at the deadline (the next
     call resumes the wait), 1 when the gateway is gone. Writes KG/fleet_<tag>.json with the times."""
     eps = _endpoints(kg)
@@ -159,7 +160,7 @@ def wait_fleet(kg: Path, gateway: str, deadline: float, tag: str) -> int:
     doc = json.loads(path.read_text()) if path.exists() else {"engine_ready_s": {}, "gateway_ready_s": {}}
     while True:
         now = time.time()
-        pools = admin_pools(gateway, kg)
+        pools = admin_pools(control, kg)
         for name, url in zip(eps["names"], eps["urls"], strict=True):
             if name not in doc["engine_ready_s"] and _get(f"{url}/health")[0] == 200:
                 doc["engine_ready_s"][name] = round(now - started, 1)
@@ -407,7 +408,7 @@ async def _kill_test(
         await asyncio.wait(tasks, timeout=60) if tasks else None
 
     def sample() -> dict[str, Any]:
-        r = admin_pools(gateway, kg).get(victim)
+        r = admin_pools(opts.control, kg).get(victim)
         return {
             "t": rel(),
             "in_pool": r is not None,
@@ -548,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("config", type=Path)
     w = sub.add_parser("wait-fleet")
     w.add_argument("kg", type=Path)
-    w.add_argument("gateway")
+    w.add_argument("control", help="the gateway's control plane URL (control.host:control.port)")
     w.add_argument("--deadline", type=float, required=True, help="epoch seconds")
     w.add_argument("--tag", default="fp8")
     c = sub.add_parser("calib")
@@ -567,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("kill-test")
     k.add_argument("kg", type=Path)
     k.add_argument("gateway")
+    k.add_argument("--control", required=True, help="the gateway's control plane URL")
     k.add_argument("--victim", default="h200-1")
     k.add_argument("--rate", type=float, required=True)
     k.add_argument("--warm-s", type=float, default=15.0)
@@ -582,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "start-gateway":
         return start_gateway(a.kg, a.tag, a.config)
     if a.cmd == "wait-fleet":
-        return wait_fleet(a.kg, a.gateway, a.deadline, a.tag)
+        return wait_fleet(a.kg, a.control, a.deadline, a.tag)
     if a.cmd == "calib":
         return calib(a.kg, a.gateway, a.out)
     if a.cmd == "scenario":

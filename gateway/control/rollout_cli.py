@@ -1,7 +1,8 @@
-"""`kvgate rollout ...`: watch and steer a rollout on a running gateway through its admin API.
+"""`kvgate rollout ...`: watch and steer a rollout on a running gateway through its admin API,
+on the gateway's control listener (the URL it logs at start: `kvgate control plane on URL`).
 
-    kvgate rollout status  --url http://127.0.0.1:8000 --admin-key K [--json]
-    kvgate rollout weights --url ... --admin-key K MODEL POOL=WEIGHT [POOL=WEIGHT ...] [--rule N]
+    kvgate rollout status  --admin http://127.0.0.1:9001 --admin-key K [--json]
+    kvgate rollout weights --admin ... --admin-key K MODEL POOL=WEIGHT [POOL=WEIGHT ...] [--rule N]
 
 `status` prints each route's rules, then its variants side by side: weight and share in the
 route's split (its last rule), requests and errors since start, error rate, TTFT and e2e
@@ -50,9 +51,12 @@ def call(url: str, key: str | None, method: str, path: str, body: Any = None, ti
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         try:
-            message = json.loads(exc.read())["error"]["message"]
+            error = json.loads(exc.read())["error"]
+            message = error["message"]
         except (ValueError, KeyError, TypeError):
-            message = exc.reason
+            error, message = {}, exc.reason
+        if error.get("code") == "not_found":  # no such path: the data plane's port, say
+            message += " (is this the gateway's control plane, control.host:control.port?)"
         raise AdminError(f"{method} {path}: HTTP {exc.code}: {message}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise AdminError(f"cannot reach {url}: {getattr(exc, 'reason', exc)}") from None
@@ -128,7 +132,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("status", "variants side by side"), ("weights", "set a route rule's weights")):
         s = sub.add_parser(name, help=help_)
-        s.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+        s.add_argument(
+            "--admin",
+            default=os.environ.get("KVGATE_ADMIN_URL", "http://127.0.0.1:9001"),
+            help="the gateway's control plane URL (control.host:control.port), or $KVGATE_ADMIN_URL",
+        )
         s.add_argument("--admin-key", default=os.environ.get("KVGATE_ADMIN_KEY"), help="or $KVGATE_ADMIN_KEY")
     status = sub.choices["status"]
     status.add_argument("--json", action="store_true", help="print the raw /admin/rollouts document")
@@ -143,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "status":
-            data = call(args.url, args.admin_key, "GET", "/admin/rollouts")
+            data = call(args.admin, args.admin_key, "GET", "/admin/rollouts")
             print(json.dumps(data, indent=2) if args.json else format_status(data))
             return 0
         weights: dict[str, float] = {}
@@ -160,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rule is not None:
             body["rule"] = args.rule
         result = call(
-            args.url,
+            args.admin,
             args.admin_key,
             "PUT",
             f"/admin/routes/{urllib.parse.quote(args.model, safe='')}/weights",

@@ -122,7 +122,7 @@ class DataPlane:
         self.draining = draining
 
     def app(self, extra: Iterable[web.RouteDef] = ()) -> web.Application:
-        """The aiohttp app: these routes, and `extra` ones (metrics, status page, admin API)."""
+        """The aiohttp app: these routes, and `extra` ones (metrics, the status page)."""
         app = web.Application(
             middlewares=[connection_state, openai_errors], client_max_size=self.server.max_body_bytes
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gateway.config import Settings
 from gateway.errors import GatewayError
@@ -33,7 +33,8 @@ class Auth:
         keys: list[tuple[bytes, str | None]] = [(k.encode(), None) for k in settings.server.api_keys]
         keys += [(t.api_key.encode(), t.name) for t in settings.tenants]
         self._client_keys = keys
-        self._admin_key = settings.server.admin_key.encode() if settings.server.admin_key else None
+        admin_key = settings.control.admin_key
+        self._admin_key = admin_key.encode() if admin_key else None
 
     def client(self, request: object) -> str | None:
         """The tenant name of the request (None when anonymous or an untenanted key)."""
@@ -53,13 +54,19 @@ class Auth:
             raise GatewayError(401, "invalid API key", "authentication_error", "invalid_api_key")
         return tenant
 
-    def admin(self, headers: Mapping[str, str]) -> None:
-        if self._admin_key is None:
-            raise GatewayError(
-                403, "admin API disabled: set server.admin_key", "permission_error", "admin_disabled"
-            )
-        token = _bearer(headers)
-        if token is None or not hmac.compare_digest(token.encode(), self._admin_key):
-            raise GatewayError(
-                401, "invalid or missing admin key", "authentication_error", "invalid_admin_key"
-            )
+    @property
+    def admin(self) -> Callable[[Mapping[str, str]], None] | None:
+        """The admin key check (the control plane's routes, the status page's data); None when no
+        admin key is set: then there is no control plane and the status page is open."""
+        key = self._admin_key
+        if key is None:
+            return None
+
+        def check(headers: Mapping[str, str]) -> None:
+            token = _bearer(headers)
+            if token is None or not hmac.compare_digest(token.encode(), key):
+                raise GatewayError(
+                    401, "invalid or missing admin key", "authentication_error", "invalid_admin_key"
+                )
+
+        return check

@@ -4,7 +4,7 @@ The state is read from the gateway's objects (a `GatewayView`) when asked: pools
 circuit, own and engine-reported load), estimated prefix-hit rate, admission queue depth and
 rollout weights.
 It holds no secrets (no keys, no tenant names, no replica URLs) and no prompt text. When
-`server.admin_key` is set, `/dashboard/state` requires it as `Authorization: Bearer <key>`;
+`control.admin_key` is set, `/dashboard/state` requires it as `Authorization: Bearer <key>`;
 the page itself is a static shell holding no data, takes the key once as `?key=`, keeps it
 in the tab's sessionStorage and removes it from the address bar.
 """

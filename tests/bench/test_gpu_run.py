@@ -120,9 +120,12 @@ def test_cli_endpoints_run_through_gateways_even_where_caches_cannot_be_reset(
     assert "--kv-events goes with --endpoints" in capsys.readouterr().err
 
 
-def render_fleet(root: Path, base_port: int, **replace: str) -> Path:
+def render_fleet(
+    root: Path, base_port: int, gateway_port: int = 0, control_port: int = 0, **replace: str
+) -> Path:
     text = (REPO / "bench" / "gpu" / "fleet.yaml").read_text().replace("@ROOT@", str(root))
-    text = text.replace("base_port: 8001", f"base_port: {base_port}").replace("port: 8100", "port: 0")
+    text = text.replace("base_port: 8001", f"base_port: {base_port}")
+    text = text.replace("port: 8100", f"port: {gateway_port}").replace("port: 8101", f"port: {control_port}")
     for old, new in replace.items():
         text = text.replace(old, new)
     path = root / "fleet.yaml"
@@ -173,14 +176,15 @@ def test_kill_test_a_launched_replica_is_restarted_and_rejoins(tmp_path: Path) -
     kg = tmp_path / "kg"
     kg.mkdir()
     quick = {
-        "port: 0": f"port: {procs.free_port_range(1)}",
         "startup_timeout_s: 420": "startup_timeout_s: 30",
         "replicas: 4": "replicas: 2",  # two simulators start faster than four; h200-1 is still there
         "gpu_ids: [[0], [0], [0], [0]]": "gpu_ids: [[0], [0]]",
     }
-    cfg = render_fleet(tmp_path, procs.free_port_range(8), **quick)
+    port = procs.free_port_range(2)  # the gateway's and its control plane's
+    cfg = render_fleet(tmp_path, procs.free_port_range(8), port, port + 1, **quick)
     settings = load_config(cfg)
     gateway = f"http://127.0.0.1:{settings.server.port}"
+    control = f"http://127.0.0.1:{settings.control.port}"
     (kg / "launch_dryrun_fp8.txt").write_text(dry_run(settings))
     assert host.endpoints(kg / "launch_dryrun_fp8.txt", kg / "endpoints.json") == 0
     (kg / "admin_key").write_text("test-admin-key")
@@ -188,7 +192,7 @@ def test_kill_test_a_launched_replica_is_restarted_and_rejoins(tmp_path: Path) -
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",  # python3 = this venv's
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "fake_vllm"), str(REPO)]),
-        "KVGATE_SERVER__ADMIN_KEY": "test-admin-key",
+        "KVGATE_CONTROL__ADMIN_KEY": "test-admin-key",
         "FAKE_VLLM_STARTUP_S": "0.5",
     }
     log = (kg / "gateway_fp8.log").open("wb")
@@ -202,12 +206,12 @@ def test_kill_test_a_launched_replica_is_restarted_and_rejoins(tmp_path: Path) -
     )
     try:
         deadline = time.time() + 60
-        while len([r for r in host.admin_pools(gateway, kg).values() if r["healthy"]]) < 2:
+        while len([r for r in host.admin_pools(control, kg).values() if r["healthy"]]) < 2:
             assert proc.poll() is None and time.time() < deadline, (kg / "gateway_fp8.log").read_text()[
                 -3000:
             ]
             time.sleep(0.2)
-        opts = argparse.Namespace(warm_s=2.0, max_s=40.0, after_s=1.5, system_tokens=256)
+        opts = argparse.Namespace(control=control, warm_s=2.0, max_s=40.0, after_s=1.5, system_tokens=256)
         result = host.run_sync_kill(kg, gateway, "h200-1", 8.0, opts)
     finally:
         proc.terminate()

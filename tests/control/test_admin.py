@@ -1,4 +1,5 @@
-"""Admin API end to end: auth, live weights and rollback, endpoints, drain, reload, rollout status."""
+"""Admin API end to end, on the control listener: auth, live weights and rollback, endpoints, drain,
+reload (the API and SIGHUP), rollout status."""
 
 from __future__ import annotations
 
@@ -30,27 +31,29 @@ async def post(client: httpx.AsyncClient, url: str, **headers: str) -> httpx.Res
 
 async def test_auth_missing_wrong_and_disabled(upstreams, gateway) -> None:
     (up,) = await upstreams(1)
-    on = await gateway(gateway_settings([up.url], server={"admin_key": KEY}))
+    on = await gateway(gateway_settings([up.url], control={"admin_key": KEY}))
     off = await gateway(gateway_settings([up.url]))
-    async with httpx.AsyncClient() as c:
-        r = await c.get(on.url + "/admin/routes")
+    assert on.control is not None and on.control.port not in (0, on.port)
+    assert off.control is None  # no admin key: no control listener at all
+    async with httpx.AsyncClient(base_url=on.control.url) as c:
+        r = await c.get("/admin/routes")
         assert r.status_code == 401
         assert r.json()["error"]["code"] == "invalid_admin_key"
-        r = await c.get(on.url + "/admin/routes", headers={"authorization": "Bearer nope"})
+        r = await c.get("/admin/routes", headers={"authorization": "Bearer nope"})
         assert r.status_code == 401
-        r = await c.put(on.url + "/admin/routes/x/weights", json={"weights": {"a": 1}})
+        r = await c.put("/admin/routes/x/weights", json={"weights": {"a": 1}})
         assert r.status_code == 401  # writes too, before anything is looked at
-        r = await c.get(off.url + "/admin/pools", headers=AUTH)
-        assert r.status_code == 403
-        assert r.json()["error"]["code"] == "admin_disabled"
-        r = await c.get(on.url + "/admin/pools", headers=AUTH)
+        r = await c.get("/admin/pools", headers=AUTH)
         assert r.status_code == 200
         assert set(r.json()["pools"]["p"]["replicas"]) == {"r0"}
+        for gw in (on, off):  # the data plane does not answer it, key or not
+            r = await c.get(gw.url + "/admin/pools", headers=AUTH)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
 async def test_weight_change_rollback_stats_and_status_cli(upstreams, gateway, capsys) -> None:
     s, c = await upstreams(2)
-    gw = await gateway(rollout_settings(s.url, c.url, 50, 50, server={"admin_key": KEY}))
+    gw = await gateway(rollout_settings(s.url, c.url, 50, 50, control={"admin_key": KEY}))
     async with httpx.AsyncClient() as client:
         pools = {
             (await post(client, gw.url, **{"x-user-id": f"u{i}"})).headers["x-kvgate-pool"] for i in range(30)
@@ -58,7 +61,7 @@ async def test_weight_change_rollback_stats_and_status_cli(upstreams, gateway, c
         assert pools == {"stable", "canary"}
         # Rollback: canary weight 0, effective for the very next request.
         r = await client.put(
-            gw.url + "/admin/routes/llama/weights", json={"weights": {"canary": 0}}, headers=AUTH
+            gw.control_url + "/admin/routes/llama/weights", json={"weights": {"canary": 0}}, headers=AUTH
         )
         assert r.status_code == 200
         assert r.json() == {
@@ -77,16 +80,18 @@ async def test_weight_change_rollback_stats_and_status_cli(upstreams, gateway, c
             ({"weights": {"stable": "x"}}, 400),
             ({"weights": {}}, 400),
         ):
-            r = await client.put(gw.url + "/admin/routes/llama/weights", json=bad, headers=AUTH)
+            r = await client.put(gw.control_url + "/admin/routes/llama/weights", json=bad, headers=AUTH)
             assert r.status_code == code, (bad, r.text)
             assert "error" in r.json()
-        r = await client.put(gw.url + "/admin/routes/nope/weights", json={"weights": {"a": 1}}, headers=AUTH)
+        r = await client.put(
+            gw.control_url + "/admin/routes/nope/weights", json={"weights": {"a": 1}}, headers=AUTH
+        )
         assert r.status_code == 404
         await post(client, gw.url, **{"x-canary": "1", "x-test-mode": "status:500"})
-        audit = (await client.get(gw.url + "/admin/audit", headers=AUTH)).json()["changes"]
+        audit = (await client.get(gw.control_url + "/admin/audit", headers=AUTH)).json()["changes"]
         assert len(audit) == 1
         assert "route llama rule 1 weights" in audit[0]["what"] and "admin key" in audit[0]["who"]
-        doc = (await client.get(gw.url + "/admin/rollouts", headers=AUTH)).json()
+        doc = (await client.get(gw.control_url + "/admin/rollouts", headers=AUTH)).json()
     route = doc["routes"]["llama"]
     assert route["split_rule"] == 1 and len(route["rules"]) == 2
     variants = route["variants"]
@@ -96,7 +101,7 @@ async def test_weight_change_rollback_stats_and_status_cli(upstreams, gateway, c
     assert canary["errors_total"] == 1 and stable["errors_total"] == 0
     assert stable["ttft_ms"]["p50"] is not None and stable["e2e_ms"]["p95"] >= stable["e2e_ms"]["p50"]
 
-    argv = ["--url", gw.url, "--admin-key", KEY]
+    argv = ["--admin", gw.control_url, "--admin-key", KEY]
     assert await asyncio.to_thread(rollout_main, ["weights", *argv, "llama", "canary=25", "stable=75"]) == 0
     assert gw.runtime.router.weights("llama") == {"stable": 75.0, "canary": 25.0}
     capsys.readouterr()
@@ -111,22 +116,28 @@ async def test_weight_change_rollback_stats_and_status_cli(upstreams, gateway, c
     assert int(rows["stable"][3]) == stable["requests_total"] and rows["canary"][4] == "1"
     assert "  rule 0: match x-canary=1, -> canary\n" in out
     assert "  rule 1: split stable 75 / canary 25, sticky header:x-user-id|body:user salt 'rollout-7'" in out
-    assert await asyncio.to_thread(rollout_main, ["status", "--url", gw.url, "--admin-key", "bad"]) == 1
+    assert (
+        await asyncio.to_thread(rollout_main, ["status", "--admin", gw.control_url, "--admin-key", "bad"])
+        == 1
+    )
     assert "HTTP 401" in capsys.readouterr().err
+    # Pointed at the data plane (where /admin used to be), it says where to look.
+    assert await asyncio.to_thread(rollout_main, ["status", "--admin", gw.url, "--admin-key", KEY]) == 1
+    assert "HTTP 404" in (err := capsys.readouterr().err) and "control.host:control.port" in err
 
 
 async def test_add_and_remove_endpoint(upstreams, gateway) -> None:
     u0, u1 = await upstreams(2)
-    gw = await gateway(gateway_settings([u0.url], server={"admin_key": KEY}))
+    gw = await gateway(gateway_settings([u0.url], control={"admin_key": KEY}))
     async with httpx.AsyncClient() as c:
-        url = gw.url + "/admin/pools/p/replicas"
+        url = gw.control_url + "/admin/pools/p/replicas"
         r = await c.post(url, json={"url": u1.url, "name": "extra", "kind": "openai"}, headers=AUTH)
         assert r.status_code == 201, r.text
         assert r.json()["name"] == "extra" and r.json()["available"]
         assert (await c.post(url, json={"url": u1.url}, headers=AUTH)).status_code == 409
         assert (await c.post(url, json={"url": "ftp://x"}, headers=AUTH)).status_code == 400
         assert (
-            await c.post(gw.url + "/admin/pools/nope/replicas", json={"url": u1.url}, headers=AUTH)
+            await c.post(gw.control_url + "/admin/pools/nope/replicas", json={"url": u1.url}, headers=AUTH)
         ).status_code == 404
         for _ in range(6):
             assert (
@@ -141,13 +152,15 @@ async def test_add_and_remove_endpoint(upstreams, gateway) -> None:
                 await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "x"})
             ).status_code == 200
         assert len(u1.state.seen) == 3
-        whats = [e["what"] for e in (await c.get(gw.url + "/admin/audit", headers=AUTH)).json()["changes"]]
+        whats = [
+            e["what"] for e in (await c.get(gw.control_url + "/admin/audit", headers=AUTH)).json()["changes"]
+        ]
     assert whats == [f"pool p: added replica extra at {u1.url}", "pool p: removed replica extra"]
 
 
 async def test_drain_finishes_inflight_and_admits_no_new(upstreams, gateway) -> None:
     u0, u1 = await upstreams(2)
-    gw = await gateway(gateway_settings([u0.url, u1.url], server={"admin_key": KEY}))
+    gw = await gateway(gateway_settings([u0.url, u1.url], control={"admin_key": KEY}))
     r0 = gw.runtime.pools["p"].replicas["r0"]
     async with httpx.AsyncClient(timeout=10) as c:
         body = {"model": "m", "prompt": "x"}
@@ -155,7 +168,7 @@ async def test_drain_finishes_inflight_and_admits_no_new(upstreams, gateway) -> 
             c.post(gw.url + "/v1/completions", json=body, headers={"x-test-mode": "stall:1"})
         )
         await wait_until(lambda: r0.inflight_requests == 1, what="the slow request on r0")
-        r = await c.post(gw.url + "/admin/pools/p/replicas/r0/drain", headers=AUTH)
+        r = await c.post(gw.control_url + "/admin/pools/p/replicas/r0/drain", headers=AUTH)
         assert r.status_code == 200 and r.json()["draining"] and r.json()["inflight_requests"] == 1
         for _ in range(5):
             resp = await c.post(gw.url + "/v1/completions", json=body)
@@ -163,23 +176,28 @@ async def test_drain_finishes_inflight_and_admits_no_new(upstreams, gateway) -> 
         done = await slow
         assert done.status_code == 200 and done.headers["x-kvgate-replica"] == "r0"
         assert len(u0.state.seen) == 1
-        await c.post(gw.url + "/admin/pools/p/replicas/r1/drain", headers=AUTH)
+        await c.post(gw.control_url + "/admin/pools/p/replicas/r1/drain", headers=AUTH)
         resp = await c.post(gw.url + "/v1/completions", json=body)
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "no_healthy_replica"
-        r = await c.post(gw.url + "/admin/pools/p/replicas/r0/undrain", headers=AUTH)
+        r = await c.post(gw.control_url + "/admin/pools/p/replicas/r0/undrain", headers=AUTH)
         assert r.status_code == 200 and not r.json()["draining"]
         resp = await c.post(gw.url + "/v1/completions", json=body)
         assert resp.headers["x-kvgate-replica"] == "r0"
-        assert (await c.post(gw.url + "/admin/pools/p/replicas/zz/drain", headers=AUTH)).status_code == 404
+        assert (
+            await c.post(gw.control_url + "/admin/pools/p/replicas/zz/drain", headers=AUTH)
+        ).status_code == 404
 
 
 def write_config(path: Path, data: dict[str, Any]) -> None:
     path.write_text(yaml.safe_dump(data))
 
 
-def file_config(stable: str, canary: str, weights: tuple[float, float], port: int = 0) -> dict[str, Any]:
+def file_config(
+    stable: str, canary: str, weights: tuple[float, float], port: int = 0, control_port: int = 0
+) -> dict[str, Any]:
     return {
-        "server": {"port": port, "admin_key": KEY, "grace_period_s": 1, "access_log": False},
+        "server": {"port": port, "grace_period_s": 1, "access_log": False},
+        "control": {"port": control_port, "admin_key": KEY},
         "health": {"enabled": False},
         "pools": [
             {
@@ -235,7 +253,7 @@ async def test_reload_valid_invalid_and_inflight_survives(upstreams, gateway, tm
         data["routes"][0]["rules"][0]["pools"][1]["weight"] = 100
         data["routes"][0]["rules"][0]["pools"][0]["weight"] = 0
         write_config(path, data)
-        r = await client.post(gw.url + "/admin/reload", headers=AUTH)
+        r = await client.post(gw.control_url + "/admin/reload", headers=AUTH)
         assert r.status_code == 200, r.text
         assert r.json()["changes"] == [
             "pool stable: removed replica stable-0",
@@ -255,12 +273,12 @@ async def test_reload_valid_invalid_and_inflight_survives(upstreams, gateway, tm
             bad = copy.deepcopy(good)
             change(bad)
             write_config(path, bad)
-            r = await client.post(gw.url + "/admin/reload", headers=AUTH)
+            r = await client.post(gw.control_url + "/admin/reload", headers=AUTH)
             assert r.status_code == 409 and r.json()["error"]["code"] == "reload_rejected"
             assert "cannot change without a restart" in r.json()["error"]["message"]
             assert named in r.json()["error"]["message"]
         path.write_text("pools: [unclosed")
-        r = await client.post(gw.url + "/admin/reload", headers=AUTH)
+        r = await client.post(gw.control_url + "/admin/reload", headers=AUTH)
         assert r.status_code == 409 and "invalid YAML" in r.json()["error"]["message"]
         # Nothing of a rejected reload was applied.
         assert gw.runtime.router.weights("llama") == {"stable": 0.0, "canary": 100.0}
@@ -277,7 +295,7 @@ async def test_reload_swaps_a_routes_model_rewrite_with_its_rules(upstreams, gat
         data["routes"][0]["rewrite_model"] = False
         data["routes"].append({"model": "plain", "rules": [{"pools": [{"name": "stable"}]}]})
         write_config(path, data)
-        r = await client.post(gw.url + "/admin/reload", headers=AUTH)
+        r = await client.post(gw.control_url + "/admin/reload", headers=AUTH)
         assert r.status_code == 200 and r.json()["changes"] == ["routes replaced"], r.text
         assert (await post(client, gw.url)).json()["model"] == "m"
         body = {"model": "plain", "prompt": "hi"}
@@ -288,7 +306,8 @@ async def test_sighup_reloads_a_serving_process(upstreams, tmp_path) -> None:
     s, c = await upstreams(2)
     port = free_port()
     path = tmp_path / "kvgate.yaml"
-    data = file_config(s.url, c.url, (100, 0), port)
+    control_port = free_port()
+    data = file_config(s.url, c.url, (100, 0), port, control_port)
     write_config(path, data)
     proc = subprocess.Popen(
         [PYTHON, "-m", "gateway", "serve", "--config", str(path)],
@@ -297,7 +316,7 @@ async def test_sighup_reloads_a_serving_process(upstreams, tmp_path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{control_port}"
     try:
         async with httpx.AsyncClient(timeout=5) as client:
 
@@ -327,9 +346,12 @@ async def test_sighup_reloads_a_serving_process(upstreams, tmp_path) -> None:
         _, err = proc.communicate(timeout=15)
     assert proc.returncode == 0, err.decode()[-2000:]
     assert b"config reloaded" in err
+    # It said where its control plane is, and kept SIGTERM for itself (uvicorn did not take it).
+    assert f"kvgate control plane on {url} ".encode() in err
+    assert b"stop signal: draining" in err and b"kvgate stopped" in err
 
 
 @pytest.mark.parametrize("argv", [["weights", "llama", "bad"], ["weights", "llama", "=3"]])
 def test_rollout_cli_rejects_bad_weight_args(argv: list[str], capsys) -> None:
-    assert rollout_main([argv[0], "--url", "http://127.0.0.1:1", *argv[1:]]) == 2
+    assert rollout_main([argv[0], "--admin", "http://127.0.0.1:1", *argv[1:]]) == 2
     assert "POOL=WEIGHT" in capsys.readouterr().err

@@ -53,7 +53,7 @@ def shared_settings(
 ) -> Any:
     return gateway_settings(
         endpoints,
-        server={"admin_key": KEY},
+        control={"admin_key": KEY},
         state={
             "backend": "redis",
             "redis_url": redis_url,
@@ -142,12 +142,12 @@ async def test_weight_change_on_one_instance_reaches_the_other_within_a_second(
 
     s, c = await upstreams(2)
     state = {"backend": "redis", "key_prefix": key_prefix, "sync_interval_s": 0.05}
-    a = await gateway(rollout_settings(s.url, c.url, 50, 50, server={"admin_key": KEY}, state=state))
-    b = await gateway(rollout_settings(s.url, c.url, 50, 50, server={"admin_key": KEY}, state=state))
+    a = await gateway(rollout_settings(s.url, c.url, 50, 50, control={"admin_key": KEY}, state=state))
+    b = await gateway(rollout_settings(s.url, c.url, 50, 50, control={"admin_key": KEY}, state=state))
     await wait_until(lambda: a.runtime.state.connected and b.runtime.state.connected, what="both connected")
     async with httpx.AsyncClient() as client:
         r = await client.put(
-            a.url + "/admin/routes/llama/weights", json={"weights": {"canary": 0}}, headers=AUTH
+            a.control_url + "/admin/routes/llama/weights", json={"weights": {"canary": 0}}, headers=AUTH
         )
         assert r.status_code == 200
         await wait_until(
@@ -163,13 +163,13 @@ async def test_weight_change_on_one_instance_reaches_the_other_within_a_second(
             )
             assert r.headers["x-kvgate-pool"] == "stable"
         # A third instance started later adopts the fleet's weights, not its file's.
-        late = await gateway(rollout_settings(s.url, c.url, 50, 50, server={"admin_key": KEY}, state=state))
+        late = await gateway(rollout_settings(s.url, c.url, 50, 50, control={"admin_key": KEY}, state=state))
         await wait_until(
             lambda: late.runtime.router.weights("llama") == {"stable": 50.0, "canary": 0.0},
             timeout=2.0,
             what="the late instance to adopt the weights",
         )
-        audit = (await client.get(a.url + "/admin/audit", headers=AUTH)).json()["changes"]
+        audit = (await client.get(a.control_url + "/admin/audit", headers=AUTH)).json()["changes"]
         assert "weights" in audit[-1]["what"]
 
 
@@ -179,7 +179,7 @@ async def test_drain_on_one_instance_drains_everywhere(key_prefix, upstreams, ga
     b = await gateway(shared_settings([u.url for u in ups], key_prefix))
     rb = b.runtime.pools["p"].replicas["r0"]
     async with httpx.AsyncClient() as client:
-        r = await client.post(a.url + "/admin/pools/p/replicas/r0/drain", headers=AUTH)
+        r = await client.post(a.control_url + "/admin/pools/p/replicas/r0/drain", headers=AUTH)
         assert r.status_code == 200
         await wait_until(lambda: rb.draining, timeout=1.0, what="B to drain r0")
         for _ in range(4):
@@ -188,7 +188,7 @@ async def test_drain_on_one_instance_drains_everywhere(key_prefix, upstreams, ga
         await wait_until(
             lambda: late.runtime.pools["p"].replicas["r0"].draining, timeout=2.0, what="late instance drains"
         )
-        r = await client.post(b.url + "/admin/pools/p/replicas/r0/undrain", headers=AUTH)
+        r = await client.post(b.control_url + "/admin/pools/p/replicas/r0/undrain", headers=AUTH)
         assert r.status_code == 200
         ra = a.runtime.pools["p"].replicas["r0"]
         await wait_until(lambda: not ra.draining, timeout=1.0, what="A to undrain r0")
@@ -203,12 +203,12 @@ async def test_endpoints_added_or_removed_on_one_instance_change_every_instance(
     pool_b = b.runtime.pools["p"]
     async with httpx.AsyncClient() as client:
         body = {"url": added.url, "name": "extra", "kind": "openai"}
-        r = await client.post(a.url + "/admin/pools/p/replicas", json=body, headers=AUTH)
+        r = await client.post(a.control_url + "/admin/pools/p/replicas", json=body, headers=AUTH)
         assert r.status_code == 201, r.text
         await wait_until(lambda: "extra" in pool_b.replicas, timeout=1.0, what="B to add the replica")
         assert pool_b.replicas["extra"].url == added.url and pool_b.replicas["extra"].kind == "openai"
         # B routes to it: drain the original there, and its requests reach the added engine.
-        r = await client.post(b.url + "/admin/pools/p/replicas/r0/drain", headers=AUTH)
+        r = await client.post(b.control_url + "/admin/pools/p/replicas/r0/drain", headers=AUTH)
         assert r.status_code == 200
         assert (await complete(client, b, "x")).headers["x-kvgate-replica"] == "extra"
         assert len(added.state.seen) == 1
@@ -216,7 +216,7 @@ async def test_endpoints_added_or_removed_on_one_instance_change_every_instance(
         late = await gateway(shared_settings([first.url], key_prefix))
         pool_late = late.runtime.pools["p"]
         await wait_until(lambda: "extra" in pool_late.replicas, timeout=2.0, what="the late instance")
-        r = await client.delete(b.url + "/admin/pools/p/replicas/extra", headers=AUTH)
+        r = await client.delete(b.control_url + "/admin/pools/p/replicas/extra", headers=AUTH)
         assert r.status_code == 200
         pool_a = a.runtime.pools["p"]
         await wait_until(
@@ -330,7 +330,7 @@ async def test_redis_outage_serves_locally_and_resynchronizes(upstreams, gateway
         "sync_interval_s": 0.05,
     }
     a, b = [
-        await gateway(rollout_settings(s.url, c.url, 50, 50, server={"admin_key": KEY}, state=state))
+        await gateway(rollout_settings(s.url, c.url, 50, 50, control={"admin_key": KEY}, state=state))
         for _ in "ab"
     ]
     await wait_until(lambda: a.runtime.state.connected and b.runtime.state.connected, what="both connected")
@@ -356,7 +356,7 @@ async def test_redis_outage_serves_locally_and_resynchronizes(upstreams, gateway
             for i in range(3):
                 await ask(gw, prompt(10 + i))
         r = await client.put(
-            a.url + "/admin/routes/llama/weights", json={"weights": {"stable": 0}}, headers=AUTH
+            a.control_url + "/admin/routes/llama/weights", json={"weights": {"stable": 0}}, headers=AUTH
         )
         assert r.status_code == 200
         assert (await ask(a, prompt(2))).headers["x-kvgate-pool"] == "canary"
@@ -364,7 +364,7 @@ async def test_redis_outage_serves_locally_and_resynchronizes(upstreams, gateway
         # Rate limits fall back to local buckets.
         assert await a.runtime.state.take([Bucket("k", 1, 1.0, 1)]) == [0.0]
         assert (await a.runtime.state.take([Bucket("k", 1, 1.0, 1)]))[0] > 0
-        status = (await client.get(a.url + "/admin/state", headers=AUTH)).json()
+        status = (await client.get(a.control_url + "/admin/state", headers=AUTH)).json()
         assert status["connected"] is False and status["last_error"]
 
         learned_on_a = set(a.runtime.routers["canary"].prefix_index.snapshot("canary-0"))

@@ -52,7 +52,7 @@ def k8s_gateway(gateway, kube, tmp_path) -> Gateway:
         }
         cfg.update(discovery)
         pool = {"discovery": {"kubernetes": cfg}}
-        return await gateway(gateway_settings([], pool=pool, server={"admin_key": "admin-key"}))
+        return await gateway(gateway_settings([], pool=pool, control={"admin_key": "admin-key"}))
 
     return make
 
@@ -91,7 +91,7 @@ async def test_ready_pods_join_and_leave_by_readiness_and_selector(kube, upstrea
     # A config reload (SIGHUP, admin API) leaves discovered replicas alone, as the admin API does.
     assert gw.runtime.reloader.apply(gw.runtime.settings, "test")["changes"] == []
     admin = {"authorization": "Bearer admin-key"}
-    async with httpx.AsyncClient(base_url=gw.url, headers=admin) as client:
+    async with httpx.AsyncClient(base_url=gw.control_url, headers=admin) as client:
         r = await client.delete("/admin/pools/p/replicas/a")
     assert r.status_code == 409 and "leaves with its pod" in r.json()["error"]["message"]
     assert urls(gw) == {a.url, b.url}

@@ -6,18 +6,15 @@ without it they skip and say so.
 
 from __future__ import annotations
 
-import asyncio
 import re
-import shutil
-import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
-import pytest
 
 from gateway.config import Settings
 from gateway.server import RunningGateway
+from tests.browser import chromium, needs_chromium
 from tests.conftest import gateway_settings
 from tests.upstream_app import Upstream
 
@@ -28,16 +25,13 @@ ADMIN_KEY = "adm-9c1e-secret"
 CLIENT_KEY = "sk-client-77"
 TENANT_KEY = "sk-tenant-55"
 MARKER = "walrus-41d2-unique-prompt-marker"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="chromium not installed (apt-get update && apt-get install -y chromium)"
-)
 
 
 def settings(urls: list[str]) -> Settings:
     return gateway_settings(
         urls,
-        server={"admin_key": ADMIN_KEY, "api_keys": [CLIENT_KEY]},
+        server={"api_keys": [CLIENT_KEY]},
+        control={"admin_key": ADMIN_KEY},
         tenants=[{"name": "tenant-acme", "api_key": TENANT_KEY}],
         routes=[{"model": "chat", "rules": [{"pools": [{"name": "p", "weight": 100}]}]}],
     )
@@ -92,39 +86,6 @@ async def test_page_is_self_contained(upstreams: MakeUpstreams, gateway: MakeGat
     assert not re.search(r"https?://", html), "no external resources"
     assert "<script src" not in html and "<link" not in html
     assert 'id="replica-count"' in html
-
-
-async def chromium(tmp_path: Path, url: str, *mode: str) -> str:
-    """Run headless Chromium on `url` with `mode` (--dump-dom or --screenshot=...); stdout."""
-    assert CHROMIUM is not None
-    profile = tempfile.mkdtemp(prefix="chromium-", dir=tmp_path)  # a fresh browser profile per run
-    proc = await asyncio.create_subprocess_exec(
-        CHROMIUM,
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={profile}",
-        "--window-size=1280,800",
-        # Let the page's fetches and first refreshes run before the DOM or pixels are taken.
-        "--virtual-time-budget=3000",
-        *mode,
-        url,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    assert proc.returncode == 0, err.decode()[-2000:]
-    return out.decode()
 
 
 def replica_count(dom: str) -> str:

@@ -255,7 +255,9 @@ async def test_first_byte_timeout_is_504(upstreams, gateway):
 
 async def test_api_keys_and_admin_key_are_separate(upstreams, gateway):
     (up,) = await upstreams(1)
-    gw = await gateway(gateway_settings([up.url], server={"api_keys": ["k-client"], "admin_key": "k-admin"}))
+    gw = await gateway(
+        gateway_settings([up.url], server={"api_keys": ["k-client"]}, control={"admin_key": "k-admin"})
+    )
     body = {"model": "m", "prompt": "p"}
     async with httpx.AsyncClient() as c:
         _assert_openai_error(await c.post(gw.url + "/v1/completions", json=body), 401, "missing_api_key")
