@@ -180,8 +180,10 @@ def test_a_replica_bound_wider_binds_events_on_a_wildcard_and_is_reached_at_its_
 def test_base_port_gives_repeatable_ports(fleet) -> None:
     from gateway.fleet.ports import reserve_free_port
 
-    base = reserve_free_port("127.0.0.1", 39000)
-    release_ports([base])
+    # Four consecutive ports (two replicas, two NIXL side channels) that nothing else holds now:
+    # a fixed start such as 39000 collides with whatever else runs on the machine.
+    base = reserve_free_port("127.0.0.1", count=4)
+    release_ports(list(range(base, base + 4)))
     plans = fleet(spec(replicas=2, base_port=base, roles={"prefill": 1, "decode": 1}))
     assert [p.port for p in plans] == [base, base + 1]
     assert [port for p in plans for port in p.ports[1:]] == [base + 2, base + 3]  # NIXL side channels
