@@ -140,6 +140,12 @@ class ControlConfig(_Strict):
     admin_key: str | None = Field(
         None, description="Bearer key every /admin route needs; unset = no control listener at all"
     )
+    max_connections: int = Field(
+        32, gt=0, description="Connections served at once; beyond it, 503 until one closes"
+    )
+    idle_timeout_s: float = Field(
+        5.0, gt=0, description="A connection silent this long is closed, before its first request too"
+    )
 
 
 class UpstreamTLS(_Strict):

@@ -142,7 +142,9 @@ def _control_listener(runtime: Runtime, settings: Settings) -> ControlListener |
 
     cfg = settings.control
     try:
-        control = ControlListener(app, cfg.host, cfg.port, settings.server.grace_period_s)
+        control = ControlListener(
+            app, cfg.host, cfg.port, settings.server.grace_period_s, cfg.max_connections, cfg.idle_timeout_s
+        )
     except OSError as exc:
         raise ListenError(
             f"cannot listen on control.host:control.port {cfg.host}:{cfg.port}: {exc.strerror or exc}"

@@ -4,8 +4,9 @@
 uvicorn runs as a task of the gateway's loop (`Server.serve`) with lifespan off, no websockets and
 no signal handlers of its own: the gateway keeps SIGTERM, SIGINT and SIGHUP. The socket is bound
 here, before the task starts, so a taken port fails the gateway's start before any engine is
-launched, and a port 0 is known at once. h11 parses requests: it bounds request heads (16 KiB),
-and the control plane's traffic is an operator's, not the data plane's.
+launched, and a port 0 is known at once. h11 parses requests: it bounds request heads (16 KiB);
+connections are capped (`control.max_connections`) and closed after `control.idle_timeout_s` of
+silence, before their first request too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 
 import uvicorn
 from starlette.types import ASGIApp
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 # uvicorn's lines about its own start and stop repeat the gateway's; its errors still show.
@@ -33,17 +35,41 @@ class _Server(uvicorn.Server):
         yield
 
 
+class _BoundedH11(H11Protocol):
+    """uvicorn's h11 protocol, with its keep-alive timer armed from the connection's first moment:
+    uvicorn starts it only after a response, so a connection that never sends a request would hold
+    a slot (and a descriptor) for ever."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+
 class ControlListener:
     """Raises OSError when the address cannot be bound."""
 
-    def __init__(self, app: ASGIApp, host: str, port: int, grace_period_s: float) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        host: str,
+        port: int,
+        grace_period_s: float,
+        max_connections: int = 32,
+        idle_timeout_s: float = 5.0,
+    ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.create_server((host, port), family=family, backlog=128)
         self.host = host
         self.port: int = self.sock.getsockname()[1]
         config = uvicorn.Config(
             app,
-            http="h11",
+            http=_BoundedH11,
+            # An operator's port, but still a peer that may misbehave: bounded in connections
+            # (503 beyond) and in how long a silent connection is kept.
+            limit_concurrency=max_connections,
+            timeout_keep_alive=idle_timeout_s,
             ws="none",
             lifespan="off",
             log_config=None,  # the gateway's logging, as configured

@@ -305,3 +305,28 @@ async def test_deprecated_server_admin_key_still_works(upstreams, gateway, caplo
         assert (await client.get("/admin/pools", headers=AUTH)).status_code == 200
     with pytest.raises(ConfigError, match=r"server\.admin_key .* and control\.admin_key differ"):
         gateway_settings([up.url], server={"admin_key": KEY}, control={"admin_key": "other"})
+
+
+async def test_silent_connections_are_bounded_and_closed(upstreams, gateway) -> None:
+    """A flood of connections that never send a request cannot hold the control port: beyond
+    `max_connections` a request gets 503, and silent connections are closed after the idle timeout,
+    first request or not, after which the API answers again."""
+    s, c = await upstreams(2)
+    control_cfg = {"admin_key": KEY, "max_connections": 4, "idle_timeout_s": 0.5}
+    gw = await gateway(rollout_settings(s.url, c.url, 90, 10, control=control_cfg))
+    assert gw.control_url is not None
+    host, port = gw.control_url.removeprefix("http://").split(":")
+    silent = [await asyncio.open_connection(host, int(port)) for _ in range(8)]
+    try:
+        async with httpx.AsyncClient(base_url=gw.control_url) as client:
+            r = await client.get("/admin/routes", headers=AUTH)
+            assert r.status_code == 503  # every slot held by a silent connection
+            closed = await asyncio.wait_for(
+                asyncio.gather(*(reader.read() for reader, _ in silent)), timeout=10
+            )
+            assert closed == [b""] * 8  # each closed by the server, without a byte
+            r = await client.get("/admin/routes", headers=AUTH)
+            assert r.status_code == 200
+    finally:
+        for _, writer in silent:
+            writer.close()
