@@ -162,14 +162,15 @@ def test_the_gpu_fleet_config_launches_four_fp8_replicas_sharing_one_gpu(tmp_pat
             assert part in line, (part, line)
 
 
-def test_steady_rate_leaves_out_the_ramp_and_the_drain() -> None:
+def test_served_rate_counts_the_whole_run_ramp_drain_and_failures_aside() -> None:
     ok = {"status": 200, "error": None}
-    # 100 completions, one every 0.1 s, then a straggler 30 s later.
-    recs = [{**ok, "sent": 0.0, "e2e": 1.0 + k * 0.1} for k in range(100)] + [
-        {**ok, "sent": 0.0, "e2e": 40.0}
-    ]
-    assert host.steady_rate(recs) == pytest.approx(10.0, rel=0.02)
-    assert host.steady_rate(recs[:5]) is None
+    # 100 completions sent at 0, one every 0.1 s from 1 s, then a straggler at 20 s: the fleet
+    # served 101 requests in 20 s, whatever pace it kept in the middle.
+    recs = [{**ok, "sent": 0.0, "e2e": 1.0 + k * 0.1} for k in range(100)]
+    recs.append({**ok, "sent": 0.0, "e2e": 20.0})
+    failed = [{"status": 503, "error": "overloaded", "sent": 0.5, "e2e": 0.01}] * 30
+    assert host.served_rate(recs + failed) == pytest.approx(101 / 20.0, rel=0.01)
+    assert host.served_rate(recs[:5]) is None
 
 
 def test_kill_test_a_launched_replica_is_restarted_and_rejoins(tmp_path: Path) -> None:
