@@ -22,7 +22,7 @@ from typing import Any
 
 SIM_TOLERANCE = 0.15
 TITLES = {
-    "probe": "Capacity probes (steady completions/s under overload)",
+    "probe": "Capacity probes (completions/s served over the whole overload run)",
     "routing": "Routing: shared-prefix groups at 90% of round-robin's sustainable rate (FP8 KV)",
     "scheduling_overload": "Scheduling: interactive + batch at 50% and 150% of capacity",
     "scheduling_sjf": "Scheduling: FCFS vs SJF at 90% of capacity",
