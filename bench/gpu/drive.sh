@@ -212,5 +212,12 @@ step bf16_calib 40 calib calib_bf16.json
 for cfg in prefix_affinity_default round_robin; do
   step "bf16_$cfg" "$EST_ROUTE" host scenario "$KG" "bf16_$cfg" "bf16-routing/$cfg" -- routing --size h200 --only "$cfg" --rate "$R"
 done
+# The hot-prefix loss of prefix_affinity (1.34-1.40x radix's mean TTFT on the FP8 fleet): the same
+# three-way comparison on this fleet, with a per_request_tokens of 256, and its cost on uniform groups.
+# The scenario files come from the tree, not the wheel: added after call 1 had installed it.
+for cfg in radix_cache_aware prefix_affinity_default prefix_affinity_spread; do
+  step "bf16_hot_$cfg" 35 host scenario "$KG" "bf16_hot_$cfg" "bf16-routing-hot/$cfg" -- "$REPO/bench/scenarios/routing-hot.yaml" --size h200 --only $cfg
+done
+step bf16_prefix_affinity_spread "$EST_ROUTE" host scenario "$KG" bf16_prefix_affinity_spread bf16-routing/prefix_affinity_spread -- "$REPO/bench/scenarios/routing.yaml" --size h200 --only prefix_affinity_spread --rate "$R"
 # Prefill/decode disaggregation on the one GPU is not in this queue: the payload carries no NIXL.
 finish
