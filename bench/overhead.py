@@ -13,7 +13,11 @@ The client is aiohttp on uvloop (an httpx client saturates a core near 900 reque
 so it would measure itself). `--transport both` puts one gateway per upstream transport
 (`upstream.transport`: http1, aiohttp) in front of the same upstream and interleaves all of
 them, so the transports are compared side by side in one run.
-Run: `python -m bench.overhead [--quick] [--transport http1|aiohttp|both]`.
+`--server both` does the same for the data plane's HTTP server (`server.impl`: httptools, aiohttp),
+and `--peers sglang-router` adds SGLang's Rust router (`pip install -e ".[bench-peers]"`) in front of
+the same upstream, with a table of kvgate's figures over the router's.
+Run: `python -m bench.overhead [--quick] [--server httptools|aiohttp|both]
+[--transport http1|aiohttp|both] [--peers sglang-router]`.
 """
 
 from __future__ import annotations
@@ -143,9 +147,9 @@ async def concurrent(url: str, clients: int, duration_s: float, pid: int | None)
     return out
 
 
-def gateway_config(upstream: str, port: int, transport: str) -> dict[str, object]:
+def gateway_config(upstream: str, port: int, server: str, transport: str) -> dict[str, object]:
     return {
-        "server": {"host": HOST, "port": port, "access_log": False, "log_level": "warning"},
+        "server": {"host": HOST, "port": port, "impl": server, "access_log": False, "log_level": "warning"},
         "upstream": {"transport": transport},
         "scheduler": {"enabled": True},
         "pools": [
@@ -235,12 +239,18 @@ def sglang_router_argv(upstream: str, port: int) -> list[str]:
     )
 
 
-def gateway_sides(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """The kvgate configurations to run, as (label, transport)."""
+def gateway_sides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """The kvgate configurations to run, as (label, HTTP server, upstream transport)."""
+    servers = ["httptools", "aiohttp"] if args.server == "both" else [args.server]
     transports = ["http1", "aiohttp"] if args.transport == "both" else [args.transport]
-    if len(transports) == 1:
-        return [("kvgate", transports[0])]
-    return [(f"kvgate [{t}]", t) for t in transports]
+    sides = []
+    for server in servers:
+        for transport in transports:
+            parts = [f"{server} server"] * (len(servers) > 1) + [f"{transport} client"] * (
+                len(transports) > 1
+            )
+            sides.append((f"kvgate [{', '.join(parts)}]" if parts else "kvgate", server, transport))
+    return sides
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
@@ -255,12 +265,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     # label -> (base URL, readiness path, process)
     proxies: dict[str, tuple[str, str, Child]] = {}
     port = base
-    for label, transport in sides:
+    for label, server, transport in sides:
         port += 1
-        cfg = workdir / f"gateway-{transport}.yaml"
-        cfg.write_text(yaml.safe_dump(gateway_config(upstream_url, port, transport)))
+        cfg = workdir / f"gateway-{server}-{transport}.yaml"
+        cfg.write_text(yaml.safe_dump(gateway_config(upstream_url, port, server, transport)))
         argv = python_module("gateway", "serve", "--config", str(cfg))
-        proxies[label] = (f"http://{HOST}:{port}", "/ready", Child(label, argv, workdir / f"{transport}.log"))
+        log_path = workdir / f"{server}-{transport}.log"
+        proxies[label] = (f"http://{HOST}:{port}", "/ready", Child(label, argv, log_path))
     for peer in peers:
         port += 1
         argv = sglang_router_argv(upstream_url, port)
@@ -377,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-n", type=int, default=3000, help="sequential requests per side")
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per round and side")
+    parser.add_argument(
+        "--server",
+        choices=["httptools", "aiohttp", "both"],
+        default="httptools",
+        help="the gateway's HTTP server (server.impl); both: one gateway each, side by side",
+    )
     parser.add_argument(
         "--rounds", type=int, default=3, help="rounds of the concurrent measurement, sides alternating"
     )
