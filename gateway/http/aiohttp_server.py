@@ -73,6 +73,8 @@ async def route_errors(request: web.Request, handler: AiohttpHandler) -> web.Str
         if exc.status < 400:
             raise
         reply = route_error(exc.status, exc.reason, request.method, request.path)
+        if "Allow" in exc.headers:  # a 405 names the methods the path takes
+            reply.headers["Allow"] = exc.headers["Allow"]
         return web.Response(status=reply.status, body=reply.body, headers=reply.headers)
 
 
