@@ -350,6 +350,7 @@ class Connection(asyncio.Protocol):
 
     def _refuse(self, status: int, message: str) -> None:
         """A request the parser or a limit refuses: answered in turn, then the connection closes."""
+        log.debug("refused a client request: %s", message)  # the client's doing: not above debug
         self.parser = None  # type: ignore[assignment]
         self.pause_reading()
         if self.parsing is not None:  # its handler is reading the body: it answers the 400
