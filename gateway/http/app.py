@@ -105,7 +105,7 @@ class DataPlane:
 
     async def _inference(self, request: Exchange, rec: RequestRecord) -> Reply | StreamOut:
         server = self.server
-        bad_header = invalid_header(request.headers.items())
+        bad_header = invalid_header(request.headers)
         if bad_header is not None:
             raise client_error(
                 f"header {clip(bad_header, 64)!r}: values may hold only visible ASCII, spaces and tabs",
