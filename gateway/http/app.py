@@ -1,5 +1,5 @@
 """The data plane's HTTP surface: OpenAI routes, model list, liveness and readiness, the envelope of
-every inference request (its ids, record and span), and errors in the OpenAI form."""
+every inference request (its ids, record and span). Served by either HTTP server (gateway/http/)."""
 
 from __future__ import annotations
 

@@ -159,12 +159,14 @@ class Request:
 
 
 class Stream:
-    """An answer written piece by piece, chunked (or, with Connection: close, as it comes)."""
+    """An answer written piece by piece, chunked (or, with Connection: close, as it comes). The
+    head goes out with the first piece: one write, one segment for the first token."""
 
-    __slots__ = ("chunked", "conn", "done")
+    __slots__ = ("chunked", "conn", "done", "head")
 
-    def __init__(self, conn: Connection, chunked: bool) -> None:
+    def __init__(self, conn: Connection, head: bytes, chunked: bool) -> None:
         self.conn = conn
+        self.head = head
         self.chunked = chunked
         self.done = False
 
@@ -174,7 +176,11 @@ class Stream:
             raise ConnectionResetError("the client closed the connection")
         if not data:
             return  # an empty chunk would end the body
-        conn.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        if self.chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        if self.head:
+            data, self.head = self.head + data, b""
+        conn.transport.write(data)
         if conn.write_paused:
             await conn.drain()
 
@@ -183,8 +189,10 @@ class Stream:
             await self.write(data)
         if self.conn.lost:
             raise ConnectionResetError("the client closed the connection")
-        if self.chunked:
-            self.conn.transport.write(b"0\r\n\r\n")
+        end = b"0\r\n\r\n" if self.chunked else b""
+        if self.head or end:
+            self.conn.transport.write(self.head + end)
+            self.head = b""
         self.done = True
 
 
@@ -408,8 +416,7 @@ class Connection(asyncio.Protocol):
         if self.lost:
             raise ConnectionResetError("the client closed the connection")
         close = not request.keep_alive
-        self.transport.write(_head(status, headers, None, close))
-        return Stream(self, not close)
+        return Stream(self, _head(status, headers, None, close), not close)
 
     def shut(self) -> None:
         """At shutdown: close now when idle, else after the answer in progress."""
