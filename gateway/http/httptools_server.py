@@ -39,6 +39,9 @@ MAX_FIELD = 8190
 MAX_HEADERS = 128
 MAX_PIPELINED = 16  # requests parsed ahead of the one being served before reading pauses
 BODY_BUFFER = 1 << 20  # body bytes held for a handler that does not read them before reading pauses
+# Answered before its body was read (413, say): the rest of the body is read and dropped for at most
+# this long before closing, so the client, still sending, reads the answer instead of a reset.
+LINGER_S = 5.0
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _EMPTY: Mapping[str, str] = {}
@@ -69,7 +72,7 @@ class _Date:
 class Body:
     """A request's body as it arrives; `request_body.read_body` reads it."""
 
-    __slots__ = ("_conn", "_error", "_parts", "_size", "_waiter", "eof")
+    __slots__ = ("_conn", "_error", "_parts", "_size", "_waiter", "discard", "eof")
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
@@ -78,8 +81,11 @@ class Body:
         self._waiter: asyncio.Future[None] | None = None
         self._error: BodyError | None = None
         self.eof = False
+        self.discard = False  # answered already: what still arrives is dropped
 
     def feed(self, data: bytes) -> None:
+        if self.discard:
+            return
         self._parts.append(data)
         self._size += len(data)
         if self._size > BODY_BUFFER:
@@ -229,6 +235,7 @@ class Connection(asyncio.Protocol):
         self.write_paused = False
         self.read_paused = False
         self._drain: asyncio.Future[None] | None = None
+        self.lingering: asyncio.TimerHandle | None = None
         self._url: list[bytes] = []
         self._url_size = 0
         self._headers: list[tuple[str, str]] = []
@@ -267,6 +274,8 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.server.closed(self)
+        if self.lingering is not None:
+            self.lingering.cancel()
         if self.parsing is not None:
             self.parsing.content.fail("the client closed the connection")
         if self.task is not None:
@@ -347,9 +356,13 @@ class Connection(asyncio.Protocol):
         if self.parsing is not None:
             self.parsing.content.feed_eof()
             self.parsing = None
+        if self.lingering is not None:
+            self.transport.close()  # the unread body is over: nothing left to reset
 
     # -- serving -----------------------------------------------------------------------------
     def _enqueue(self, item: Request | Reply) -> None:
+        if self.lingering is not None:
+            return  # closing once the body before it is over: not served
         self.queue.append(item)
         if len(self.queue) > MAX_PIPELINED:
             self.pause_reading()
@@ -385,6 +398,9 @@ class Connection(asyncio.Protocol):
                     if guard is not None:
                         guard.request_finished(self.guarded)  # type: ignore[arg-type]
                 self.queue.popleft()
+                if not item.content.eof and self.parser is not None and not self.closing:
+                    self._linger(item)
+                    return
                 if not keep or self.closing:
                     self.transport.close()
                     return
@@ -411,6 +427,12 @@ class Connection(asyncio.Protocol):
         else:
             self.transport.writelines((head, body))
         return keep
+
+    def _linger(self, request: Request) -> None:
+        """Answered before the request's body was read: drop the rest of it, then close."""
+        request.content.discard = True
+        self.lingering = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+        self.resume_reading()
 
     def open_stream(self, request: Request, status: int, headers: dict[str, str]) -> StreamOut:
         if self.lost:

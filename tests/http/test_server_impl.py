@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import httpx
 import orjson
 import pytest
 
@@ -79,3 +80,19 @@ async def test_percent_encoded_model_ids_and_streamed_answers(gw):
     )
     assert streamed.status == 200 and streamed.header("transfer-encoding") == "chunked"
     assert streamed.body.rstrip().endswith(b"data: [DONE]")
+
+
+async def test_a_body_refused_before_it_is_read_still_gets_its_answer(gw):
+    # 413 from the declared length while the client is still sending: the rest is read and
+    # dropped, so the client reads the answer rather than a reset.
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/completions", content=b"x" * (9 << 20))
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+async def test_many_pipelined_requests_are_all_answered(gw):
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(b"GET /live HTTP/1.1\r\nHost: gw\r\n\r\n" * 60)  # beyond what is parsed ahead
+    answers = [await asyncio.wait_for(read_response(reader), 5) for _ in range(60)]
+    writer.close()
+    assert [a.status for a in answers] == [200] * 60
