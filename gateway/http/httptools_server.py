@@ -257,6 +257,9 @@ class Connection(asyncio.Protocol):
             # closes after it (what follows is not HTTP/1.1).
             self.parser = None  # type: ignore[assignment]
             self.pause_reading()
+            if self.parsing is not None:
+                self.parsing.content.fail("protocol upgrades are not supported")
+                self.parsing = None
             if self.queue and isinstance(self.queue[-1], Request):
                 self.queue[-1].keep_alive = False
         except httptools.HttpParserError as exc:
