@@ -13,7 +13,11 @@ The client is aiohttp on uvloop (an httpx client saturates a core near 900 reque
 so it would measure itself). `--transport both` puts one gateway per upstream transport
 (`upstream.transport`: http1, aiohttp) in front of the same upstream and interleaves all of
 them, so the transports are compared side by side in one run.
-Run: `python -m bench.overhead [--quick] [--transport http1|aiohttp|both]`.
+`--server both` does the same for the data plane's HTTP server (`server.impl`: httptools, aiohttp),
+and `--peers sglang-router` adds SGLang's Rust router (`pip install -e ".[bench-peers]"`) in front of
+the same upstream, with a table of kvgate's figures over the router's.
+Run: `python -m bench.overhead [--quick] [--server httptools|aiohttp|both]
+[--transport http1|aiohttp|both] [--peers sglang-router]`.
 """
 
 from __future__ import annotations
@@ -137,15 +141,15 @@ async def concurrent(url: str, clients: int, duration_s: float, pid: int | None)
         await asyncio.gather(*(client() for _ in range(clients)))
         elapsed = time.perf_counter() - t0
         cpu = (cpu_seconds(pid) - cpu0) if pid else float("nan")
-    out = {"requests": done, "errors": errors, "rps": done / elapsed, **summary([v * 1e3 for v in lat])}
+    out = {"requests": done, "errors": errors, "elapsed_s": elapsed, **summary([v * 1e3 for v in lat])}
     if pid:
-        out["gateway_cpu_us_per_request"] = cpu / max(done, 1) * 1e6
+        out["cpu_s"] = cpu
     return out
 
 
-def gateway_config(upstream: str, port: int, transport: str) -> dict[str, object]:
+def gateway_config(upstream: str, port: int, server: str, transport: str) -> dict[str, object]:
     return {
-        "server": {"host": HOST, "port": port, "access_log": False, "log_level": "warning"},
+        "server": {"host": HOST, "port": port, "impl": server, "access_log": False, "log_level": "warning"},
         "upstream": {"transport": transport},
         "scheduler": {"enabled": True},
         "pools": [
@@ -204,7 +208,7 @@ def table(pairs: list[Pair], conc: dict[str, dict[str, float]]) -> str:
     lines = pair_rows(pairs, "measurement", "direct", "gateway")
     lines += [
         "",
-        "| concurrent clients | requests/s | p50 / p99 (ms) | errors | gateway CPU per request |",
+        "| concurrent clients | requests/s | p50 / p99 (ms, median of rounds) | errors | CPU per request |",
         "| --- | ---: | --- | ---: | ---: |",
     ]
     for name, c in conc.items():
@@ -216,68 +220,152 @@ def table(pairs: list[Pair], conc: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-async def run(args: argparse.Namespace) -> dict[str, object]:
+SGLANG_ROUTER = "sglang-router"
+SGLANG_ROUTER_INSTALL = 'pip install -e ".[bench-peers]"  (sglang-router==0.3.2)'
+
+
+def sglang_router_argv(upstream: str, port: int) -> list[str]:
+    """sglang-router (Rust, in one process) in front of the same upstream, round robin as kvgate is."""
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            f"--peers {SGLANG_ROUTER} needs the router installed: {SGLANG_ROUTER_INSTALL}"
+        ) from None
+    return python_module(
+        "sglang_router.launch_router",
+        *("--host", HOST, "--port", str(port), "--worker-urls", upstream),
+        *("--policy", "round_robin", "--log-level", "error"),
+    )
+
+
+def gateway_sides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """The kvgate configurations to run, as (label, HTTP server, upstream transport)."""
+    servers = ["httptools", "aiohttp"] if args.server == "both" else [args.server]
     transports = ["http1", "aiohttp"] if args.transport == "both" else [args.transport]
-    base = free_port_range(1 + len(transports))
+    sides = []
+    for server in servers:
+        for transport in transports:
+            parts = [f"{server} server"] * (len(servers) > 1) + [f"{transport} client"] * (
+                len(transports) > 1
+            )
+            sides.append((f"kvgate [{', '.join(parts)}]" if parts else "kvgate", server, transport))
+    return sides
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    sides = gateway_sides(args)
+    peers = list(args.peers)
+    base = free_port_range(1 + len(sides) + len(peers))
     upstream_url = f"http://{HOST}:{base}"
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-overhead-"))
     upstream = Child(
         "upstream", python_module("bench.echo_upstream", "--port", str(base)), workdir / "up.log"
     )
-    gateways: dict[str, tuple[str, Child]] = {}
-    for i, transport in enumerate(transports, start=1):
-        cfg = workdir / f"gateway-{transport}.yaml"
-        cfg.write_text(yaml.safe_dump(gateway_config(upstream_url, base + i, transport)))
+    # label -> (base URL, readiness path, process)
+    proxies: dict[str, tuple[str, str, Child]] = {}
+    port = base
+    for label, server, transport in sides:
+        port += 1
+        cfg = workdir / f"gateway-{server}-{transport}.yaml"
+        cfg.write_text(yaml.safe_dump(gateway_config(upstream_url, port, server, transport)))
         argv = python_module("gateway", "serve", "--config", str(cfg))
-        gateways[transport] = (
-            f"http://{HOST}:{base + i}",
-            Child(f"gateway-{transport}", argv, workdir / f"{transport}.log"),
-        )
+        log_path = workdir / f"{server}-{transport}.log"
+        proxies[label] = (f"http://{HOST}:{port}", "/ready", Child(label, argv, log_path))
+    for peer in peers:
+        port += 1
+        argv = sglang_router_argv(upstream_url, port)
+        proxies[peer] = (f"http://{HOST}:{port}", "/readiness", Child(peer, argv, workdir / f"{peer}.log"))
     load_before = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:
         stack.enter_context(upstream.start())
-        for _, child in gateways.values():
+        for _, _, child in proxies.values():
             stack.enter_context(child.start())
         upstream.wait_ready([upstream_url + "/health"], 30)
-        for url, child in gateways.values():
-            child.wait_ready([url + "/ready"], 30)
+        for url, ready, child in proxies.values():
+            child.wait_ready([url + ready], 60)
         path = "/v1/chat/completions"
-        urls = {t: url + path for t, (url, _) in gateways.items()}
+        urls = {label: url + path for label, (url, _, _) in proxies.items()}
         pairs = [
             *await sequential(upstream_url + path, urls, args.n, BODY, False, "(a) sequential"),
             *await sequential(upstream_url + path, urls, args.n, STREAM_BODY, True, "(b) stream first chunk"),
         ]
         # The rename pairs, on the first gateway: the same alias, renamed against not.
-        gw = next(iter(urls.values()))
+        gw = urls[sides[0][0]]
         raw_body, raw_stream = _aliased(BODY, "alias-raw"), _aliased(STREAM_BODY, "alias-raw")
         renamed_body = {"renamed": _aliased(BODY, "alias")}
         renamed_stream = {"renamed": _aliased(STREAM_BODY, "alias")}
-        renames = [
-            *await sequential(gw, {"renamed": gw}, args.n, raw_body, False, "(a) alias", renamed_body),
-            *await sequential(
-                gw, {"renamed": gw}, args.n, raw_stream, True, "(b) alias chunk", renamed_stream
-            ),
-        ]
-        conc = {
-            f"direct x{args.clients}": await concurrent(
-                upstream_url + path, args.clients, args.duration, None
-            )
-        }
-        for t, (url, child) in gateways.items():
+        renames = (
+            []
+            if args.no_rename
+            else [
+                *await sequential(gw, {"renamed": gw}, args.n, raw_body, False, "(a) alias", renamed_body),
+                *await sequential(
+                    gw, {"renamed": gw}, args.n, raw_stream, True, "(b) alias chunk", renamed_stream
+                ),
+            ]
+        )
+        targets: dict[str, tuple[str, int | None]] = {"direct": (upstream_url + path, None)}
+        for label, (url, _, child) in proxies.items():
             assert child.proc is not None
-            conc[f"gateway [{t}] x{args.clients}"] = await concurrent(
-                url + path, args.clients, args.duration, child.proc.pid
-            )
+            targets[label] = (url + path, child.proc.pid)
+        rounds: dict[str, list[dict[str, float]]] = {label: [] for label in targets}
+        # Rounds alternate the sides, so a change in the machine's load lands on all of them.
+        for _ in range(args.rounds):
+            for label, (url, pid) in targets.items():
+                rounds[label].append(await concurrent(url, args.clients, args.duration, pid))
+        conc = {f"{label} x{args.clients}": merge_rounds(r) for label, r in rounds.items()}
     cost = rewrite_cost()
     load = f"load average (1 min) {load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end"
+    text = table(pairs, conc) + "\n\n" + peer_ratios(pairs, conc, peers)
+    if renames:
+        text += "\n\n" + rename_table(renames, cost)
     return {
         "pairs": [{**asdict(p), "added_ms": p.added_ms} for p in pairs],
         "concurrent": conc,
         "rename_pairs": [{**asdict(p), "added_ms": p.added_ms} for p in renames],
         "rewrite_cost_us": cost,
         "load": load,
-        "table": table(pairs, conc) + "\n\n" + rename_table(renames, cost) + f"\n\n{load}",
+        "table": text + f"\n\n{load}",
     }
+
+
+def merge_rounds(rounds: list[dict[str, float]]) -> dict[str, float]:
+    """Rounds of the concurrent measurement as one: counts and CPU add up; latency percentiles are
+    the median of the rounds' own."""
+    total = {key: sum(r[key] for r in rounds) for key in ("requests", "errors", "elapsed_s")}
+    total["rps"] = total["requests"] / total["elapsed_s"]
+    for key in ("p50", "p95", "p99"):
+        total[key] = pct([r[key] for r in rounds], 0.5)
+    if "cpu_s" in rounds[0]:
+        total["cpu_s"] = sum(r["cpu_s"] for r in rounds)
+        total["gateway_cpu_us_per_request"] = total["cpu_s"] / max(total["requests"], 1) * 1e6
+    return total
+
+
+def peer_ratios(pairs: list[Pair], conc: dict[str, dict[str, float]], peers: list[str]) -> str:
+    """kvgate's figures over each peer's, from the same run: below 1 is kvgate ahead."""
+    if not peers:
+        return ""
+    lines = [
+        "| kvgate / peer | (a) added p50 | (a) added p99 | (b) added p99 | CPU per request | requests/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    added = {p.name: p.added_ms for p in pairs}
+    cpu = {name.rsplit(" x", 1)[0]: c for name, c in conc.items()}
+    kvgates = [label for label in cpu if label.startswith("kvgate")]
+    for peer in peers:
+        for label in kvgates:
+            a, pa = added[f"(a) sequential [{label}]"], added[f"(a) sequential [{peer}]"]
+            b, pb = added[f"(b) stream first chunk [{label}]"], added[f"(b) stream first chunk [{peer}]"]
+            k, r = cpu[label], cpu[peer]
+            lines.append(
+                f"| {label} / {peer} | {a['p50'] / pa['p50']:.2f} | {a['p99'] / pa['p99']:.2f} | "
+                f"{b['p99'] / pb['p99']:.2f} | "
+                f"{k['gateway_cpu_us_per_request'] / r['gateway_cpu_us_per_request']:.2f} | "
+                f"{k['rps'] / r['rps']:.2f} |"
+            )
+    return "\n".join(lines)
 
 
 def rename_table(pairs: list[Pair], cost: dict[str, float]) -> str:
@@ -299,8 +387,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     parser.add_argument("-n", type=int, default=3000, help="sequential requests per side")
     parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per round and side")
+    parser.add_argument(
+        "--server",
+        choices=["httptools", "aiohttp", "both"],
+        default="httptools",
+        help="the gateway's HTTP server (server.impl); both: one gateway each, side by side",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of the concurrent measurement, sides alternating"
+    )
     parser.add_argument("--out", default="bench/out/overhead")
+    parser.add_argument(
+        "--peers",
+        nargs="*",
+        choices=[SGLANG_ROUTER],
+        default=[],
+        help=f"other routers measured beside kvgate in one run ({SGLANG_ROUTER}: {SGLANG_ROUTER_INSTALL})",
+    )
+    parser.add_argument("--no-rename", action="store_true", help="skip the model-rename pairs")
     parser.add_argument(
         "--transport",
         choices=["http1", "aiohttp", "both"],
@@ -309,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.n, args.duration = 200, 2.0
+        args.n, args.duration, args.rounds = 200, 2.0, 1
     try:
         import uvloop
 

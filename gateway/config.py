@@ -121,6 +121,11 @@ class ServerConfig(_Strict):
     reserved_connections: int = Field(
         32, ge=0, description="Beyond max_connections: answered for /health, /ready and /live only"
     )
+    impl: Literal["httptools", "aiohttp"] = Field(
+        "httptools",
+        description="The data plane's HTTP server: kvgate's lean one on llhttp, or aiohttp's; same routes, "
+        "limits and behaviour",
+    )
     access_log: bool = True
     log_json: bool = False
     log_level: str = "info"

@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from gateway.admission.scheduler import Scheduler
 from gateway.config import Settings
 from gateway.control.audit import AuditTrail
@@ -32,6 +30,7 @@ from gateway.observe.dashboard import Dashboard
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import Tracing
 from gateway.observe.view import GatewayView
+from gateway.path.exchange import Route
 from gateway.path.prepare import Preparation
 from gateway.path.proxy import Proxy
 from gateway.path.request_record import Observer, RequestRecord
@@ -149,11 +148,11 @@ class Runtime:
             lambda: self.draining,
         )
 
-    def app(self) -> web.Application:
-        """The data plane's app: the OpenAI routes and probes, metrics and the status page (both
+    def routes(self) -> list[Route]:
+        """The data plane's routes: the OpenAI routes and probes, metrics and the status page (both
         read-only: Prometheus and the page's readers reach them where clients do)."""
-        routes = [] if self.metrics is None else [web.get("/metrics", self.metrics.handle)]
-        return self.data_plane.app([*routes, *self.dashboard.routes()])
+        metrics = [] if self.metrics is None else [Route("GET", "/metrics", self.metrics.handle)]
+        return [*self.data_plane.http_routes(), *metrics, *self.dashboard.routes()]
 
     def control_app(self) -> ASGIApp | None:
         """The control plane's app (the admin API, its schema and docs page); None without an

@@ -13,11 +13,12 @@ import logging
 import signal
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
-from gateway.config import Settings
+from gateway.config import ServerConfig, Settings
 from gateway.control.reload import ReloadRejected
+from gateway.http.aiohttp_server import AiohttpServer
 from gateway.http.conn_guard import ConnectionGuard, connection_limit
+from gateway.http.httptools_server import HttptoolsServer
+from gateway.path.exchange import Route
 from gateway.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -33,13 +34,13 @@ class RunningGateway:
     def __init__(
         self,
         runtime: Runtime,
-        runner: web.AppRunner,
+        http: AiohttpServer | HttptoolsServer,
         listener: asyncio.Server,
         guard: ConnectionGuard,
         control: ControlListener | None,
     ) -> None:
         self.runtime = runtime
-        self.runner = runner
+        self.http = http  # the HTTP server (server.impl) behind the listener
         self.listener = listener
         self.guard = guard
         self.control = control
@@ -72,7 +73,7 @@ class RunningGateway:
         try:
             self.listener.close()
             self.guard.close_all()
-            await asyncio.gather(self.runner.cleanup(), *([self.control.stop()] if self.control else []))
+            await asyncio.gather(self.http.shutdown(), *([self.control.stop()] if self.control else []))
         finally:
             shed.cancel()
             await self.runtime.stop()
@@ -90,47 +91,44 @@ async def start_gateway(
         log.warning("%s", deprecated)
     runtime = Runtime(settings, config_path, server_overrides)
     server = settings.server
-    runner = web.AppRunner(
-        runtime.app(),
-        handler_cancellation=True,  # a client that leaves cancels its handler and so the upstream call
-        access_log=None,
-        shutdown_timeout=server.grace_period_s,
-        # The connection guard closes idle connections (and counts them); aiohttp's own timer is a
-        # backstop that must not beat it.
-        keepalive_timeout=server.keepalive_timeout_s + 5.0,
-        auto_decompress=False,  # request bodies are decoded, within bounds, by request_body
-    )
+    http = http_server(runtime.routes(), server)
     # Listen first: a taken port must fail before any engine is launched.
-    await runner.setup()
-    guard = ConnectionGuard(settings, connection_limit(settings), runner.server)
+    await http.setup()
+    guard = ConnectionGuard(settings, connection_limit(settings), http.factory)
     runtime.connections = guard
     try:
         listener = await asyncio.get_running_loop().create_server(
             guard.protocol, server.host, server.port, backlog=4096, reuse_address=True
         )
     except OSError as exc:
-        await runner.cleanup()
+        await http.shutdown()
         raise ListenError(f"cannot listen on {server.host}:{server.port}: {exc.strerror or exc}") from None
     try:
         control = _control_listener(runtime, settings)
     except BaseException:
         listener.close()
-        await runner.cleanup()
+        await http.shutdown()
         raise
     try:
         await runtime.start()
     except BaseException:
         listener.close()
-        await asyncio.gather(runner.cleanup(), *([control.stop()] if control else []))
+        await asyncio.gather(http.shutdown(), *([control.stop()] if control else []))
         await runtime.stop()
         raise
-    gateway = RunningGateway(runtime, runner, listener, guard, control)
+    gateway = RunningGateway(runtime, http, listener, guard, control)
     log.info("kvgate listening on http://%s:%d", server.host, gateway.port)
     if control is None:
         log.info("control plane off: set control.admin_key to serve the admin API")
     else:
         log.info("kvgate control plane on %s (admin API /admin/, docs %s/docs)", control.url, control.url)
     return gateway
+
+
+def http_server(routes: list[Route], server: ServerConfig) -> AiohttpServer | HttptoolsServer:
+    if server.impl == "aiohttp":
+        return AiohttpServer(routes, server)
+    return HttptoolsServer(routes, server)
 
 
 def _control_listener(runtime: Runtime, settings: Settings) -> ControlListener | None:

@@ -65,12 +65,29 @@ async def upstreams() -> AsyncIterator[Callable[[int], Awaitable[list[Upstream]]
         await u.stop()
 
 
+SERVER_IMPLS = ("httptools", "aiohttp")  # the data plane's HTTP servers (server.impl)
+
+
+def with_server_impl(settings: Settings, impl: str | None) -> Settings:
+    """`settings` with the data plane on the `impl` HTTP server (None: as configured)."""
+    if impl is None:
+        return settings
+    return settings.model_copy(update={"server": settings.server.model_copy(update={"impl": impl})})
+
+
 @pytest.fixture
-async def gateway() -> AsyncIterator[Callable[[Settings], Awaitable[RunningGateway]]]:
+def server_impl() -> str | None:
+    """The HTTP server the `gateway` fixture starts: None keeps the config's. Suites that must hold
+    on both servers override it with one parametrized over SERVER_IMPLS."""
+    return None
+
+
+@pytest.fixture
+async def gateway(server_impl: str | None) -> AsyncIterator[Callable[[Settings], Awaitable[RunningGateway]]]:
     started: list[RunningGateway] = []
 
     async def make(settings: Settings) -> RunningGateway:
-        gw = await start_gateway(settings)
+        gw = await start_gateway(with_server_impl(settings, server_impl))
         started.append(gw)
         return gw
 

@@ -7,20 +7,14 @@ serves one model, as in vLLM) to a replica of its pool (gateway/path/tokenize.py
 
 from __future__ import annotations
 
-import orjson
-from aiohttp import web
-
 from gateway.config import ServerConfig
 from gateway.errors import model_not_found
 from gateway.http.auth import Auth
 from gateway.http.request_body import read_body
+from gateway.path.exchange import Exchange, Reply, Route, json_reply
 from gateway.path.request import parse_json_body
 from gateway.path.tokenize import Tokenize
 from gateway.routing.model_catalog import ModelCatalog
-
-
-def _json(data: object, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
 class ApiRoutes:
@@ -30,28 +24,28 @@ class ApiRoutes:
         self.catalog = catalog
         self.tokenize = tokenize
 
-    def routes(self) -> list[web.RouteDef]:
+    def routes(self) -> list[Route]:
         return [
-            web.get("/v1/models", self.models),
+            Route("GET", "/v1/models", self.models),
             # Model ids may hold slashes (meta-llama/Llama-3.1-8B-Instruct), as the SDK sends them.
-            web.get("/v1/models/{model:.+}", self.model),
-            web.post("/tokenize", self.tokenizer),
-            web.post("/detokenize", self.tokenizer),
+            Route("GET", "/v1/models/", self.model, tail="model"),
+            Route("POST", "/tokenize", self.tokenizer),
+            Route("POST", "/detokenize", self.tokenizer),
         ]
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Exchange) -> Reply:
         self.auth.client(request)
-        return _json({"object": "list", "data": self.catalog.cards()})
+        return json_reply({"object": "list", "data": self.catalog.cards()})
 
-    async def model(self, request: web.Request) -> web.Response:
+    async def model(self, request: Exchange) -> Reply:
         self.auth.client(request)
-        name = request.match_info["model"]
+        name = request.params["model"]
         card = self.catalog.card(name)
         if card is None:
             raise model_not_found(name)
-        return _json(card)
+        return json_reply(card)
 
-    async def tokenizer(self, request: web.Request) -> web.Response:
+    async def tokenizer(self, request: Exchange) -> Reply:
         self.auth.client(request)
         server = self.server
         raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)

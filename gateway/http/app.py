@@ -1,25 +1,23 @@
 """The data plane's HTTP surface: OpenAI routes, model list, liveness and readiness, the envelope of
-every inference request (its ids, record and span), and errors in the OpenAI form."""
+every inference request (its ids, record and span). Served by either HTTP server (gateway/http/)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-
-import orjson
-from aiohttp import web
+from collections.abc import Callable, Mapping
 
 from gateway.admission.limits import ShedError
 from gateway.config import ServerConfig
-from gateway.errors import GatewayError, client_error, error_body, model_not_found
+from gateway.errors import GatewayError, client_error, model_not_found
 from gateway.fleet.pool import Pool
 from gateway.http.api_routes import ApiRoutes
 from gateway.http.auth import Auth
-from gateway.http.conn_guard import GuardedConnection
+from gateway.http.handling import gateway_error_reply
 from gateway.http.request_body import read_body
 from gateway.logs import clip
+from gateway.path.exchange import Exchange, Reply, Route, StreamOut, json_reply
 from gateway.path.proxy import Proxy
 from gateway.path.request import ENDPOINTS
 from gateway.path.request_record import Observer, RequestRecord
@@ -29,70 +27,19 @@ from gateway.routing.rollout import Router
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-
-def _json(data: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=orjson.dumps(data), status=status, content_type="application/json", headers=headers
-    )
-
-
-@web.middleware
-async def connection_state(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Tell the connection guard when a connection is serving a request and when it is idle."""
-    transport = request.transport
-    conn = transport.get_protocol() if transport is not None else None
-    if not isinstance(conn, GuardedConnection):
-        return await handler(request)
-    conn.guard.request_started(conn)
-    try:
-        return await handler(request)
-    finally:
-        conn.guard.request_finished(conn)
-
-
-@web.middleware
-async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Whatever goes wrong, the client gets the OpenAI error form, never a traceback."""
-    try:
-        return await handler(request)
-    except GatewayError as exc:
-        return web.Response(
-            status=exc.status, body=exc.body(), content_type="application/json", headers=exc.headers
-        )
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
-        message = f"{request.method} {clip(request.path)}: {exc.reason}"
-        return web.Response(
-            status=exc.status,
-            body=error_body(message, "invalid_request_error", code),
-            content_type="application/json",
-        )
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return web.Response(
-            status=500,
-            body=error_body("internal gateway error", "server_error", "internal_error"),
-            content_type="application/json",
-        )
-
-
-def error_response(exc: GatewayError, rec: RequestRecord) -> web.Response:
+def error_response(exc: GatewayError, rec: RequestRecord) -> Reply:
     """An inference request's error, in the OpenAI form, recorded for the observers."""
     rec.status = exc.status
     rec.error_code = exc.code
     if isinstance(exc, ShedError):
         rec.shed_reason = exc.shed_reason
-    headers = {"x-request-id": rec.request_id, **exc.headers}
-    return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=headers)
+    return gateway_error_reply(exc, {"x-request-id": rec.request_id})
 
 
-async def live(request: web.Request) -> web.Response:
+async def live(ex: Exchange) -> Reply:
     """Liveness: 200 while the process serves HTTP, draining included (`/health` is the same)."""
-    return _json({"status": "ok"})
+    return json_reply({"status": "ok"})
 
 
 class DataPlane:
@@ -121,23 +68,19 @@ class DataPlane:
         self.pools = pools
         self.draining = draining
 
-    def app(self, extra: Iterable[web.RouteDef] = ()) -> web.Application:
-        """The aiohttp app: these routes, and `extra` ones (metrics, the status page)."""
-        app = web.Application(
-            middlewares=[connection_state, openai_errors], client_max_size=self.server.max_body_bytes
-        )
-        for path in ENDPOINTS:
-            app.router.add_post(path, self.inference)
-        app.router.add_routes(self.api.routes())
-        app.router.add_get("/live", live)
-        app.router.add_get("/health", live)
-        app.router.add_get("/ready", self.ready)
-        app.router.add_get("/ready/{model:.+}", self.ready_model)
-        app.router.add_routes(extra)
-        return app
+    def http_routes(self) -> list[Route]:
+        """The data plane's routes (metrics and the status page are added by the runtime)."""
+        return [
+            *(Route("POST", path, self.inference) for path in ENDPOINTS),
+            *self.api.routes(),
+            Route("GET", "/live", live),
+            Route("GET", "/health", live),
+            Route("GET", "/ready", self.ready),
+            Route("GET", "/ready/", self.ready_model, tail="model"),
+        ]
 
     # -- inference ----------------------------------------------------------------------------
-    async def inference(self, request: web.Request) -> web.StreamResponse:
+    async def inference(self, request: Exchange) -> Reply | StreamOut:
         """The envelope of an inference request: its ids and record, its span, its error form."""
         # Engines get an id the gateway makes; the client's own id, when usable, names the
         # request in logs and in the answer's X-Request-Id.
@@ -160,9 +103,9 @@ class DataPlane:
             root.end(rec)
         return response
 
-    async def _inference(self, request: web.Request, rec: RequestRecord) -> web.StreamResponse:
+    async def _inference(self, request: Exchange, rec: RequestRecord) -> Reply | StreamOut:
         server = self.server
-        bad_header = invalid_header(request.headers.items())
+        bad_header = invalid_header(request.headers)
         if bad_header is not None:
             raise client_error(
                 f"header {clip(bad_header, 64)!r}: values may hold only visible ASCII, spaces and tabs",
@@ -188,16 +131,16 @@ class DataPlane:
             return all(pools.values())
         return all(pools.get(name, False) for name in rule)
 
-    async def ready(self, request: web.Request) -> web.Response:
+    async def ready(self, request: Exchange) -> Reply:
         """Readiness of the gateway as a whole, by `server.ready` (default: any pool can serve)."""
         pools = self.pools_ready()
         ok = self.is_ready(pools)
         body = {"ready": ok, "draining": self.draining(), "rule": self.server.ready, "pools": pools}
-        return _json(body, status=200 if ok else 503)
+        return json_reply(body, status=200 if ok else 503)
 
-    async def ready_model(self, request: web.Request) -> web.Response:
+    async def ready_model(self, request: Exchange) -> Reply:
         """Readiness of one model (a route or a pool's model): some pool it reaches can serve."""
-        model = request.match_info["model"]
+        model = request.params["model"]
         names = self.routes.pools_for(model)
         if names is None:
             raise model_not_found(model)
@@ -205,4 +148,4 @@ class DataPlane:
         draining = self.draining()
         ok = any(pools.values()) and not draining
         body = {"model": model, "ready": ok, "draining": draining, "pools": pools}
-        return _json(body, status=200 if ok else 503)
+        return json_reply(body, status=200 if ok else 503)

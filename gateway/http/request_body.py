@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.errors import GatewayError, client_error
+from gateway.path.exchange import BodyError, BodySource, Exchange
 
 # gzip or zlib-wrapped deflate, told apart by the stream's own header.
 _ZLIB_AUTO = 32 + zlib.MAX_WBITS
@@ -26,7 +27,7 @@ def _too_large(limit: int) -> GatewayError:
     return client_error(f"request body exceeds {limit} bytes", "request_too_large", status=413)
 
 
-def _decoder(request: web.Request) -> Any:
+def _decoder(request: Exchange) -> Any:
     """A zlib decompressor for the body's content coding, None for identity; 415 for others."""
     coding = request.headers.get("content-encoding", "").strip().lower()
     if coding in ("", "identity"):
@@ -40,7 +41,7 @@ def _decoder(request: web.Request) -> Any:
     )
 
 
-async def read_body(request: web.Request, limit: int, idle_timeout_s: float) -> bytes:
+async def read_body(request: Exchange, limit: int, idle_timeout_s: float) -> bytes:
     """The body, decoded, at most `limit` bytes; the client may pause at most `idle_timeout_s`
     between two pieces of it."""
     declared = request.content_length
@@ -66,14 +67,15 @@ async def read_body(request: web.Request, limit: int, idle_timeout_s: float) -> 
             if size > limit:
                 raise _too_large(limit)
             parts.append(chunk)
-    except web.RequestPayloadError as exc:  # bad chunked framing, or the body ended early
+    # Bad chunked framing, or the body ended early (each server's own exception).
+    except (web.RequestPayloadError, BodyError) as exc:
         raise client_error(f"malformed request body: {exc}", "invalid_body") from None
     if decoder is not None and not decoder.eof:
         raise client_error("compressed request body is truncated", "invalid_body")
     return b"".join(parts)
 
 
-async def _next_piece(content: Any, idle_timeout_s: float) -> bytes:
+async def _next_piece(content: BodySource, idle_timeout_s: float) -> bytes:
     try:
         async with asyncio.timeout(idle_timeout_s):
             piece: bytes = await content.readany()

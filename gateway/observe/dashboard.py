@@ -16,11 +16,9 @@ from collections.abc import Callable, Mapping
 from importlib import metadata, resources
 from typing import TYPE_CHECKING, Any
 
-import orjson
-from aiohttp import web
-
 from gateway.observe.metrics import GatewayMetrics, PoolTraffic, queued_by_class
 from gateway.observe.view import GatewayView
+from gateway.path.exchange import Exchange, Reply, Route, json_reply
 
 if TYPE_CHECKING:
     from gateway.fleet.pool import Pool
@@ -64,20 +62,16 @@ class Dashboard:
         self.version = _version()
         self.page_html = resources.files("gateway").joinpath("static/dashboard.html").read_bytes()
 
-    def routes(self) -> list[web.RouteDef]:
-        return [web.get("/dashboard", self.page), web.get("/dashboard/state", self.state_endpoint)]
+    def routes(self) -> list[Route]:
+        return [Route("GET", "/dashboard", self.page), Route("GET", "/dashboard/state", self.state_endpoint)]
 
-    async def page(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.page_html, content_type="text/html", headers=_PAGE_HEADERS)
+    async def page(self, request: Exchange) -> Reply:
+        return Reply(200, self.page_html, {"Content-Type": "text/html", **_PAGE_HEADERS})
 
-    async def state_endpoint(self, request: web.Request) -> web.Response:
+    async def state_endpoint(self, request: Exchange) -> Reply:
         if self.check_admin is not None:
             self.check_admin(request.headers)
-        return web.Response(
-            body=orjson.dumps(self.state()),
-            content_type="application/json",
-            headers={"Cache-Control": "no-store"},
-        )
+        return json_reply(self.state(), headers={"Cache-Control": "no-store"})
 
     # -- the data ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -33,6 +32,7 @@ from prometheus_client.registry import Collector
 from gateway.admission.scheduler import SchedulerStats
 from gateway.fleet.breaker import BreakerState
 from gateway.observe.view import GatewayView
+from gateway.path.exchange import Exchange, Reply
 from gateway.path.request_record import RequestRecord
 from gateway.routing.precise_prefix import EVENTS_STATES
 
@@ -302,10 +302,10 @@ class GatewayMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: Exchange) -> Reply:
         # Rendering a large fleet takes tens of milliseconds: off the event loop, requests keep flowing.
         body = await asyncio.to_thread(self.render)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return Reply(200, body, {"Content-Type": CONTENT_TYPE_LATEST})
 
 
 class FleetCollector(Collector):

@@ -15,13 +15,12 @@ import logging
 import random
 import time
 
-from aiohttp import web
-
 from gateway.admission.scheduler import Scheduler, Ticket
 from gateway.config import RetryConfig
 from gateway.errors import GatewayError, error_body, normalize_error_body
 from gateway.fleet.replica import Replica
 from gateway.path.claim import Claim
+from gateway.path.exchange import Exchange, Reply, StreamOut
 from gateway.path.model_names import ModelRename
 from gateway.path.pd import DecodePlan, PDHandoff
 from gateway.path.prepare import Preparation
@@ -91,8 +90,8 @@ class Proxy:
         self.pd = PDHandoff(upstream, resend=retry.max_attempts >= 2)
 
     async def handle(
-        self, request: web.Request, raw: bytes, tenant: str | None, rec: RequestRecord
-    ) -> web.StreamResponse:
+        self, request: Exchange, raw: bytes, tenant: str | None, rec: RequestRecord
+    ) -> Reply | StreamOut:
         """A client's request, its body read and its tenant known: prepare, admit, dispatch."""
         req = await self.preparation.prepare(request.path, request.headers, raw, tenant, rec)
         with await self._admit(req):
@@ -106,7 +105,7 @@ class Proxy:
         return ticket
 
     # -- dispatch with retries ----------------------------------------------------------------
-    async def _dispatch(self, request: web.Request, req: InferenceRequest) -> web.StreamResponse:
+    async def _dispatch(self, request: Exchange, req: InferenceRequest) -> Reply | StreamOut:
         router, features, rec = req.router, req.features, req.record
         pool = router.pool
         request_id = rec.request_id
@@ -239,21 +238,19 @@ class Proxy:
 
     async def _relay(
         self,
-        request: web.Request,
+        request: Exchange,
         resp: Response,
         claim: Claim,
         rec: RequestRecord,
         rename: ModelRename | None,
-    ) -> web.StreamResponse:
+    ) -> Reply | StreamOut:
         rec.status = resp.status
         if resp.status >= 400:
             # Rewritten in the OpenAI form, decoded: the engine's Content-Encoding no longer applies.
             headers = self._response_headers(resp, claim.replica, rec.request_id, _DROP_REWRITTEN)
             raw = await self._read_error(resp)
             headers["Content-Type"] = "application/json"
-            return web.Response(
-                status=resp.status, body=normalize_error_body(raw, resp.status), headers=headers
-            )
+            return Reply(resp.status, normalize_error_body(raw, resp.status), headers)
         headers = self._response_headers(resp, claim.replica, rec.request_id)
         if not resp.content_type.startswith("text/event-stream"):
             try:
@@ -268,24 +265,24 @@ class Proxy:
             rec.engine_prompt_tokens = engine_prompt_tokens(raw)
             if rename is not None and not resp.header("Content-Encoding"):
                 raw = rename.apply(raw)
-            return web.Response(status=resp.status, body=raw, headers=headers)
+            return Reply(resp.status, raw, headers)
         return await self._relay_stream(request, resp, headers, claim, rec, rename)
 
     async def _relay_stream(
         self,
-        request: web.Request,
+        request: Exchange,
         resp: Response,
         headers: dict[str, str],
         claim: Claim,
         rec: RequestRecord,
         rename: ModelRename | None,
-    ) -> web.StreamResponse:
-        out = web.StreamResponse(status=resp.status, headers=headers)
+    ) -> Reply | StreamOut:
+        out: StreamOut | None = None
         finished = False
         events = EventStream(rename)
         end = StreamEnd(rec.endpoint)
         try:
-            await out.prepare(request)
+            out = await request.stream(resp.status, headers)
             try:
                 async for chunk in self.upstream.chunks(resp):
                     if rec.first_byte_at is None:
@@ -323,7 +320,8 @@ class Proxy:
                 # The client left (or we were cancelled): drop the upstream connection so the
                 # engine aborts the request instead of generating for nobody.
                 resp.close()
-        return out
+        # Gone before the status line was sent: nobody reads this.
+        return out if out is not None else Reply(499)
 
 
 def route_reason(chosen: Candidate, ranked: list[Candidate]) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 # Body fields that steer an engine: PD transfer targets, data-parallel placement, engine request
@@ -72,13 +72,12 @@ _CLIENT_ID = re.compile(r"[\x21-\x7e]{1,128}")
 _BAD_VALUE = re.compile(r"[^\t\x20-\x7e]")
 
 
-def invalid_header(items: Iterable[tuple[str, str]]) -> str | None:
+def invalid_header(headers: Mapping[str, str]) -> str | None:
     """The name of the first header whose value holds anything but visible ASCII, space and tab."""
-    items = list(items)
-    joined = "".join(v for _, v in items)
+    joined = "".join(headers.values())
     if (joined.isascii() and joined.isprintable()) or _BAD_VALUE.search(joined) is None:
         return None  # the first test is the fast path; tabs fail it and take the second
-    return next(k for k, v in items if _BAD_VALUE.search(v))
+    return next(k for k, v in headers.items() if _BAD_VALUE.search(v))
 
 
 def new_request_id() -> str:

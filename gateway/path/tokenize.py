@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from gateway.errors import GatewayError, client_error, normalize_error_body
 from gateway.fleet.replica import Replica
+from gateway.path.exchange import Reply
 from gateway.path.upstream import Upstream, UpstreamError
 from gateway.routing.model_catalog import ModelCatalog, Target
 
@@ -30,9 +30,7 @@ class Tokenize:
         self.max_attempts = max_attempts  # replicas tried at most
         self.retry_after_s = retry_after_s  # what a 503 for want of replicas tells the client
 
-    async def handle(
-        self, path: str, headers: Mapping[str, str], raw: bytes, body: dict[str, Any]
-    ) -> web.Response:
+    async def handle(self, path: str, headers: Mapping[str, str], raw: bytes, body: dict[str, Any]) -> Reply:
         """Send the client's `body` (its bytes `raw`) on to a replica serving its model."""
         target = self.catalog.resolve(self._model(body), None, headers, body)
         if body.get("model") != target.upstream:
@@ -64,9 +62,8 @@ class Tokenize:
                 continue
             if resp.status >= 400:
                 answer = normalize_error_body(answer, resp.status)
-            out = web.Response(status=resp.status, body=answer, content_type="application/json")
-            out.headers["x-kvgate-replica"] = replica.name
-            return out
+            headers = {"Content-Type": "application/json", "x-kvgate-replica": replica.name}
+            return Reply(resp.status, answer, headers)
         raise GatewayError(502, failure, "upstream_error", "upstream_unreachable")
 
     def _model(self, body: dict[str, Any]) -> str:

@@ -147,15 +147,16 @@ class Upstream:
     async def chunks(self, resp: Response) -> AsyncIterator[bytes]:
         """The response body as it arrives, failing if the engine goes quiet for too long."""
         idle = self.cfg.idle_timeout_s
-        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(loop.time() + idle) as cm:
-                while True:
-                    chunk = await resp.readany()
-                    if not chunk:
-                        return
-                    cm.reschedule(loop.time() + idle)
-                    yield chunk
+            while True:
+                # What has arrived already (all of a small answer, as a rule) costs no timer.
+                chunk = resp.read_nowait()
+                if chunk is None:
+                    async with asyncio.timeout(idle):
+                        chunk = await resp.readany()
+                if not chunk:
+                    return
+                yield chunk
         except TimeoutError:
             raise UpstreamError(
                 f"engine sent nothing for {idle:g} s", status=504, code="upstream_timeout"

@@ -91,14 +91,14 @@ class ModelCatalog:
 
     def _direct(self, model: str, wanted: frozenset[str] | None) -> Choice | None:
         """A pool's own model name, else an adapter a pool serves: the first pool serving the task."""
-        for serves in (lambda r: r.pool.model == model, lambda r: r.lora.knows(model)):
-            found = [r for r in self.routers.values() if serves(r)]
-            if found:
-                fit = next(
-                    (r for r in found if wanted is None or not wanted.isdisjoint(r.cfg.tasks)), found[0]
-                )
-                return Choice(fit.name, None if fit.pool.model == model else model)
-        return None
+        routers = self.routers.values()
+        found = [r for r in routers if r.pool.model == model] or [r for r in routers if r.lora.knows(model)]
+        if not found:
+            return None
+        fit = found[0]
+        if wanted is not None:
+            fit = next((r for r in found if not wanted.isdisjoint(r.cfg.tasks)), fit)
+        return Choice(fit.name, None if fit.pool.model == model else model)
 
     def only_model(self) -> str | None:
         """The one model served, when the gateway serves one and has no routes (vLLM's `model` is

@@ -17,7 +17,7 @@ import pytest
 
 from gateway.logs import MalformedRequests
 from gateway.server import RunningGateway
-from tests.conftest import gateway_settings, wait_until
+from tests.conftest import SERVER_IMPLS, gateway_settings, wait_until
 from tests.rawhttp import closed_within, exchange, post, read_response
 
 BODY = orjson.dumps({"model": "m", "prompt": "x"})  # 26 bytes
@@ -55,6 +55,12 @@ MALFORMED = {
     "empty_body": HEAD + b"Content-Length: 0\r\n\r\n",
     "body_not_json": HEAD + b"Content-Length: 5\r\n\r\n{nope",
 }
+
+
+@pytest.fixture(params=SERVER_IMPLS)
+def server_impl(request: pytest.FixtureRequest) -> str:
+    """Every case on both HTTP servers."""
+    return request.param
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from gateway.fleet.breaker import BreakerState
-from tests.conftest import wait_until
+from tests.conftest import SERVER_IMPLS, wait_until
 from tests.hostile_upstream import (
     MAX_ATTEMPTS,
     TRANSPORTS,
@@ -28,6 +28,12 @@ from tests.hostile_upstream import (
 
 @pytest.fixture(params=TRANSPORTS)
 def transport(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(params=SERVER_IMPLS)
+def server_impl(request: pytest.FixtureRequest) -> str:
+    """Every case on both HTTP servers."""
     return request.param
 
 

@@ -9,6 +9,7 @@ in turn, so each case also runs over a pool that earlier hostile answers went th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ import pytest_asyncio
 
 from gateway.fleet.breaker import BreakerState
 from gateway.server import RunningGateway, start_gateway
+from tests.conftest import SERVER_IMPLS, with_server_impl
 from tests.hostile_upstream import (
     MAX_ATTEMPTS,
     TRANSPORTS,
@@ -86,11 +88,18 @@ class Rig:
     client: httpx.AsyncClient
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module", params=TRANSPORTS)
+@pytest_asyncio.fixture(
+    loop_scope="module",
+    scope="module",
+    params=list(itertools.product(TRANSPORTS, SERVER_IMPLS)),
+    ids=lambda p: "-".join(p),
+)
 async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
+    transport, impl = request.param
     srv = await HostileUpstream().start()
     # Each case spends retries; a generous budget keeps them independent of the cases before.
-    gw = await start_gateway(hostile_settings([srv.url], request.param, retry={"budget_ratio": 10}))
+    settings = hostile_settings([srv.url], transport, retry={"budget_ratio": 10})
+    gw = await start_gateway(with_server_impl(settings, impl))
     async with httpx.AsyncClient(timeout=10) as client:
         yield Rig(srv, gw, client)
     await gw.stop()

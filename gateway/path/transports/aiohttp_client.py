@@ -87,6 +87,14 @@ class AiohttpResponse(HeaderLookup):
         except (aiohttp.ClientError, OSError) as exc:
             raise _body_error(exc) from None
 
+    def read_nowait(self) -> bytes | None:
+        content = self._resp.content
+        try:
+            data = content.read_nowait()
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _body_error(exc) from None
+        return data if data or content.at_eof() else None
+
     def release(self) -> None:
         self._resp.release()  # aiohttp keeps the connection only if the body was read to its end
         self._slot.release()

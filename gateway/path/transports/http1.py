@@ -261,6 +261,18 @@ class _Connection(asyncio.Protocol):
                 await self._reader
             finally:
                 self._reader = None
+        return self._take()
+
+    def read_nowait(self) -> bytes | None:
+        if self._body:
+            return self._take()
+        if self.complete:
+            return b""
+        if self.error is not None:
+            raise self.error
+        return None
+
+    def _take(self) -> bytes:
         data = b"".join(self._body) if len(self._body) > 1 else self._body[0]
         self._body.clear()
         self._body_size = 0
@@ -296,6 +308,9 @@ class Http1Response(HeaderLookup):
         if self._conn is None:
             return b""
         return await self._conn.readany()
+
+    def read_nowait(self) -> bytes | None:
+        return b"" if self._conn is None else self._conn.read_nowait()
 
     def release(self) -> None:
         conn, self._conn = self._conn, None

@@ -1,0 +1,40 @@
+"""What every route's answer goes through, on either HTTP server: errors in the OpenAI form,
+never a traceback."""
+
+from __future__ import annotations
+
+import logging
+
+from gateway.errors import GatewayError, error_body
+from gateway.logs import clip
+from gateway.path.exchange import Exchange, Handler, Reply, StreamOut
+
+log = logging.getLogger(__name__)
+
+_JSON = "application/json"
+
+
+def gateway_error_reply(exc: GatewayError, headers: dict[str, str] | None = None) -> Reply:
+    return Reply(exc.status, exc.body(), {"Content-Type": _JSON, **(headers or {}), **exc.headers})
+
+
+async def answer(handler: Handler, ex: Exchange) -> Reply | StreamOut:
+    """The handler's answer; whatever goes wrong, the client gets the OpenAI error form."""
+    try:
+        return await handler(ex)
+    except GatewayError as exc:
+        return gateway_error_reply(exc)
+    except Exception:
+        log.exception("unhandled error on %s %s", ex.method, clip(ex.path))
+        return Reply(
+            500,
+            error_body("internal gateway error", "server_error", "internal_error"),
+            {"Content-Type": _JSON},
+        )
+
+
+def route_error(status: int, reason: str, method: str, path: str) -> Reply:
+    """No route for the path (404) or for the method (405), or another HTTP-level refusal."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
+    body = error_body(f"{method} {clip(path)}: {reason}", "invalid_request_error", code)
+    return Reply(status, body, {"Content-Type": _JSON})
