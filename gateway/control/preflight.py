@@ -27,6 +27,8 @@ def preflight(settings: Settings) -> None:
     for i, pool in enumerate(settings.pools):
         where = f"pools.{i} ({pool.name})"
         for key, policy in (("policy", pool.policy), ("pd.prefill_policy", pool.pd.prefill_policy)):
+            if policy is None:
+                continue
             try:
                 load_policy(policy.type, policy.args)
             except PolicyLoadError as exc:

@@ -50,13 +50,11 @@ def install_plugin(root: Path, monkeypatch: pytest.MonkeyPatch, entry_points: st
     monkeypatch.syspath_prepend(str(root))
 
 
-async def test_installed_entry_point_is_found_by_name(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_installed_entry_point_is_found_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     install_plugin(tmp_path, monkeypatch, "[kvgate.policies]\nlast_first = tmp_policies:LastFirst\n")
     policy = load_policy("last_first", {"skip": 1})
     reps = replicas(3)
-    ranked = await policy.rank(request(), candidates(reps))
+    ranked = policy.rank(request(), candidates(reps))
     assert [c.replica.name for c in ranked] == ["r1", "r0"]
     # The built-ins are entry points of the same group.
     with pytest.raises(PolicyLoadError) as err:
@@ -83,14 +81,14 @@ def test_bad_entry_points_name_the_problem(tmp_path: Path, monkeypatch: pytest.M
         load_policy("not_policy")
 
 
-async def test_module_class_route_and_argument_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_module_class_route_and_argument_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(EXAMPLE))
     policy = load_policy("kvgate_header_pin:HeaderPin", {"header": "x-send-to"})
     reps = replicas(3)
     reps[0].lease(10)
-    ranked = await policy.rank(request(headers={"x-send-to": "r0"}), candidates(reps))
+    ranked = policy.rank(request(headers={"x-send-to": "r0"}), candidates(reps))
     assert ranked[0].replica.name == "r0"
-    ranked = await policy.rank(request(), candidates(reps))
+    ranked = policy.rank(request(), candidates(reps))
     assert ranked[-1].replica.name == "r0"  # unpinned: fewest in flight first
     with pytest.raises(PolicyLoadError, match=r"policy 'kvgate_header_pin:HeaderPin' args\.header: "):
         load_policy("kvgate_header_pin:HeaderPin", {"header": ""})
