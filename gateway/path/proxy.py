@@ -357,7 +357,8 @@ class Proxy:
                         continue
                     if _USAGE in chunk:  # a substring test per chunk; only a usage chunk is read
                         rec.engine_prompt_tokens = engine_prompt_tokens(chunk) or rec.engine_prompt_tokens
-                        rec.engine_cached_tokens = engine_cached_tokens(chunk) or rec.engine_cached_tokens
+                        cached = engine_cached_tokens(chunk)  # 0 is a figure: a cold prompt
+                        rec.engine_cached_tokens = rec.engine_cached_tokens if cached is None else cached
                     await out.write(chunk)
                     end.feed(chunk)
                 tail = events.flush()
