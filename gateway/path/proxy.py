@@ -5,7 +5,8 @@ before the first byte; a LoRA adapter loaded there first when needed), and its a
 Every request ends in exactly one of: the engine's answer relayed byte-for-byte but for the
 model's name (the client's, not the engine's: gateway/path/model_names.py), or an OpenAI-style
 error. Load taken on a replica is released exactly once, whether the request
-succeeds, fails, times out or the client goes away.
+succeeds, fails, times out or the client goes away; and the pool's policy hears how each request
+it ranked ended (`on_complete`), exactly once too.
 """
 
 from __future__ import annotations
