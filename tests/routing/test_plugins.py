@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import textwrap
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
-from gateway.policy import API_VERSION, LoadScorer, Policy, PrefixScorer, least_loaded, rank_by
+from gateway.config import BreakerConfig, ScrapeConfig, load_config
+from gateway.fleet.pool import Pool
+from gateway.policy import API_VERSION, LoadScorer, Outcome, Policy, PrefixScorer, least_loaded, rank_by
 from gateway.routing.policy import PolicyLoadError, load_policy
+from gateway.routing.pool_router import PoolRouter
 from policies.least_load import LeastLoad
 from tests.conftest import REPO, gateway_settings
 from tests.policies.helpers import candidates, engine_report, replicas, request
+from tests.recording_policy import Recording
 
 EXAMPLE = REPO / "examples" / "policy_plugin"
 
@@ -183,3 +189,33 @@ def test_scorers_compose_and_least_load_is_the_load_scorer() -> None:
     assert [c.replica.name for c in ranked] == ["r0", "r2", "r1"]
     least = LeastLoad(LeastLoad.Params())
     assert least.rank(request(), offered) == least_loaded(offered, load, 1)
+
+
+def test_a_deprecated_prefill_policy_still_ranks_the_prefill_leg_and_hears_its_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    endpoints = [
+        {"url": "http://127.0.0.1:1", "name": "p0", "role": "prefill"},
+        {"url": "http://127.0.0.1:2", "name": "p1", "role": "prefill"},
+        {"url": "http://127.0.0.1:3", "name": "d0", "role": "decode"},
+    ]
+    pd = {"prefill_policy": {"type": "tests.recording_policy:Recording"}}
+    pools = [{"name": "p", "model": "m", "endpoints": endpoints, "pd": pd}]
+    cfg = load_config(None, {"pools": pools}).pools[0]
+    pool = Pool(cfg, BreakerConfig(), ScrapeConfig())
+    with caplog.at_level(logging.WARNING):
+        router = PoolRouter(pool)
+    assert "pd.prefill_policy is deprecated" in caplog.text
+    for ep in cfg.endpoints:
+        pool.add_replica(ep.url, name=ep.name, role=ep.role)
+    features = router.features({"model": "m", "prompt": "hi"}, "completions", "req-1", {"x-pin": "p1"})
+    pair = router.select_pair(features)
+    assert [c.replica.name for c in pair.prefill] == ["p1", "p0"]  # its rank: the pinned one first
+    assert [c.replica.name for c in pair.decode] == ["d0"]
+    recording = router.prefill_policy
+    assert isinstance(recording, Recording)
+    done = Outcome(
+        ok=True, status=200, error=None, ttft_s=0.1, e2e_s=0.2, prompt_tokens=1, cached_tokens=0, attempts=1
+    )
+    router.complete(features, pool.replicas["d0"], replace(done, prefill_replica="p1"), paired=True)
+    assert [(e.replica, e.outcome.prefill_replica) for e in recording.ended] == [("p1", "p1")]
