@@ -100,13 +100,13 @@ class Candidate:
 @dataclass(slots=True, frozen=True)
 class Outcome:
     """How a ranked request ended, as `on_complete` hears it. Times are from the gateway's receipt
-    of the request; token figures are the engine's own (its usage), None when it gave none."""
+    of the request; token figures are the engine's own (its usage) where it gave them."""
 
-    ok: bool  # the engine's answer reached the client whole
+    ok: bool  # the engine's answer was relayed whole (a non-streamed one: read whole)
     status: int | None  # the HTTP status the client got; None when it went away before one
     error: str | None  # None, or the kind: "engine_error" (a 4xx/5xx answer), "upstream_error" (a
-    # replica failed or cut its stream), "no_replica" (none took it), "client_disconnected",
-    # "cancelled" (the request was abandoned, e.g. the gateway shutting down), "gateway_error"
+    # replica failed or cut its stream), "no_replica" (none took it), "client_disconnected" (or the
+    # request was cancelled otherwise), "gateway_error" (anything else)
     ttft_s: float | None  # to the first byte relayed to the client
     e2e_s: float
     prompt_tokens: int  # the engine's count when it gave one, else the gateway's

@@ -280,14 +280,16 @@ class PoolRouter:
 
     def replica(self, candidate: Candidate) -> Replica | None:
         """The pool's replica a ranked candidate names; None when it left the pool since."""
-        # Keyed by name, so a policy hands back only what it was offered and the path never casts
-        # a read-only view back into the gateway's replica.
+        # Keyed by name: the path gets the gateway's own replica without casting back the
+        # read-only view a policy saw, and plugins need no generics to return what they got.
         return self.pool.replicas.get(candidate.replica.name)
 
     def learn(self, features: RequestFeatures, replica: Replica, prefill_leg: bool = False) -> None:
         """The request went to `replica`: it will hold the prompt's blocks once prefilled."""
         name = replica.name
-        # The policy that chose the replica hears of it: the default prefill choice is by load.
+        # The policy that chose the replica hears of it. A prefill leg from select_pair is not the
+        # request's route (on_routed names its decode replica): only a deprecated prefill policy
+        # hears of one.
         deciding = self.prefill_policy if prefill_leg else self.policy
         # A prompt longer than this is learned by its head: all of it would hold the event loop.
         limit = self.cfg.prefix.max_learn_blocks
