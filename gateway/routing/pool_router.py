@@ -322,13 +322,24 @@ class PoolRouter:
         self, features: RequestFeatures, replica: Replica | None, outcome: Outcome, paired: bool
     ) -> None:
         """The request ranked for this pool (by `select_pair` when `paired`) ended: the policies
-        that ranked it hear how, once each."""
-        self.policy.on_complete(features, replica, outcome)
+        that ranked it hear how, once each. A hook that fails is logged: the answer, often sent
+        already, is not the plugin's to change."""
+        heard: list[tuple[Policy[Any], Replica | None]] = [(self.policy, replica)]
         if paired and self.prefill_policy is not None:
             prefill = outcome.prefill_replica
-            self.prefill_policy.on_complete(
-                features, self.pool.replicas.get(prefill) if prefill is not None else None, outcome
+            heard.append(
+                (self.prefill_policy, self.pool.replicas.get(prefill) if prefill is not None else None)
             )
+        for policy, where in heard:
+            try:
+                policy.on_complete(features, where, outcome)
+            except Exception:
+                log.exception(
+                    "pool %s: %s.on_complete failed for request %s",
+                    self.name,
+                    type(policy).__qualname__,
+                    features.request_id,
+                )
 
     def tokens_per_block(self) -> float:
         """Engine tokens in one hashed block of prompt text, as measured on this pool's traffic."""

@@ -192,7 +192,7 @@ def test_scorers_compose_and_least_load_is_the_load_scorer() -> None:
 
 
 def test_a_deprecated_prefill_policy_still_ranks_the_prefill_leg_and_hears_its_end(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     endpoints = [
         {"url": "http://127.0.0.1:1", "name": "p0", "role": "prefill"},
@@ -219,3 +219,13 @@ def test_a_deprecated_prefill_policy_still_ranks_the_prefill_leg_and_hears_its_e
     )
     router.complete(features, pool.replicas["d0"], replace(done, prefill_replica="p1"), paired=True)
     assert [(e.replica, e.outcome.prefill_replica) for e in recording.ended] == [("p1", "p1")]
+
+    # A hook that fails is logged; the other policy still hears, and nothing reaches the request.
+    def fail(*args: object) -> None:
+        raise ValueError("a plugin's bug")
+
+    monkeypatch.setattr(router.policy, "on_complete", fail)
+    with caplog.at_level(logging.ERROR):
+        router.complete(features, pool.replicas["d0"], done, paired=True)
+    assert "PrefixAffinity.on_complete failed for request req-1" in caplog.text
+    assert len(recording.ended) == 2
