@@ -14,7 +14,6 @@ against a pool whose replicas already hold the groups' prefixes, with in-flight 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import random
 import statistics
@@ -25,11 +24,19 @@ from bench import text
 from bench.workloads import SharedPrefix
 from gateway.config import load_config
 from gateway.fleet.pool import Pool
+from gateway.fleet.replica import Lease, Replica
+from gateway.routing.policy import Outcome, RequestFeatures
 from gateway.routing.pool_router import PoolRouter
 
 TARGET_MS = {16: 0.3, 256: 1.0}
 # The stages of a decision, as `--breakdown` times them (PoolRouter.rank = serving, candidates, policy).
 STAGES = ("features", "serving", "candidates", "policy")
+
+
+# How every measured request ends, as far as the policy hears it (prefix_affinity's ledger).
+DONE = Outcome(
+    ok=True, status=200, error=None, ttft_s=None, e2e_s=0.0, prompt_tokens=0, cached_tokens=None, attempts=1
+)
 
 
 def build_pool(replicas: int, policy: str, block_chars: int = 64) -> PoolRouter:
@@ -59,14 +66,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def measure(
+def measure(
     replicas: int, iterations: int, policy: str, block_chars: int = 64, seed: int = 0, breakdown: bool = False
 ) -> dict[str, float]:
     pool = build_pool(replicas, policy, block_chars)
     workload = SharedPrefix()
     systems = [workload.system_prompt(seed, g) for g in range(workload.groups)]
     rng = random.Random(seed)
-    leases = []
+    inflight: list[tuple[RequestFeatures, Replica, Lease]] = []
+
+    def finish(k: int) -> None:
+        """The k-th request in flight ends: its load is released and its policy told."""
+        features, replica, lease = inflight.pop(k)
+        lease.release()
+        pool.complete(features, replica, DONE, paired=False)
 
     def body(i: int) -> dict[str, object]:
         question = text.words(f"dt:{seed}:{i}", workload.question_tokens)
@@ -79,11 +92,12 @@ async def measure(
     # Warm up: every group's prefix routed once (the index learns where it lives), some load in flight.
     for i in range(len(systems) * 2):
         features = pool.features(body(-1 - i), "chat", f"warm-{i}", {})
-        replica = (await pool.rank(features))[0].replica
+        replica = pool.replica(pool.rank(features)[0])
+        assert replica is not None
         pool.learn(features, replica)
-        leases.append(replica.lease(features.prompt_tokens))
-    for lease in leases[::2]:
-        lease.release()
+        inflight.append((features, replica, replica.lease(features.prompt_tokens)))
+    for k in reversed(range(0, len(inflight), 2)):
+        finish(k)
     # Bodies are prepared beforehand: the client's JSON parsing is not part of the decision.
     bodies = [body(i) for i in range(iterations)]
     times: list[float] = []
@@ -102,20 +116,21 @@ async def measure(
                 c2 = time.thread_time()
                 candidates = pool.candidates(features, serving, pool.policy)
                 c3 = time.thread_time()
-                ranked = await pool.policy.rank(features, candidates)
+                ranked = pool.policy.rank(features, candidates)
                 c4 = time.thread_time()
                 for stage, spent in zip(STAGES, (c1 - c0, c2 - c1, c3 - c2, c4 - c3), strict=True):
                     stages[stage].append(spent * 1e6)
             else:
-                ranked = await pool.rank(features)
+                ranked = pool.rank(features)
             times.append((time.perf_counter() - t0) * 1000.0)
             cpu.append((time.thread_time() - c0) * 1000.0)
-            chosen = ranked[0].replica
+            chosen = pool.replica(ranked[0])
+            assert chosen is not None
             pool.learn(features, chosen)
             # Steady load: about 8 requests in flight per replica, finishing in random order.
-            leases.append(chosen.lease(features.prompt_tokens))
-            if len(leases) > 8 * replicas:
-                leases.pop(rng.randrange(len(leases))).release()
+            inflight.append((features, chosen, chosen.lease(features.prompt_tokens)))
+            if len(inflight) > 8 * replicas:
+                finish(rng.randrange(len(inflight)))
     finally:
         gc.enable()
     means = {f"{stage}_mean_us": statistics.mean(v) for stage, v in stages.items() if v}
@@ -155,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="append the table to decision_time.md in this directory")
     args = parser.parse_args(argv)
     rows = [
-        asyncio.run(measure(n, args.iterations, args.policy, args.block_chars, breakdown=args.breakdown))
+        measure(n, args.iterations, args.policy, args.block_chars, breakdown=args.breakdown)
         for n in args.replicas or [16, 256]
     ]
     lines = [

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from gateway.policy import Candidate, Policy, RequestFeatures
+from gateway.policy import Candidate, NoParams, Policy, RequestFeatures
 
 GROUP_HEADER = "x-kvgate-group"
 _DIGITS = re.compile(r"(\d+)$")
@@ -25,8 +25,8 @@ def group_number(group: str) -> int:
     return int(m.group(1)) if m else xxhash.xxh64_intdigest(group.encode())
 
 
-class OraclePolicy(Policy):
-    async def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
+class OraclePolicy(Policy[NoParams]):
+    def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
         ordered = sorted(candidates, key=lambda c: c.replica.name)
         group = request.headers.get(GROUP_HEADER)
         if not ordered or group is None:

@@ -472,7 +472,11 @@ class ClientPassthrough(_Strict):
 
 class PDConfig(_Strict):
     min_uncached_tokens: int = Field(512, ge=0, description="Disaggregate only above this many new tokens")
-    prefill_policy: PolicyConfig = Field(default_factory=lambda: PolicyConfig(type="least_load"))
+    prefill_policy: PolicyConfig | None = Field(
+        None,
+        description="Deprecated (removed in the next release): a second policy for the prefill leg. "
+        "Unset, the pool's policy picks both legs (select_pair; by default the prefill leg by least load)",
+    )
 
 
 Task = Literal["generate", "embed", "classify", "score"]

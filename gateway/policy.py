@@ -1,8 +1,39 @@
 """The routing-policy plugin API, as plugins import it: `from gateway.policy import Policy, ...`.
 
 The implementation lives in `gateway.routing.policy`; this module is the stable public path.
+`API_VERSION` says which version of the API it is.
 """
 
-from gateway.routing.policy import Candidate, NoParams, Policy, ReplicaView, RequestFeatures
+from gateway.routing.policy import (
+    API_VERSION,
+    Candidate,
+    LoadScorer,
+    NoParams,
+    Outcome,
+    Pair,
+    Policy,
+    PrefixScorer,
+    ReplicaView,
+    RequestFeatures,
+    Scorer,
+    least_loaded,
+    rank_by,
+    uncached_tokens,
+)
 
-__all__ = ["Candidate", "NoParams", "Policy", "ReplicaView", "RequestFeatures"]
+__all__ = [
+    "API_VERSION",
+    "Candidate",
+    "LoadScorer",
+    "NoParams",
+    "Outcome",
+    "Pair",
+    "Policy",
+    "PrefixScorer",
+    "ReplicaView",
+    "RequestFeatures",
+    "Scorer",
+    "least_loaded",
+    "rank_by",
+    "uncached_tokens",
+]

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.policy import Candidate, Policy, RequestFeatures
+from gateway.policy import Candidate, LoadScorer, Policy, RequestFeatures, least_loaded
 
 
 class LeastLoadParams(BaseModel):
@@ -16,30 +16,12 @@ class LeastLoadParams(BaseModel):
     )
 
 
-class LeastLoad(Policy):
-    Params = LeastLoadParams
-
-    def __init__(self, params: BaseModel) -> None:
+class LeastLoad(Policy[LeastLoadParams]):
+    def __init__(self, params: LeastLoadParams) -> None:
         super().__init__(params)
+        self._load = LoadScorer(params.waiting_token_cost)
         self._turn = 0
 
-    async def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
-        cost = self.params.waiting_token_cost  # type: ignore[attr-defined]
-        n = len(candidates)
+    def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
         self._turn += 1
-        turn = self._turn
-
-        def load(item: tuple[int, Candidate]) -> tuple[int, int, int]:
-            i, c = item
-            r = c.replica
-            # Our own in-flight tokens are exact and current (the lease is taken at decision time),
-            # other gateways' (shared state) a sync interval old; the engine's figures count
-            # everyone's, but only while its scrape is fresh. They overlap (the gateways' requests
-            # are in the engine's too), so the larger one counts, not the sum.
-            tokens = r.inflight_tokens + r.remote_inflight_tokens
-            if r.engine_fresh:
-                tokens = max(tokens, (r.engine.waiting + r.engine.running) * cost)
-            # Equal loads (an idle fleet) rotate, instead of always falling to the first replica.
-            return (tokens, r.inflight_requests + r.remote_inflight_requests, (i - turn) % n)
-
-        return [c for _, c in sorted(enumerate(candidates), key=load)]
+        return least_loaded(candidates, self._load, self._turn)

@@ -17,7 +17,7 @@ clearly faster: affinity degrades smoothly under load instead of flipping to sho
 Load comes from two sources. The policy's own queue estimate is charged at decision time with the
 uncached tokens it sends to a replica and drains at `prefill_tokens_per_s` (a request's prefill is
 over long before its decode is), capped by the uncached tokens of the replica's requests still in
-flight (entries leave that ledger as the replica's in-flight count falls, oldest first). The
+flight (an entry leaves that ledger when its request completes, however it ends). The
 engine's own waiting queue, while its scrape is fresh, also sees admission stalls and other
 gateways' traffic: its requests are costed at the average uncached size of ours in flight there,
 those beyond our own count at `waiting_token_cost`. The larger of the two estimates counts, so
@@ -39,7 +39,15 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.policy import Candidate, Policy, ReplicaView, RequestFeatures
+from gateway.policy import (
+    Candidate,
+    LoadScorer,
+    Outcome,
+    Policy,
+    ReplicaView,
+    RequestFeatures,
+    uncached_tokens,
+)
 
 
 class PrefixAffinityParams(BaseModel):
@@ -95,13 +103,13 @@ class _Queue:
     placed_at: float = 0.0
 
 
-class PrefixAffinity(Policy):
-    Params = PrefixAffinityParams
+class PrefixAffinity(Policy[PrefixAffinityParams]):
     uses_prefix_match = True
 
-    def __init__(self, params: BaseModel, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, params: PrefixAffinityParams, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(params)
-        p: PrefixAffinityParams = params  # type: ignore[assignment]
+        p = params
+        self._load = LoadScorer(p.waiting_token_cost)
         self._tps = p.prefill_tokens_per_s
         self._per_request = p.per_request_tokens
         self._duplicate = p.duplicate_weight
@@ -123,12 +131,6 @@ class PrefixAffinity(Policy):
         return q
 
     def _queued(self, q: _Queue, r: ReplicaView, fresh: bool) -> float:
-        # Finished requests leave the replica's in-flight count: drop as many entries, oldest first.
-        excess = len(q.ledger) - r.inflight_requests
-        for _ in range(excess):
-            rid, n = q.ledger.popitem(last=False)
-            q.ledger_tokens -= n
-            self._placed.pop(rid, None)
         own = min(q.backlog, q.ledger_tokens)
         if fresh and r.engine.waiting:
             # Waiting requests cost what ours in flight there cost on average; any beyond our own
@@ -148,24 +150,21 @@ class PrefixAffinity(Policy):
     def estimate_tokens(self, request: RequestFeatures, c: Candidate, now: float | None = None) -> float:
         """Estimated time to first token of `request` on `c`, in tokens of prefill work."""
         r = c.replica
-        fresh = r.engine_fresh
-        in_flight = r.inflight_requests + r.remote_inflight_requests
-        if fresh:
-            in_flight = max(in_flight, r.engine.running + r.engine.waiting)
         q = self._queue(r.name, self._clock() if now is None else now)
-        uncached = max(0, request.prompt_tokens - c.matched_tokens)
-        return self._queued(q, r, fresh) + uncached + self._per_request * in_flight
+        uncached = uncached_tokens(request.prompt_tokens, c.matched_tokens)
+        fresh = r.engine_fresh
+        return self._queued(q, r, fresh) + uncached + self._per_request * self._load.requests(r, fresh)
 
     def estimate_s(self, request: RequestFeatures, c: Candidate) -> float:
         """Estimated time to first token of `request` on `c`, in seconds."""
         return self.estimate_tokens(request, c) / self._tps
 
-    async def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
+    def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
         if not candidates:
             return []
         now = self._clock()
         # estimate_tokens, unrolled: this loop runs once per replica on every request.
-        queues, queued, tps = self._queues, self._queued, self._tps
+        queues, queued, tps, in_flight = self._queues, self._queued, self._tps, self._load.requests
         per_request, duplicate, prompt = self._per_request, self._duplicate, request.prompt_tokens
         matches = [c.matched_tokens for c in candidates]
         deepest = max(matches)
@@ -179,19 +178,11 @@ class PrefixAffinity(Policy):
             elif q.backlog:
                 q.backlog = max(0.0, q.backlog - (now - q.stamp) * tps)
                 q.stamp = now
-            n = r.inflight_requests
-            in_flight = n + r.remote_inflight_requests
             fresh = r.engine_fresh
-            if fresh:
-                engine = r.engine
-                in_flight = max(in_flight, engine.running + engine.waiting)
-            if fresh or len(q.ledger) > n:
-                ahead = queued(q, r, fresh)
-            else:
-                ahead = min(q.backlog, q.ledger_tokens)
+            ahead = queued(q, r, fresh) if fresh else min(q.backlog, q.ledger_tokens)
             uncached = prompt - matches[i]
-            cost = ahead + (uncached if uncached > 0 else 0) + per_request * in_flight
-            scored.append((cost + duplicate * (deepest - matches[i]), n, i))
+            cost = ahead + (uncached if uncached > 0 else 0) + per_request * in_flight(r, fresh)
+            scored.append((cost + duplicate * (deepest - matches[i]), r.inflight_requests, i))
         scored.sort()
         best = scored[0]
         if cold:
@@ -231,3 +222,11 @@ class PrefixAffinity(Policy):
         placed = self._placed.get(request.request_id)
         if placed is not None and placed[0] != replica.name:
             self._charge(request.request_id, replica.name, placed[1], self._clock())
+
+    def on_complete(self, request: RequestFeatures, replica: ReplicaView | None, outcome: Outcome) -> None:
+        # Its uncached tokens no longer wait anywhere: they leave the ledger that caps the queue.
+        placed = self._placed.pop(request.request_id, None)
+        if placed is not None:
+            q = self._queues.get(placed[0])
+            if q is not None and q.ledger.pop(request.request_id, None) is not None:
+                q.ledger_tokens -= placed[1]

@@ -206,19 +206,17 @@ class RadixTree:
                     heapq.heappush(heap, (parent.tenants[t], id(parent), parent))
 
 
-class RadixCacheAware(Policy):
-    Params = RadixCacheAwareParams
-
-    def __init__(self, params: BaseModel, clock: Callable[[], float] = time.monotonic) -> None:
+class RadixCacheAware(Policy[RadixCacheAwareParams]):
+    def __init__(self, params: RadixCacheAwareParams, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(params)
         self.tree = RadixTree(clock)
         self._clock = clock
-        self._next_eviction = clock() + params.eviction_interval_s  # type: ignore[attr-defined]
+        self._next_eviction = clock() + params.eviction_interval_s
 
-    async def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
+    def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
         if not candidates:
             return []
-        p: RadixCacheAwareParams = self.params  # type: ignore[assignment]
+        p = self.params
         self._maybe_evict(p)
         by_load = sorted(candidates, key=lambda c: c.replica.inflight_requests)
         max_load = by_load[-1].replica.inflight_requests

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pydantic import BaseModel
-
-from gateway.policy import Candidate, Policy, RequestFeatures
+from gateway.policy import Candidate, NoParams, Policy, RequestFeatures
 
 
-class RoundRobin(Policy):
-    def __init__(self, params: BaseModel) -> None:
+class RoundRobin(Policy[NoParams]):
+    def __init__(self, params: NoParams) -> None:
         super().__init__(params)
         self._next = 0
 
-    async def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
+    def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
         n = len(candidates)
         if n == 0:
             return []

@@ -1,11 +1,11 @@
 """Everything `serve` resolves beyond the settings' own validation, checked before it starts.
 
 `load_config` validates the settings' shape. Serving also resolves references: each pool's
-routing and prefill policy (entry point or `module:Class`) and its `args`, canonicalize rules,
-an explicitly named tokenizer, a managed fleet's command lines, and the optional packages a
-feature needs (precise mode's ZMQ and msgpack). `preflight` does all of that exactly as the
-runtime will, so that `kvgate check-config` fails where `kvgate serve` would, and both fail
-with one line (`ConfigError`) instead of a traceback.
+routing policy (and a deprecated `pd.prefill_policy`; entry point or `module:Class`) and its
+`args`, canonicalize rules, an explicitly named tokenizer, a managed fleet's command lines, and
+the optional packages a feature needs (precise mode's ZMQ and msgpack). `preflight` does all of
+that exactly as the runtime will, so that `kvgate check-config` fails where `kvgate serve` would,
+and both fail with one line (`ConfigError`) instead of a traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ def preflight(settings: Settings) -> None:
     for i, pool in enumerate(settings.pools):
         where = f"pools.{i} ({pool.name})"
         for key, policy in (("policy", pool.policy), ("pd.prefill_policy", pool.pd.prefill_policy)):
+            if policy is None:
+                continue
             try:
                 load_policy(policy.type, policy.args)
             except PolicyLoadError as exc:

@@ -1,9 +1,8 @@
 """Prefill/decode hand-off: vLLM's sequential NIXL relay and SGLang's concurrent bootstrap.
 
-The proxy picks the decode replica with the pool's policy as for any request; this module
-decides whether to disaggregate (only when the decode replica lacks enough of the prompt),
-runs the prefill leg on a prefill replica chosen by the pool's prefill policy, and returns
-the body the decode leg must carry:
+The pool's policy picks both legs (`select_pair`); this module decides whether to disaggregate
+(only when the first decode replica lacks enough of the prompt), runs the prefill leg on the
+first prefill replica of the pair that admits it, and returns the body the decode leg must carry:
 
 - vLLM (`vllm-nixl-sequential`): the prefill leg is the client's body as a one-token,
   non-streaming request with `kv_transfer_params.do_remote_decode`; its answer's
@@ -114,21 +113,22 @@ class PDHandoff:
         self,
         router: PoolRouter,
         features: RequestFeatures,
+        prefills: list[Candidate],
         body: dict[str, Any],
         raw: bytes,
         path: str,
         headers: Mapping[str, str],
     ) -> DecodePlan:
-        prefills = await router.rank(features, role="prefill")
         tokens = features.prompt_tokens
         claim: Claim | None = None
         for candidate in prefills:
-            if (claim := Claim.take(candidate.replica, tokens)) is not None:  # type: ignore[arg-type]
+            replica = router.replica(candidate)
+            if replica is not None and (claim := Claim.take(replica, tokens)) is not None:
                 break
         if claim is None:
             return DecodePlan(raw)  # no prefill capacity: the decode replica does it all
         prefill = claim.replica
-        router.learn(features, prefill, role="prefill")
+        router.learn(features, prefill, prefill_leg=True)
         if router.pool.pd_protocol == SGLANG_CONCURRENT:
             try:
                 leg = orjson.dumps(sglang_body(body, prefill))

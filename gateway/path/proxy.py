@@ -5,7 +5,8 @@ before the first byte; a LoRA adapter loaded there first when needed), and its a
 Every request ends in exactly one of: the engine's answer relayed byte-for-byte but for the
 model's name (the client's, not the engine's: gateway/path/model_names.py), or an OpenAI-style
 error. Load taken on a replica is released exactly once, whether the request
-succeeds, fails, times out or the client goes away.
+succeeds, fails, times out or the client goes away; and the pool's policy hears how each request
+it ranked ended (`on_complete`), exactly once too.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from gateway.path.trace import Tracer
 from gateway.path.transports.base import Response
 from gateway.path.upstream import ERROR_BODY_LIMIT, Upstream, UpstreamError
 from gateway.routing.lora import LoraWatch
-from gateway.routing.policy import Candidate
-from gateway.routing.tokens import engine_prompt_tokens
+from gateway.routing.policy import Candidate, Outcome, RequestFeatures
+from gateway.routing.tokens import engine_cached_tokens, engine_prompt_tokens
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +109,56 @@ class Proxy:
     async def _dispatch(self, request: Exchange, req: InferenceRequest) -> Reply | StreamOut:
         router, features, rec = req.router, req.features, req.record
         pool = router.pool
+        paired = pool.disaggregated
+        with self.tracer.span("route", {"kvgate.policy": pool.cfg.policy.type}):
+            if paired:
+                pair = router.select_pair(features)
+                ranked, prefills = pair.decode, pair.prefill
+            else:
+                ranked, prefills = router.rank(features), []
+        # From here the policy has decided: it hears how the request ended, exactly once, on
+        # every path (an answer, an error, a retry's end, the client leaving, cancellation).
+        track = _Track()
+        try:
+            response = await self._walk(request, req, ranked, prefills, track)
+        except asyncio.CancelledError:
+            # A client that closes after the end of its stream got its answer.
+            track.error = None if rec.completed else "client_disconnected"
+            raise
+        except GatewayError as exc:
+            track.status = exc.status
+            raise
+        else:
+            track.status = rec.status
+            track.error = (
+                "engine_error"
+                if rec.status >= 400
+                else "client_disconnected"
+                if rec.client_disconnected
+                else "upstream_error"
+                if rec.error_code is not None
+                else None
+            )
+            return response
+        finally:
+            router.complete(features, track.replica, track.outcome(rec, features), paired)
+
+    async def _walk(
+        self,
+        request: web.Request,
+        req: InferenceRequest,
+        ranked: list[Candidate],
+        prefills: list[Candidate],
+        track: _Track,
+    ) -> web.StreamResponse:
+        """Send the request down the ranking (and a prefill leg first when it pays), retrying
+        before the first byte; `track` follows where it went and why it failed."""
+        router, features, rec = req.router, req.features, req.record
+        pool = router.pool
         request_id = rec.request_id
         tracer = self.tracer
-        with tracer.span("route", {"kvgate.policy": pool.cfg.policy.type}):
-            ranked = await router.rank(features)
         if not ranked:
+            track.error = "no_replica"
             raise self._no_replica(f"no healthy replica in pool `{pool.name}`")
         retry_cfg = self.retry
         max_attempts = retry_cfg.max_attempts
@@ -126,12 +172,21 @@ class Proxy:
         # all, a stale keep-alive connection's silent resend included.
         deliveries = 0
         try:
-            if pool.disaggregated and self.pd.wanted(pool, features, ranked[0]):
-                plan = await self.pd.prepare(router, features, req.body, req.payload(), request.path, headers)
-            for attempt, candidate in enumerate(_walk(ranked, max_attempts)):
+            if prefills and self.pd.wanted(pool, features, ranked[0]):
+                try:
+                    plan = await self.pd.prepare(
+                        router, features, prefills, req.body, req.payload(), request.path, headers
+                    )
+                except GatewayError:
+                    track.error = "engine_error"  # the prefill leg's refusal is the client's answer
+                    raise
+                track.prefill = plan.prefill.name if plan.prefill is not None else None
+            for attempt, candidate in enumerate(_tries(ranked, max_attempts)):
                 if deliveries >= max_attempts:
                     break
-                replica: Replica = candidate.replica  # type: ignore[assignment]
+                replica = router.replica(candidate)
+                if replica is None:
+                    continue  # it left the pool since the decision
                 if attempt > 0:
                     if not budget.try_spend():
                         break
@@ -145,6 +200,8 @@ class Proxy:
                 claim = Claim.take(replica, features.prompt_tokens)
                 if claim is None:
                     continue
+                track.replica = replica
+                track.attempts += 1
                 with claim:
                     # Learn at decision time, not when the answer comes: concurrent requests with
                     # the same new prefix must see where the first one went.
@@ -161,6 +218,7 @@ class Proxy:
                                 claim.failed()
                             log.warning("request %s: replica %s failed: %s", request_id, replica.name, exc)
                             if not exc.retryable:
+                                track.error = "upstream_error"
                                 raise exc.gateway_error() from None
                             failure = exc
                             continue
@@ -181,15 +239,19 @@ class Proxy:
                         rec.route_reason = (
                             route_reason(candidate, ranked) if router.policy.uses_prefix_match else None
                         )
+                        track.error = "upstream_error"  # should reading a whole answer fail
                         return await self._relay(request, resp, claim, rec, req.rename)
                     finally:
                         up.end(rec)
         finally:
             await plan.finish()
         if refused is not None:
+            track.error = "engine_error"
             raise refused
         if failure is not None:
+            track.error = "upstream_error"
             raise failure.gateway_error()
+        track.error = "no_replica"
         raise self._no_replica(f"no replica of pool `{pool.name}` accepted the request")
 
     def _no_replica(self, message: str) -> GatewayError:
@@ -263,6 +325,7 @@ class Proxy:
                 resp.release()
             rec.first_byte_at = time.perf_counter()
             rec.engine_prompt_tokens = engine_prompt_tokens(raw)
+            rec.engine_cached_tokens = engine_cached_tokens(raw)
             if rename is not None and not resp.header("Content-Encoding"):
                 raw = rename.apply(raw)
             return Reply(resp.status, raw, headers)
@@ -292,6 +355,8 @@ class Proxy:
                         continue
                     if _USAGE in chunk:  # a substring test per chunk; only a usage chunk is read
                         rec.engine_prompt_tokens = engine_prompt_tokens(chunk) or rec.engine_prompt_tokens
+                        cached = engine_cached_tokens(chunk)  # 0 is a figure: a cold prompt
+                        rec.engine_cached_tokens = rec.engine_cached_tokens if cached is None else cached
                     await out.write(chunk)
                     end.feed(chunk)
                 tail = events.flush()
@@ -324,6 +389,32 @@ class Proxy:
         return out if out is not None else Reply(499)
 
 
+class _Track:
+    """Where a request went and why it failed, for the policy's completion hook."""
+
+    __slots__ = ("attempts", "error", "prefill", "replica", "status")
+
+    def __init__(self) -> None:
+        self.replica: Replica | None = None  # the (decode) replica that last took it
+        self.prefill: str | None = None
+        self.attempts = 0
+        self.status = 0
+        self.error: str | None = "gateway_error"  # until the request's path says otherwise
+
+    def outcome(self, rec: RequestRecord, features: RequestFeatures) -> Outcome:
+        return Outcome(
+            ok=self.error is None,
+            status=self.status or rec.status or None,
+            error=self.error,
+            ttft_s=rec.ttft_s,
+            e2e_s=time.perf_counter() - rec.started,
+            prompt_tokens=rec.engine_prompt_tokens or features.prompt_tokens,
+            cached_tokens=rec.engine_cached_tokens,
+            attempts=self.attempts,
+            prefill_replica=self.prefill,
+        )
+
+
 def route_reason(chosen: Candidate, ranked: list[Candidate]) -> str:
     """How a prefix-aware choice relates to the cache: `cold` when no replica held any of the
     prompt, `cache_hit` when the chosen one held the most, `spill` when a warmer one was passed
@@ -334,7 +425,7 @@ def route_reason(chosen: Candidate, ranked: list[Candidate]) -> str:
     return "cache_hit" if chosen.matched_tokens == best else "spill"
 
 
-def _walk(ranked: list[Candidate], attempts: int) -> list[Candidate]:
+def _tries(ranked: list[Candidate], attempts: int) -> list[Candidate]:
     """The replicas to try, best first, wrapping around when there are fewer than attempts."""
     return [ranked[i % len(ranked)] for i in range(attempts)]
 

@@ -26,6 +26,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     prompt_chars: int = 0  # characters of the prompt text the gateway hashed
     engine_prompt_tokens: int | None = None  # the engine's own count (its usage figures), when it gave one
+    engine_cached_tokens: int | None = None  # of those, what its prefix cache served, when it said
     matched_tokens: int = 0  # prompt tokens the chosen replica was believed to hold
     route_reason: str | None = None  # why the policy chose the replica (e.g. "cache_hit", "spill")
     status: int = 0

@@ -1,6 +1,7 @@
 """A pool's router: what is learned about its replicas for routing, and how a request is routed.
 
-Per pool: the routing policy (and the prefill policy of PD pools), the prompt hasher and token
+Per pool: the routing policy (which picks both legs of a prefill/decode pool's requests, and hears
+how each request ended), the prompt hasher and token
 counter, the prefix index (and, in precise mode, the KV event index with the approximate one as
 its fallback), the engines' tokens per character, and its LoRA adapters (`gateway.routing.lora`).
 It follows the pool's membership as a `PoolListener`: a replica that leaves is forgotten, a KV
@@ -19,7 +20,7 @@ from gateway.config import KVEventsSource, PoolConfig
 from gateway.fleet.pool import Pool
 from gateway.fleet.replica import Replica
 from gateway.routing.lora import PoolLora
-from gateway.routing.policy import Candidate, Policy, RequestFeatures, load_policy
+from gateway.routing.policy import Candidate, Outcome, Pair, Policy, RequestFeatures, load_policy
 from gateway.routing.precise_prefix import PrecisePrefix
 from gateway.routing.prefix_hash import PrefixHasher, batch_tokens, prompt_pieces
 from gateway.routing.prefix_index import PrefixIndex
@@ -92,11 +93,19 @@ def _matched(
 
 
 class PoolRouter:
-    def __init__(self, pool: Pool, policy: Policy | None = None) -> None:
+    def __init__(self, pool: Pool, policy: Policy[Any] | None = None) -> None:
         self.pool = pool
         cfg = pool.cfg
         self.policy = policy or load_policy(cfg.policy.type, cfg.policy.args)
-        self.prefill_policy = load_policy(cfg.pd.prefill_policy.type, cfg.pd.prefill_policy.args)
+        # Deprecated: a second policy ranking the prefill leg, instead of the policy's select_pair.
+        prefill = cfg.pd.prefill_policy
+        self.prefill_policy = load_policy(prefill.type, prefill.args) if prefill is not None else None
+        if prefill is not None:
+            log.warning(
+                "pool %s: pd.prefill_policy is deprecated and goes in the next release: the pool's "
+                "policy picks both legs (Policy.select_pair; by default the prefill leg by least load)",
+                cfg.name,
+            )
         self.tokenizer = pool_tokenizer(cfg)
         self._count = (self.tokenizer or get_tokenizer()).count
         self.hasher = PrefixHasher(block_chars=cfg.prefix.block_chars, count=self._count)
@@ -217,7 +226,7 @@ class PoolRouter:
         return features
 
     def candidates(
-        self, features: RequestFeatures, replicas: Iterable[Replica], policy: Policy
+        self, features: RequestFeatures, replicas: Iterable[Replica], policy: Policy[Any]
     ) -> list[Candidate]:
         replicas = list(replicas)
         if not policy.uses_prefix_match:
@@ -243,21 +252,45 @@ class PoolRouter:
         order = {r.name: i for i, r in enumerate(replicas)}
         return sorted(found, key=lambda c: order[c.replica.name])
 
-    async def rank(self, features: RequestFeatures, role: str = "decode") -> list[Candidate]:
-        """Available replicas for the leg, ranked best first by the pool's (or prefill) policy."""
-        policy = self.prefill_policy if role == "prefill" else self.policy
-        replicas = self.pool.serving(role)
+    def _offered(
+        self, features: RequestFeatures, replicas: list[Replica], policy: Policy[Any]
+    ) -> list[Candidate]:
+        """The candidates a policy is offered among `replicas`: those with the request's adapter."""
         adapter = features.adapter
         if adapter is None:
-            return await policy.rank(features, self.candidates(features, replicas, policy))
+            return self.candidates(features, replicas, policy)
         candidates = self.candidates(features, self.lora.eligible(replicas, adapter), policy)
         if policy.uses_prefix_match:
             self.lora.credit(candidates, adapter)
-        return await policy.rank(features, candidates)
+        return candidates
 
-    def learn(self, features: RequestFeatures, replica: Replica, role: str = "decode") -> None:
+    def rank(self, features: RequestFeatures) -> list[Candidate]:
+        """Available replicas that serve whole requests (or decode legs), ranked best first."""
+        return self.policy.rank(features, self._offered(features, self.pool.serving("decode"), self.policy))
+
+    def select_pair(self, features: RequestFeatures) -> Pair:
+        """Both legs of a request to a pool with prefill replicas, ranked best first."""
+        policy, prefill_policy = self.policy, self.prefill_policy
+        decode = self._offered(features, self.pool.serving("decode"), policy)
+        prefill_replicas = self.pool.serving("prefill")
+        if prefill_policy is None:
+            return policy.select_pair(features, self._offered(features, prefill_replicas, policy), decode)
+        prefill = self._offered(features, prefill_replicas, prefill_policy)
+        return Pair(prefill_policy.rank(features, prefill), policy.rank(features, decode))
+
+    def replica(self, candidate: Candidate) -> Replica | None:
+        """The pool's replica a ranked candidate names; None when it left the pool since."""
+        # Keyed by name: the path gets the gateway's own replica without casting back the
+        # read-only view a policy saw, and plugins need no generics to return what they got.
+        return self.pool.replicas.get(candidate.replica.name)
+
+    def learn(self, features: RequestFeatures, replica: Replica, prefill_leg: bool = False) -> None:
         """The request went to `replica`: it will hold the prompt's blocks once prefilled."""
         name = replica.name
+        # The policy that chose the replica hears of it. A prefill leg from select_pair is not the
+        # request's route (on_routed names its decode replica): only a deprecated prefill policy
+        # hears of one.
+        deciding = self.prefill_policy if prefill_leg else self.policy
         # A prompt longer than this is learned by its head: all of it would hold the event loop.
         limit = self.cfg.prefix.max_learn_blocks
         if self.precise is None or self.fallback_index is None:
@@ -273,13 +306,40 @@ class PoolRouter:
                 self.prefix_index.record(name, blocks, speculative=True)
             if features.text_block_hashes:
                 self.fallback_index.record(name, features.text_block_hashes[:limit])
-            policy = self.prefill_policy if role == "prefill" else self.policy
-            if policy.uses_prefix_match and not (blocks and self.precise.exact(name, time.monotonic())):
+            if (
+                deciding is not None
+                and deciding.uses_prefix_match
+                and not (blocks and self.precise.exact(name, time.monotonic()))
+            ):
                 self.precise.fallback_decisions[name] += 1
         self._chars_routed[name] = self._chars_routed.get(name, 0) + len(features.text)
         if features.adapter is not None:
             self.lora.routed(name, features.adapter)
-        (self.prefill_policy if role == "prefill" else self.policy).on_routed(features, replica)
+        if deciding is not None:
+            deciding.on_routed(features, replica)
+
+    def complete(
+        self, features: RequestFeatures, replica: Replica | None, outcome: Outcome, paired: bool
+    ) -> None:
+        """The request ranked for this pool (by `select_pair` when `paired`) ended: the policies
+        that ranked it hear how, once each. A hook that fails is logged: the answer, often sent
+        already, is not the plugin's to change."""
+        heard: list[tuple[Policy[Any], Replica | None]] = [(self.policy, replica)]
+        if paired and self.prefill_policy is not None:
+            prefill = outcome.prefill_replica
+            heard.append(
+                (self.prefill_policy, self.pool.replicas.get(prefill) if prefill is not None else None)
+            )
+        for policy, where in heard:
+            try:
+                policy.on_complete(features, where, outcome)
+            except Exception:
+                log.exception(
+                    "pool %s: %s.on_complete failed for request %s",
+                    self.name,
+                    type(policy).__qualname__,
+                    features.request_id,
+                )
 
     def tokens_per_block(self) -> float:
         """Engine tokens in one hashed block of prompt text, as measured on this pool's traffic."""

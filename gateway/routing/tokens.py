@@ -12,7 +12,8 @@ token per whitespace-separated word, word `tN` being id N: the GPU kit's WordLev
 or the path of a Hugging Face `tokenizer.json` (or of a model directory holding one), read with
 the optional `tokenizers` library (`pip install 'kvgate[tokenizers]'`). `model_tokenizer`
 finds a model's tokenizer.json locally (a model directory, or the Hugging Face cache): never
-downloaded. `engine_prompt_tokens` reads an engine's own count from a response's usage.
+downloaded. `engine_prompt_tokens` (and `engine_cached_tokens`) read an engine's own counts from a
+response's usage.
 """
 
 from __future__ import annotations
@@ -188,16 +189,28 @@ def model_tokenizer(model: str) -> Path | None:
 
 
 _USAGE_NEEDLE = b'"prompt_tokens":'
+_CACHED_NEEDLE = b'"cached_tokens":'
 
 
 def engine_prompt_tokens(body: bytes) -> int | None:
     """The engine's `usage.prompt_tokens` in a response body or SSE chunk (its last occurrence),
     found without parsing the JSON; None when absent. A value inside generated text is escaped
     (`\\"prompt_tokens\\"`), so it never matches."""
-    at = body.rfind(_USAGE_NEEDLE)
+    return _usage_figure(body, _USAGE_NEEDLE)
+
+
+def engine_cached_tokens(body: bytes) -> int | None:
+    """The engine's `usage.prompt_tokens_details.cached_tokens` (prompt tokens its prefix cache
+    served), read as `engine_prompt_tokens` is; None when absent (vLLM reports it only with
+    `--enable-prompt-tokens-details`)."""
+    return _usage_figure(body, _CACHED_NEEDLE)
+
+
+def _usage_figure(body: bytes, needle: bytes) -> int | None:
+    at = body.rfind(needle)
     if at == -1:
         return None
-    digits = body[at + len(_USAGE_NEEDLE) : at + len(_USAGE_NEEDLE) + 16].lstrip()
+    digits = body[at + len(needle) : at + len(needle) + 16].lstrip()
     end = 0
     while end < len(digits) and 48 <= digits[end] <= 57:
         end += 1

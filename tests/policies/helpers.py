@@ -8,7 +8,7 @@ import time
 from gateway.fleet.breaker import CircuitBreaker
 from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.replica import Lease, Replica
-from gateway.routing.policy import Candidate, RequestFeatures
+from gateway.routing.policy import Candidate, Outcome, Policy, ReplicaView, RequestFeatures
 
 _ids = itertools.count()
 
@@ -48,3 +48,25 @@ def engine_report(replica: Replica, waiting: int = 0, running: int = 0) -> None:
 def send(replica: Replica, features: RequestFeatures) -> Lease:
     """What the proxy does once a replica is chosen: take the in-flight lease."""
     return replica.lease(features.prompt_tokens)
+
+
+def complete(policy: Policy, features: RequestFeatures, replica: ReplicaView | None) -> None:
+    """What the proxy does once the request has ended: tell the policy, once."""
+    outcome = Outcome(
+        ok=True,
+        status=200,
+        error=None,
+        ttft_s=0.01,
+        e2e_s=0.1,
+        prompt_tokens=features.prompt_tokens,
+        cached_tokens=None,
+        attempts=1,
+    )
+    policy.on_complete(features, replica, outcome)
+
+
+def decide(policy: Policy, features: RequestFeatures, offered: list[Candidate]) -> list[Candidate]:
+    """A decision only (its request ends at once, never holding a replica): ranked, then completed."""
+    ranked = policy.rank(features, offered)
+    complete(policy, features, ranked[0].replica if ranked else None)
+    return ranked

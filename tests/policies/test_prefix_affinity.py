@@ -6,7 +6,7 @@ from collections import Counter
 
 from gateway.routing.policy import load_policy
 from policies.prefix_affinity import PrefixAffinity, PrefixAffinityParams
-from tests.policies.helpers import candidates, engine_report, replicas, request, send
+from tests.policies.helpers import candidates, complete, decide, engine_report, replicas, request, send
 
 PROMPT = 2176  # a 2048-token system prompt and a 128-token question
 SHARED = 2048
@@ -30,77 +30,77 @@ def test_registered_as_an_entry_point() -> None:
     assert isinstance(load_policy("prefix_affinity"), PrefixAffinity)
 
 
-async def test_prefers_the_warm_replica_when_loads_are_equal() -> None:
+def test_prefers_the_warm_replica_when_loads_are_equal() -> None:
     reps = replicas(3)
-    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+    ranked = policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
     assert ranked[0].replica.name == "r1"
 
 
-async def test_deeper_match_wins_between_warm_replicas() -> None:
+def test_deeper_match_wins_between_warm_replicas() -> None:
     reps = replicas(3)
-    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r0": 512, "r2": SHARED}))
+    ranked = policy().rank(request(PROMPT), candidates(reps, {"r0": 512, "r2": SHARED}))
     assert [c.replica.name for c in ranked] == ["r2", "r0", "r1"]
 
 
-async def test_spills_when_the_engine_queue_makes_the_warm_replica_slower() -> None:
+def test_spills_when_the_engine_queue_makes_the_warm_replica_slower() -> None:
     reps = replicas(3)
     # 4 requests of another gateway waiting x 1024 tokens: more than recomputing 2048 elsewhere.
     engine_report(reps[1], waiting=4)
-    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+    ranked = policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
     assert ranked[0].replica.name in ("r0", "r2")
     assert ranked[-1].replica.name == "r1"
     # A short queue is not worth a recompute: the warm replica keeps the request.
     engine_report(reps[1], waiting=1)
-    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+    ranked = policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
     assert ranked[0].replica.name == "r1"
 
 
-async def test_engine_waiting_counts_our_own_requests_at_their_size() -> None:
+def test_engine_waiting_counts_our_own_requests_at_their_size() -> None:
     p = policy(per_request_tokens=0)
     reps = replicas(2)
     for _ in range(3):  # three cache hits in flight on r1, 128 uncached tokens each
         req = request(PROMPT)
         send(reps[1], req)
-        await p.rank(req, [candidates(reps, {"r1": SHARED})[1]])
+        p.rank(req, [candidates(reps, {"r1": SHARED})[1]])
     engine_report(reps[1], waiting=3)  # the engine reports them waiting: 3 x 128, not 3 x 1024
     assert p.queued_tokens(reps[1]) == 3 * (PROMPT - SHARED)
-    ranked = await p.rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+    ranked = decide(p, request(PROMPT), candidates(reps, {"r1": SHARED}))
     assert ranked[0].replica.name == "r1"
     engine_report(reps[1], waiting=5)  # two more than ours: another gateway's, 1024 each
     assert p.queued_tokens(reps[1]) == 3 * (PROMPT - SHARED) + 2 * 1024
 
 
-async def test_duplicate_weight_keeps_a_prefix_on_its_replica_when_a_copy_is_barely_faster() -> None:
+def test_duplicate_weight_keeps_a_prefix_on_its_replica_when_a_copy_is_barely_faster() -> None:
     reps = replicas(2)
     engine_report(reps[0], waiting=2)  # another gateway's 2 x 1024 tokens queued ahead on the warm one
     # Time to first token: 2048 queued + 128 + 2 x 32 in flight on r0 against 2176 on r1...
-    ranked = await policy(duplicate_weight=0).rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
+    ranked = policy(duplicate_weight=0).rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
     assert ranked[0].replica.name == "r1"
     # ...but with the second copy's 2048 tokens weighted 1.5 (3200 on r1), the prefix stays on r0.
-    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
+    ranked = policy().rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
     assert ranked[0].replica.name == "r0"
 
 
-async def test_stale_engine_figures_are_ignored() -> None:
+def test_stale_engine_figures_are_ignored() -> None:
     reps = replicas(2)
     engine_report(reps[1], waiting=50)
     reps[1].engine.updated_at -= 60  # a minute old: the scrape stopped
-    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+    ranked = policy().rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
     assert ranked[0].replica.name == "r1"
 
 
-async def test_own_inflight_work_counted_at_decision_time_spills_a_hot_prefix() -> None:
+def test_own_inflight_work_counted_at_decision_time_spills_a_hot_prefix() -> None:
     """A burst of one hot prefix: the warm replica takes requests until its queue of uncached
     work outweighs a recompute, then the prefix spills; with two warm replicas it alternates."""
     p = policy(per_request_tokens=0)
     reps = replicas(3)
     warm = {"r1": SHARED}
     chosen = []
-    leases = []
+    sent = []
     for _ in range(40):
         req = request(PROMPT)
-        first = (await p.rank(req, candidates(reps, warm)))[0].replica
-        leases.append(send(first, req))  # the lease is taken right after ranking, nothing released
+        first = p.rank(req, candidates(reps, warm))[0].replica
+        sent.append((req, first, send(first, req)))  # the lease is taken right after ranking
         p.on_routed(req, first)
         chosen.append(first.name)
         warm.setdefault(first.name, SHARED)  # the replica now holds the prefix too
@@ -110,36 +110,37 @@ async def test_own_inflight_work_counted_at_decision_time_spills_a_hot_prefix() 
     assert 22 <= first_spill <= 26, chosen
     counts = Counter(chosen)
     assert counts["r1"] >= 24 and len(counts) >= 2
-    # Once the work is done (leases released), the queue is empty again and affinity returns.
-    for lease in leases:
+    # Once the requests are done, the queue is empty again and affinity returns.
+    for req, replica, lease in sent:
         lease.release()
-    ranked = await p.rank(request(PROMPT), candidates(reps, {"r1": SHARED}))
+        complete(p, req, replica)
+    ranked = decide(p, request(PROMPT), candidates(reps, {"r1": SHARED}))
     assert ranked[0].replica.name == "r1"
 
 
-async def test_decode_load_spills_a_prefix_only_when_its_replica_is_far_busier() -> None:
+def test_decode_load_spills_a_prefix_only_when_its_replica_is_far_busier() -> None:
     """Requests in flight cost 32 tokens each: a spread of 30 (ordinary fluctuation between
     replicas) keeps the prefix where it is; 100 more than elsewhere (a hot prefix) makes a copy pay."""
     p = policy()
     reps = replicas(2)
     for _ in range(30):
         send(reps[0], request(PROMPT))
-    assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r0"
+    assert decide(p, request(PROMPT), candidates(reps, {"r0": SHARED}))[0].replica.name == "r0"
     for _ in range(70):
         send(reps[0], request(PROMPT))
-    assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r1"
+    assert decide(p, request(PROMPT), candidates(reps, {"r0": SHARED}))[0].replica.name == "r1"
 
 
-async def test_other_gateways_requests_in_flight_count_as_decode_load() -> None:
+def test_other_gateways_requests_in_flight_count_as_decode_load() -> None:
     """Another gateway's 100 requests on the warm replica (shared state) weigh as our own would."""
     p = policy()
     reps = replicas(2)
-    assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r0"
+    assert decide(p, request(PROMPT), candidates(reps, {"r0": SHARED}))[0].replica.name == "r0"
     reps[0].remote_inflight_requests = 100
-    assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r1"
+    assert decide(p, request(PROMPT), candidates(reps, {"r0": SHARED}))[0].replica.name == "r1"
 
 
-async def test_queued_prefill_drains_while_requests_are_still_decoding() -> None:
+def test_queued_prefill_drains_while_requests_are_still_decoding() -> None:
     clock = Clock()
     p = policy(clock, per_request_tokens=0, prefill_tokens_per_s=10000)
     reps = replicas(2)
@@ -147,59 +148,57 @@ async def test_queued_prefill_drains_while_requests_are_still_decoding() -> None
     for _ in range(3):  # three cold 2176-token prefills sent to r0, still in flight afterwards
         req = request(PROMPT)
         leases.append(send(reps[0], req))
-        await p.rank(req, [candidates(reps)[0]])
+        p.rank(req, [candidates(reps)[0]])
     assert p.queued_tokens(reps[0]) == 3 * PROMPT
     # The warm replica's queue costs more than recomputing the prefix on the idle one...
-    assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r1"
+    assert decide(p, request(PROMPT), candidates(reps, {"r0": SHARED}))[0].replica.name == "r1"
     # ...until its prefills are done (0.5 s at 10k tokens/s), even though the requests still decode.
     clock.now += 0.7
     assert p.queued_tokens(reps[0]) == 0
-    assert (await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED})))[0].replica.name == "r0"
+    assert decide(p, request(PROMPT), candidates(reps, {"r0": SHARED}))[0].replica.name == "r0"
     assert reps[0].inflight_requests == 3
 
 
-async def test_cold_requests_spread_evenly() -> None:
+def test_cold_requests_spread_evenly() -> None:
     p = policy()
     reps = replicas(4)
     chosen = []
     for _ in range(12):
         req = request(PROMPT)
-        first = (await p.rank(req, candidates(reps)))[0].replica
+        first = p.rank(req, candidates(reps))[0].replica
         send(first, req)
         chosen.append(first.name)
     assert Counter(chosen) == {"r0": 3, "r1": 3, "r2": 3, "r3": 3}
 
 
-async def test_a_replica_skipped_while_busy_gets_the_next_new_prefixes() -> None:
+def test_a_replica_skipped_while_busy_gets_the_next_new_prefixes() -> None:
     clock = Clock()
     p = policy(clock, per_request_tokens=0)
     reps = replicas(3)
     engine_report(reps[0], waiting=10)  # another gateway keeps r0 busy: new prefixes avoid it
-    firsts = [(await p.rank(request(PROMPT), candidates(reps)))[0].replica.name for _ in range(4)]
+    firsts = [decide(p, request(PROMPT), candidates(reps))[0].replica.name for _ in range(4)]
     assert Counter(firsts) == {"r1": 2, "r2": 2}
     engine_report(reps[0], waiting=0)
     clock.now += 10.0  # r1 and r2 have since prefilled what they were sent
-    firsts = [(await p.rank(request(PROMPT), candidates(reps)))[0].replica.name for _ in range(2)]
+    firsts = [decide(p, request(PROMPT), candidates(reps))[0].replica.name for _ in range(2)]
     assert firsts == ["r0", "r0"]  # catches up: round-robin alone would have given r1 or r2 one
 
 
-async def test_cold_requests_avoid_a_busy_replica() -> None:
+def test_cold_requests_avoid_a_busy_replica() -> None:
     p = policy()
     reps = replicas(3)
     engine_report(reps[0], waiting=20)
     chosen = set()
     for _ in range(6):
-        req = request(PROMPT)
-        first = (await p.rank(req, candidates(reps)))[0].replica
-        chosen.add(first.name)
+        chosen.add(decide(p, request(PROMPT), candidates(reps))[0].replica.name)
     assert "r0" not in chosen
 
 
-async def test_retry_moves_the_charge_to_the_replica_that_served() -> None:
+def test_retry_moves_the_charge_to_the_replica_that_served() -> None:
     p = policy(per_request_tokens=0)
     reps = replicas(2)
     req = request(PROMPT)
-    ranked = await p.rank(req, candidates(reps, {"r0": SHARED}))
+    ranked = p.rank(req, candidates(reps, {"r0": SHARED}))
     assert ranked[0].replica.name == "r0"
     # r0 refused (e.g. 429), the proxy walked on to r1 and the request was sent there.
     lease = send(reps[1], req)
@@ -208,8 +207,9 @@ async def test_retry_moves_the_charge_to_the_replica_that_served() -> None:
     assert p.queued_tokens(reps[1]) == PROMPT - SHARED
     assert p.queued_tokens(reps[0]) == 0
     lease.release()
+    complete(p, req, reps[1])
     assert p.queued_tokens(reps[1]) == 0
 
 
-async def test_no_candidates() -> None:
-    assert await policy().rank(request(), []) == []
+def test_no_candidates() -> None:
+    assert policy().rank(request(), []) == []

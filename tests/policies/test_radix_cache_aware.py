@@ -26,7 +26,7 @@ def load(replica, n: int) -> None:
         replica.lease(100)
 
 
-async def test_defaults_are_the_routers() -> None:
+def test_defaults_are_the_routers() -> None:
     p = load_policy("radix_cache_aware")
     assert isinstance(p, RadixCacheAware)
     assert p.params == RadixCacheAwareParams(
@@ -35,30 +35,30 @@ async def test_defaults_are_the_routers() -> None:
     assert p.params.eviction_interval_s == 120
 
 
-async def test_high_match_follows_the_replica_holding_the_text() -> None:
+def test_high_match_follows_the_replica_holding_the_text() -> None:
     p = load_policy("radix_cache_aware")
     reps = replicas(3)
     first = request(text=SYSTEM + "question one")
     p.on_routed(first, reps[2])
-    ranked = await p.rank(request(text=SYSTEM + "question two"), candidates(reps))
+    ranked = p.rank(request(text=SYSTEM + "question two"), candidates(reps))
     assert names(ranked)[0] == "r2"
 
 
-async def test_low_match_goes_to_the_smallest_tree() -> None:
+def test_low_match_goes_to_the_smallest_tree() -> None:
     p = load_policy("radix_cache_aware")
     reps = replicas(3)
     p.on_routed(request(text="a" * 1000), reps[0])
     p.on_routed(request(text="b" * 500), reps[1])
     p.on_routed(request(text="c" * 200), reps[2])
     # 200 of 1000 characters match r0's text: 0.2 <= 0.3, so the match is ignored.
-    ranked = await p.rank(request(text="a" * 200 + "z" * 800), candidates(reps))
+    ranked = p.rank(request(text="a" * 200 + "z" * 800), candidates(reps))
     assert names(ranked)[0] == "r2"
     # Above the threshold (400/1000) the match wins even though r0 has the biggest tree.
-    ranked = await p.rank(request(text="a" * 400 + "z" * 600), candidates(reps))
+    ranked = p.rank(request(text="a" * 400 + "z" * 600), candidates(reps))
     assert names(ranked)[0] == "r0"
 
 
-async def test_imbalance_needs_both_thresholds() -> None:
+def test_imbalance_needs_both_thresholds() -> None:
     def warm_on_r0() -> RadixCacheAware:
         p = load_policy("radix_cache_aware")
         assert isinstance(p, RadixCacheAware)
@@ -70,32 +70,32 @@ async def test_imbalance_needs_both_thresholds() -> None:
     reps = replicas(2)
     load(reps[0], 300)
     load(reps[1], 230)
-    assert names(await warm_on_r0().rank(req, candidates(reps)))[0] == "r0"
+    assert names(warm_on_r0().rank(req, candidates(reps)))[0] == "r0"
     # 300 vs 199: 300 > 298.5 and 101 > 64: imbalanced, shortest queue wins over the cache.
     reps = replicas(2)
     load(reps[0], 300)
     load(reps[1], 199)
-    assert names(await warm_on_r0().rank(req, candidates(reps)))[0] == "r1"
+    assert names(warm_on_r0().rank(req, candidates(reps)))[0] == "r1"
     # 60 vs 0: infinitely unequal in ratio but within the absolute threshold: balanced.
     reps = replicas(2)
     load(reps[0], 60)
-    assert names(await warm_on_r0().rank(req, candidates(reps)))[0] == "r0"
+    assert names(warm_on_r0().rank(req, candidates(reps)))[0] == "r0"
 
 
-async def test_imbalanced_branch_still_inserts_under_the_chosen_replica() -> None:
+def test_imbalanced_branch_still_inserts_under_the_chosen_replica() -> None:
     p = load_policy("radix_cache_aware")
     reps = replicas(2)
     load(reps[0], 100)
-    chosen = (await p.rank(request(text=SYSTEM), candidates(reps)))[0].replica
+    chosen = p.rank(request(text=SYSTEM), candidates(reps))[0].replica
     assert chosen.name == "r1"
     assert p.tree.prefix_match(SYSTEM) == (len(SYSTEM), "r1")
 
 
-async def test_text_is_inserted_at_decision_time() -> None:
+def test_text_is_inserted_at_decision_time() -> None:
     """A burst of new prefixes: each decision already sees the previous ones (smallest tree)."""
     p = load_policy("radix_cache_aware")
     reps = replicas(3)
-    firsts = [(await p.rank(request(text=f"{k} " + SYSTEM), candidates(reps)))[0].replica.name for k in "abc"]
+    firsts = [p.rank(request(text=f"{k} " + SYSTEM), candidates(reps))[0].replica.name for k in "abc"]
     assert sorted(firsts) == ["r0", "r1", "r2"]
     # A retry sent the last one elsewhere: the tree learns that replica holds it too.
     p.on_routed(request(text="c " + SYSTEM), reps[0])
@@ -128,16 +128,16 @@ def test_lru_eviction_trims_each_tenant_to_max_size() -> None:
     assert tree.size["r1"] == 24
 
 
-async def test_eviction_runs_on_its_interval() -> None:
+def test_eviction_runs_on_its_interval() -> None:
     clock = Clock()
     p = RadixCacheAware(RadixCacheAwareParams(max_tree_size=10, eviction_interval_s=120), clock=clock)
     reps = replicas(2)
     p.on_routed(request(text="q" * 100), reps[0])
     clock.now = 119
-    await p.rank(request(text="x"), candidates(reps))
+    p.rank(request(text="x"), candidates(reps))
     assert p.tree.size["r0"] == 100
     clock.now = 121
-    await p.rank(request(text="x"), candidates(reps))
+    p.rank(request(text="x"), candidates(reps))
     assert p.tree.size["r0"] == 0
 
 

@@ -16,6 +16,7 @@ from gateway.fleet.pool import Pool
 from gateway.routing.pool_router import PoolRouter
 from gateway.routing.tokens import (
     WordTokenizer,
+    engine_cached_tokens,
     engine_prompt_tokens,
     get_tokenizer,
     load_tokenizer,
@@ -58,6 +59,7 @@ def test_usage_figures_are_found_without_parsing_and_never_in_generated_text() -
         b'data: {"choices":[],"usage":{"prompt_tokens": 17,"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
     )
     assert engine_prompt_tokens(chunk) == 17
+    assert engine_cached_tokens(chunk) == 0 and engine_cached_tokens(body) is None
     # The same words inside generated text are escaped JSON: no match.
     assert engine_prompt_tokens(b'{"choices":[{"text":"\\"prompt_tokens\\": 5"}]}') is None
     assert engine_prompt_tokens(b'{"usage":{"prompt_tokens":"many"}}') is None

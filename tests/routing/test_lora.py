@@ -160,15 +160,15 @@ def test_prefixes_are_hashed_per_adapter() -> None:
     assert router.features({**body, "model": "a"}, "chat", "r", {}).block_hashes == hashes["a"]
 
 
-async def test_a_hot_adapter_spills_like_a_hot_prefix() -> None:
+def test_a_hot_adapter_spills_like_a_hot_prefix() -> None:
     router = _router()
     features = router.features({"model": "a", "prompt": "short question"}, "completions", "r", {})
     router.learn(features, router.pool.replicas["r0"])  # `a` is resident on r0
-    assert (await router.rank(features))[0].replica.name == "r0"
+    assert router.rank(features)[0].replica.name == "r0"
     # r0 now runs many requests: waiting there costs more than swapping `a` in on r1.
     leases = [router.pool.replicas["r0"].lease(10) for _ in range(40)]
     features = router.features({"model": "a", "prompt": "another question"}, "completions", "r2", {})
-    assert (await router.rank(features))[0].replica.name == "r1"
+    assert router.rank(features)[0].replica.name == "r1"
     for lease in leases:
         lease.release()
     router.learn(features, router.pool.replicas["r1"])

@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+import logging
 import textwrap
+import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
+from gateway.config import BreakerConfig, ScrapeConfig, load_config
+from gateway.fleet.pool import Pool
+from gateway.policy import API_VERSION, LoadScorer, Outcome, Policy, PrefixScorer, least_loaded, rank_by
 from gateway.routing.policy import PolicyLoadError, load_policy
+from gateway.routing.pool_router import PoolRouter
+from policies.least_load import LeastLoad
 from tests.conftest import REPO, gateway_settings
-from tests.policies.helpers import candidates, replicas, request
+from tests.policies.helpers import candidates, engine_report, replicas, request
+from tests.recording_policy import Recording
 
 EXAMPLE = REPO / "examples" / "policy_plugin"
 
 PLUGIN_MODULE = '''
 from pydantic import BaseModel, ConfigDict
 
-from gateway.routing.policy import Policy
+from gateway.policy import Policy
 
 
 class LastFirstParams(BaseModel):
@@ -25,8 +34,15 @@ class LastFirstParams(BaseModel):
     skip: int = 0
 
 
-class LastFirst(Policy):
+class LastFirst(Policy[LastFirstParams]):
     """Ranks the candidates in reverse order."""
+
+    def rank(self, request, candidates):
+        return list(reversed(candidates))[self.params.skip:]
+
+
+class OldLastFirst(Policy):
+    """The same, written against version 1 of the API."""
 
     Params = LastFirstParams
 
@@ -50,13 +66,15 @@ def install_plugin(root: Path, monkeypatch: pytest.MonkeyPatch, entry_points: st
     monkeypatch.syspath_prepend(str(root))
 
 
-async def test_installed_entry_point_is_found_by_name(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_installed_entry_point_is_found_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     install_plugin(tmp_path, monkeypatch, "[kvgate.policies]\nlast_first = tmp_policies:LastFirst\n")
-    policy = load_policy("last_first", {"skip": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a version-2 plugin loads without a deprecation
+        policy = load_policy("last_first", {"skip": 1})
+    assert policy.api_version == API_VERSION == 2
+    assert policy.params.skip == 1
     reps = replicas(3)
-    ranked = await policy.rank(request(), candidates(reps))
+    ranked = policy.rank(request(), candidates(reps))
     assert [c.replica.name for c in ranked] == ["r1", "r0"]
     # The built-ins are entry points of the same group.
     with pytest.raises(PolicyLoadError) as err:
@@ -83,14 +101,14 @@ def test_bad_entry_points_name_the_problem(tmp_path: Path, monkeypatch: pytest.M
         load_policy("not_policy")
 
 
-async def test_module_class_route_and_argument_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_module_class_route_and_argument_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(EXAMPLE))
     policy = load_policy("kvgate_header_pin:HeaderPin", {"header": "x-send-to"})
     reps = replicas(3)
     reps[0].lease(10)
-    ranked = await policy.rank(request(headers={"x-send-to": "r0"}), candidates(reps))
+    ranked = policy.rank(request(headers={"x-send-to": "r0"}), candidates(reps))
     assert ranked[0].replica.name == "r0"
-    ranked = await policy.rank(request(), candidates(reps))
+    ranked = policy.rank(request(), candidates(reps))
     assert ranked[-1].replica.name == "r0"  # unpinned: fewest in flight first
     with pytest.raises(PolicyLoadError, match=r"policy 'kvgate_header_pin:HeaderPin' args\.header: "):
         load_policy("kvgate_header_pin:HeaderPin", {"header": ""})
@@ -119,3 +137,95 @@ async def test_gateway_routes_with_the_example_plugin(
             resp = await client.post("/v1/chat/completions", json=body, headers={"x-pin-replica": target})
             assert resp.status_code == 200, resp.text
             assert resp.headers["x-kvgate-replica"] == target
+
+
+async def test_version_1_plugin_warns_naming_what_to_change_and_still_routes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, upstreams, gateway
+) -> None:
+    install_plugin(tmp_path, monkeypatch, "[kvgate.policies]\nold_last_first = tmp_policies:OldLastFirst\n")
+    with pytest.warns(DeprecationWarning) as caught:
+        policy = load_policy("old_last_first")
+    (message,) = [str(w.message) for w in caught]
+    assert "'old_last_first' (tmp_policies.OldLastFirst) uses plugin API version 1" in message
+    assert "`async def rank` -> `def rank`" in message
+    assert "`Params = LastFirstParams` -> `class OldLastFirst(Policy[LastFirstParams])`" in message
+    assert policy.api_version == 1
+    # Its coroutine is run to its end on the spot: rank answers synchronously, as version 2's does.
+    assert [c.replica.name for c in policy.rank(request(), candidates(replicas(3)))] == ["r2", "r1", "r0"]
+    ups = await upstreams(3)
+    settings = gateway_settings([u.url for u in ups], pool={"policy": {"type": "old_last_first"}})
+    with pytest.warns(DeprecationWarning, match="OldLastFirst"):
+        gw = await gateway(settings)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    async with httpx.AsyncClient(base_url=gw.url, timeout=10) as client:
+        for _ in range(3):
+            resp = await client.post("/v1/chat/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvgate-replica"] == "r2"
+
+
+def test_the_default_pair_ranks_decode_by_rank_and_prefill_by_least_load() -> None:
+    class NameOrder(Policy):
+        def rank(self, request, candidates):
+            return sorted(candidates, key=lambda c: c.replica.name, reverse=True)
+
+    reps = replicas(4)
+    reps[0].lease(5000)  # prefill r0 is busy, r1 idle
+    pair = NameOrder(NameOrder.Params()).select_pair(request(), candidates(reps[:2]), candidates(reps[2:]))
+    assert [c.replica.name for c in pair.decode] == ["r3", "r2"]
+    assert [c.replica.name for c in pair.prefill] == ["r1", "r0"]
+
+
+def test_scorers_compose_and_least_load_is_the_load_scorer() -> None:
+    reps = replicas(3)
+    reps[0].lease(1000)
+    engine_report(reps[1], waiting=1)  # 1024 tokens by the engine's count
+    offered = candidates(reps, {"r0": 2000, "r1": 1000})
+    load = LoadScorer()
+    assert [load(request(), c) for c in offered] == [1000, 1024, 0]
+    assert [PrefixScorer()(request(2176), c) for c in offered] == [176, 1176, 2176]
+    # Uncached prompt plus queued work: r0 (1176), r2 (2176), r1 (2200).
+    ranked = rank_by(request(2176), offered, [(1.0, PrefixScorer()), (1.0, load)])
+    assert [c.replica.name for c in ranked] == ["r0", "r2", "r1"]
+    least = LeastLoad(LeastLoad.Params())
+    assert least.rank(request(), offered) == least_loaded(offered, load, 1)
+
+
+def test_a_deprecated_prefill_policy_still_ranks_the_prefill_leg_and_hears_its_end(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    endpoints = [
+        {"url": "http://127.0.0.1:1", "name": "p0", "role": "prefill"},
+        {"url": "http://127.0.0.1:2", "name": "p1", "role": "prefill"},
+        {"url": "http://127.0.0.1:3", "name": "d0", "role": "decode"},
+    ]
+    pd = {"prefill_policy": {"type": "tests.recording_policy:Recording"}}
+    pools = [{"name": "p", "model": "m", "endpoints": endpoints, "pd": pd}]
+    cfg = load_config(None, {"pools": pools}).pools[0]
+    pool = Pool(cfg, BreakerConfig(), ScrapeConfig())
+    with caplog.at_level(logging.WARNING):
+        router = PoolRouter(pool)
+    assert "pd.prefill_policy is deprecated" in caplog.text
+    for ep in cfg.endpoints:
+        pool.add_replica(ep.url, name=ep.name, role=ep.role)
+    features = router.features({"model": "m", "prompt": "hi"}, "completions", "req-1", {"x-pin": "p1"})
+    pair = router.select_pair(features)
+    assert [c.replica.name for c in pair.prefill] == ["p1", "p0"]  # its rank: the pinned one first
+    assert [c.replica.name for c in pair.decode] == ["d0"]
+    recording = router.prefill_policy
+    assert isinstance(recording, Recording)
+    done = Outcome(
+        ok=True, status=200, error=None, ttft_s=0.1, e2e_s=0.2, prompt_tokens=1, cached_tokens=0, attempts=1
+    )
+    router.complete(features, pool.replicas["d0"], replace(done, prefill_replica="p1"), paired=True)
+    assert [(e.replica, e.outcome.prefill_replica) for e in recording.ended] == [("p1", "p1")]
+
+    # A hook that fails is logged; the other policy still hears, and nothing reaches the request.
+    def fail(*args: object) -> None:
+        raise ValueError("a plugin's bug")
+
+    monkeypatch.setattr(router.policy, "on_complete", fail)
+    with caplog.at_level(logging.ERROR):
+        router.complete(features, pool.replicas["d0"], done, paired=True)
+    assert "PrefixAffinity.on_complete failed for request req-1" in caplog.text
+    assert len(recording.ended) == 2

@@ -14,17 +14,17 @@ every 0.25 s of simulated time (the gateway's 0.5 s at speedup 0.5).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import cache
+from typing import Any
 
 from bench.loadgen import LoadSpec, schedule
 from bench.stats import percentile
 from bench.workloads import make_workload
 from gateway.fleet.engine_load import EngineLoad
-from gateway.policy import Candidate, Policy, RequestFeatures
+from gateway.policy import Candidate, Outcome, Policy, RequestFeatures
 from gateway.routing.tokens import get_tokenizer
 from gateway.sim import protocol
 from gateway.sim.engine import Engine, EngineConfig, Request
@@ -47,6 +47,8 @@ class View:
     name: str
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    remote_inflight_requests: int = 0  # one gateway: nobody else's
+    remote_inflight_tokens: int = 0
     engine: EngineLoad = field(default_factory=EngineLoad)
     engine_fresh: bool = False
     url: str = ""
@@ -76,7 +78,7 @@ def prompts(seed: int) -> list[Prompt]:
     return out
 
 
-def make_policy(name: str, clock: list[float]) -> Policy | None:
+def make_policy(name: str, clock: list[float]) -> Policy[Any] | None:
     now = clock.__getitem__
     if name == "prefix_affinity":
         params = PrefixAffinityParams(prefill_tokens_per_s=PREFILL_TOKENS_PER_S)
@@ -84,6 +86,20 @@ def make_policy(name: str, clock: list[float]) -> Policy | None:
     if name == "radix_cache_aware":
         return RadixCacheAware(RadixCacheAwareParams(), clock=lambda: now(0))
     return None
+
+
+def _outcome(q: Request) -> Outcome:
+    """A modelled request's end, as a policy hears it (times in simulated seconds)."""
+    return Outcome(
+        ok=True,
+        status=200,
+        error=None,
+        ttft_s=q.ttft,
+        e2e_s=(q.finished_at or 0.0) - q.arrival,
+        prompt_tokens=q.prompt_len,
+        cached_tokens=q.num_cached,
+        attempts=1,
+    )
 
 
 def run(rate: float, policy_name: str, seed: int) -> dict[str, float]:
@@ -96,7 +112,7 @@ def run(rate: float, policy_name: str, seed: int) -> dict[str, float]:
     policy = make_policy(policy_name, clock)
     groups_held = engines[0].pool.num_blocks * engines[0].block_size // len(reqs[0].ids)
     index: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(REPLICAS)]
-    live: list[list[Request]] = [[] for _ in range(REPLICAS)]
+    live: list[list[tuple[Request, RequestFeatures]]] = [[] for _ in range(REPLICAS)]
     sent: list[tuple[Request, int]] = []
     turn = itertools.count()
     next_scrape = 0.0
@@ -105,13 +121,18 @@ def run(rate: float, policy_name: str, seed: int) -> dict[str, float]:
             e.advance_to(t)
         clock[0] = t
         for v, mine in zip(views, live, strict=True):
-            mine[:] = [q for q in mine if q.finished_at is None]
+            if policy is not None:
+                for q, f in mine:
+                    if q.finished_at is not None:
+                        policy.on_complete(f, v, _outcome(q))
+            mine[:] = [(q, f) for q, f in mine if q.finished_at is None]
             v.inflight_requests = len(mine)
         if t >= next_scrape:
             for v, e in zip(views, engines, strict=True):
                 v.engine = EngineLoad(waiting=e.num_waiting, running=len(e.running), updated_at=t)
                 v.engine_fresh = True
             next_scrape = t + SCRAPE_S
+        f = RequestFeatures(str(n), "m", "p", "chat", prompt_tokens=len(p.ids), text=p.text)
         if policy_name == "round_robin":
             k = next(turn) % REPLICAS
         elif policy_name == "oracle":
@@ -121,8 +142,7 @@ def run(rate: float, policy_name: str, seed: int) -> dict[str, float]:
             cands = [
                 Candidate(v, 0, SYSTEM_TOKENS if p.group in index[i] else 0) for i, v in enumerate(views)
             ]
-            f = RequestFeatures(str(n), "m", "p", "chat", prompt_tokens=len(p.ids), text=p.text)
-            k = views.index((asyncio.run(policy.rank(f, cands)))[0].replica)  # type: ignore[arg-type]
+            k = int(policy.rank(f, cands)[0].replica.name[1:])
             policy.on_routed(f, views[k])
         index[k][p.group] = None
         index[k].move_to_end(p.group)
@@ -131,7 +151,7 @@ def run(rate: float, policy_name: str, seed: int) -> dict[str, float]:
         q = Request(str(n), p.ids, p.max_tokens)
         engines[k].add_request(q, at=t)
         sent.append((q, k))
-        live[k].append(q)
+        live[k].append((q, f))
     for e in engines:
         e.run_until_idle()
     ttft = [(q.ttft or 0.0) * 1000 for q, _ in sent]
