@@ -145,12 +145,12 @@ class Proxy:
 
     async def _walk(
         self,
-        request: web.Request,
+        request: Exchange,
         req: InferenceRequest,
         ranked: list[Candidate],
         prefills: list[Candidate],
         track: _Track,
-    ) -> web.StreamResponse:
+    ) -> Reply | StreamOut:
         """Send the request down the ranking (and a prefill leg first when it pays), retrying
         before the first byte; `track` follows where it went and why it failed."""
         router, features, rec = req.router, req.features, req.record
