@@ -122,7 +122,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
     if sglang and mode is None and args.disaggregation_bootstrap_port is not None:
         mode = "prefill"
     serving = serving_options(args)
-    devices = _devices(args.replicas, args.gpu_share)
+    devices = _devices(args.replicas, args.gpu_share, profile.timeslice_efficiency)
     out = []
     for i in range(args.replicas):
         engine = EngineConfig(
@@ -182,7 +182,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
     return out
 
 
-def _devices(replicas: int, share: int) -> list[SharedDevice] | None:
+def _devices(replicas: int, share: int, efficiency: float) -> list[SharedDevice] | None:
     """The GPUs the replicas of this process time-share, N consecutive replicas to each; None when each
     replica has a GPU of its own or, alone in its process, a static share of one (it cannot see the
     others)."""
@@ -192,7 +192,7 @@ def _devices(replicas: int, share: int) -> list[SharedDevice] | None:
         return None
     if replicas % share:
         raise ValueError(f"--replicas {replicas} is not a multiple of --gpu-share {share} (or 1)")
-    return [SharedDevice() for _ in range(replicas // share)]
+    return [SharedDevice(efficiency) for _ in range(replicas // share)]
 
 
 def select_tokenizer(args: argparse.Namespace) -> None:

@@ -45,9 +45,9 @@ class CostModel:
         p = profile
         self.profile = p
         self.tp = tp or p.tp
-        # A static 1/gpu_share of the GPU's FLOP/s and bandwidth: a replica sharing its GPU with others
-        # it cannot see (one process each), busy or not. Replicas of one process share a SharedDevice instead.
-        self.gpu_share = gpu_share
+        # A replica alone in its process on a GPU it shares with gpu_share - 1 others it cannot see: its
+        # steps take its 1/gpu_share of the time-sliced GPU, busy or not (gateway.sim.device).
+        self.slowdown = 1.0 if gpu_share == 1 else gpu_share / p.timeslice_efficiency
         self.kv_bpt = p.model.kv_bytes_per_token(kv_dtype_bytes(kv_cache_dtype))
         flops = self.tp * p.hardware.flops * p.mfu
         bw = self.tp * p.hardware.hbm_bw * p.mbu
@@ -58,13 +58,6 @@ class CostModel:
         self._weights_s3 = (m.weight_bytes / bw) ** 3
 
     def step_time(self, s: StepShape) -> float:
-        device, host = self.step_parts(s)
-        return device * self.gpu_share + host
-
-    def step_parts(self, s: StepShape) -> tuple[float, float]:
-        """(device, host) seconds of a step on a whole GPU. The device part is the kernels (GEMMs and
-        attention), what replicas sharing a GPU compete for; the host part is the engine process's own
-        work around them (scheduling, launches, sampling, input processing, stalls), which is not shared."""
         p = self.profile
         lin = self._lin_s_per_token * (s.prefill_tokens + s.decode_seqs)
         gemm = (lin**3 + self._weights_s3) ** (1 / 3)
@@ -72,10 +65,10 @@ class CostModel:
             self._attn_s_per_pair * (s.prefill_attn_pairs + s.decode_ctx_tokens),
             self._kv_read_s_per_token * (s.prefill_ctx_tokens + s.decode_ctx_tokens),
         )
-        host = p.step_overhead_s + p.per_seq_s * s.num_seqs
+        t = gemm + attn + p.step_overhead_s + p.per_seq_s * s.num_seqs
         if s.prefill_tokens:
-            host += p.prefill_step_overhead_s
-        return gemm + attn, host + p.per_prompt_token_s * s.prompt_tokens_admitted + s.stall_s
+            t += p.prefill_step_overhead_s
+        return (t + p.per_prompt_token_s * s.prompt_tokens_admitted + s.stall_s) * self.slowdown
 
     def frontend_time(self, prompt_tokens: int) -> float:
         return self.profile.frontend_s + self.profile.frontend_per_token_s * prompt_tokens

@@ -3,10 +3,15 @@ share a GPU without MPS.
 
 Their kernels never overlap: the driver gives the device to one context at a time, in slices of a few
 milliseconds, round robin over the contexts that have work. At the scale of an engine step that is
-processor sharing: while k replicas have kernels queued, each progresses at 1/k of the GPU's speed, and
-a replica alone busy gets all of it. A virtual clock models that exactly (as in fair queueing): V
-advances by 1/k device-seconds per second while k jobs are active, and a job of w device-seconds that
-starts when V = v finishes when V reaches v + w, whoever starts or finishes meanwhile.
+processor sharing: while k replicas have steps in progress each progresses at 1/k of the GPU's speed,
+and a replica alone busy gets all of it. A whole step is shared, its launch and synchronization gaps
+included, not only its kernels' roofline time: a context keeps its slice through short gaps, and the
+2026-12-01 H200 run (four vLLMs on one GPU) fits that and not the kernels alone. Context switches cost
+a fraction of the time while more than one replica has work (the profile's `timeslice_efficiency`).
+
+A virtual clock models it exactly (as in fair queueing): V advances by `rate(k)` seconds of a lone GPU
+per second while k steps are in progress, and a step of w seconds that starts when V = v finishes when
+V reaches v + w, whoever starts or finishes meanwhile.
 """
 
 from __future__ import annotations
@@ -17,20 +22,26 @@ import itertools
 
 
 class SharedDevice:
-    def __init__(self) -> None:
-        self._v = 0.0  # device-seconds every active job has received since the device was created
+    def __init__(self, efficiency: float = 1.0) -> None:
+        self.efficiency = efficiency
+        self._v = 0.0  # lone-GPU seconds every active step has received since the device was created
         self._at = 0.0  # the loop time _v is up to date for
         self._active: list[tuple[float, int]] = []  # (finish tag, job), a heap
         self._done: dict[int, float] = {}  # job -> loop time it finished, until its runner collects it
         self._seq = itertools.count()
         self._changed = asyncio.Event()  # replaced after each set: a broadcast to every waiting job
 
+    def _rate(self) -> float:
+        """Progress of each active step per second."""
+        k = len(self._active)
+        return 1.0 if k == 1 else self.efficiency / k
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
     def _advance(self, now: float) -> None:
-        """Bring V up to loop time `now`, retiring on the way (at their exact times) the jobs it completes.
+        """Bring V up to loop time `now`, retiring on the way (at their exact times) the steps it completes.
         Never backwards: a step may start a little ahead of loop.time(), whose clock (uvloop's) ticks in
         milliseconds, and a late runner's step cannot start before the device's last change."""
         now = max(now, self._at)
@@ -38,7 +49,7 @@ class SharedDevice:
         retired = False
         while act:
             tag, job = act[0]
-            end = self._at + (tag - self._v) * len(act)
+            end = self._at + (tag - self._v) / self._rate()
             if end > now:
                 break
             heapq.heappop(act)
@@ -46,13 +57,13 @@ class SharedDevice:
             self._done[job] = end
             retired = True
         if act:
-            self._v += (now - self._at) / len(act)
+            self._v += (now - self._at) * self._rate()
         self._at = now
         if retired:
             self._notify()  # the others now share among fewer: they finish sooner than they expected
 
     async def run(self, work_s: float, start: float) -> float:
-        """Do `work_s` seconds of whole-GPU work from loop time `start`; returns the loop time it finished."""
+        """A step of `work_s` seconds on a lone GPU, from loop time `start`; returns the loop time it ends."""
         loop = asyncio.get_running_loop()
         self._advance(start)
         job = next(self._seq)
@@ -64,12 +75,12 @@ class SharedDevice:
                 self._advance(loop.time())
                 if job in self._done:
                     return self._done.pop(job)
-                eta = self._at + (tag - self._v) * len(self._active)
+                eta = self._at + (tag - self._v) / self._rate()
                 try:
                     await asyncio.wait_for(self._changed.wait(), max(eta - loop.time(), 0.0))
                 except TimeoutError:
                     pass
-        except asyncio.CancelledError:  # the runner stopped: its work leaves the device unfinished
+        except asyncio.CancelledError:  # the runner stopped: its step leaves the device unfinished
             self._done.pop(job, None)
             if (tag, job) in self._active:
                 self._active.remove((tag, job))

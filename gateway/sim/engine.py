@@ -56,7 +56,7 @@ class EngineConfig:
     higher_priority_first: bool = False  # SGLang semantics
     kv_lease_timeout_s: float = 30.0  # prefill-side blocks held for a remote decode
     lora: LoraConfig | None = None  # --enable-lora and its limits
-    gpu_share: int = 1  # a static 1/gpu_share of the GPU (CostModel); a SharedDevice models time-slicing
+    gpu_share: int = 1  # a static 1/gpu_share of a time-sliced GPU (CostModel); see also SharedDevice
 
 
 class Request:
@@ -581,8 +581,7 @@ class RealtimeRunner:
 
     Each step sleeps until an absolute deadline, so wake-up jitter does not accumulate; if the loop falls
     more than `max_lag_s` behind (an overloaded CPU), the simulated clock jumps forward instead of bursting.
-    With a `device` shared by several runners of this process, a step's kernels run on it time-sliced with
-    theirs, and the step lasts until they are done plus the engine's host work.
+    With a `device` shared by several runners of this process, each step runs on it time-sliced with theirs.
     """
 
     def __init__(
@@ -640,13 +639,11 @@ class RealtimeRunner:
                 pass
 
     async def _step_time(self, shape: StepShape) -> float:
-        cost = self.engine.cost
+        t = self.engine.cost.step_time(shape)
         if self.device is None:
-            return cost.step_time(shape)
-        device_s, host_s = cost.step_parts(shape)
+            return t
         start = self._t0 + self.engine.now / self.speedup
-        end = await self.device.run(device_s / self.speedup, start)
-        return (end - start) * self.speedup + host_s
+        return (await self.device.run(t / self.speedup, start) - start) * self.speedup
 
     async def _run(self) -> None:
         eng = self.engine

@@ -1,9 +1,9 @@
 """`--gpu-share N`: replicas sharing one GPU, in real simulator processes on loopback.
 
-Alone in its process a replica gets a static 1/N of the GPU, so its kernels take N times as long
-whatever the others do; replicas of one process time-slice a shared device, so one alone busy runs at
-full speed and N busy together each take about N times as long. Times are the engines' own (simulated
-seconds, from /metrics), compared with the cost model's figures for the same steps.
+Alone in its process a replica gets a static 1/N of the time-sliced GPU, so its steps take N /
+efficiency times as long whatever the others do; replicas of one process time-slice a shared device,
+so one alone busy runs at full speed and N busy together each take about N / efficiency times as long.
+Times are the engines' own (simulated seconds, from /metrics), compared with the cost model's.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from gateway.sim.cost_model import CostModel, StepShape
 from gateway.sim.profiles import get_profile
 from tests.simfleet import sim_fleet
 
-PROFILE = "h200-llama3.1-8b"
-COST = CostModel(get_profile(PROFILE))
+PROFILE = get_profile("h200-llama3.1-8b")
+COST = CostModel(PROFILE)
+SLOWDOWN = 4 / PROFILE.timeslice_efficiency  # four busy replicas on one GPU
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -27,13 +28,13 @@ def prompt(n: int, seed: int) -> list[int]:
     return [1000 + seed * 10_000 + i for i in range(n)]
 
 
-def prefill_parts(n: int) -> tuple[float, float]:
-    """(device, host) seconds of one step prefilling a cold n-token prompt alone."""
-    return COST.step_parts(StepShape(n, n * n / 2, n, num_seqs=1, prompt_tokens_admitted=n))
+def prefill_step(n: int) -> float:
+    """Seconds of one step prefilling a cold n-token prompt alone on a whole GPU."""
+    return COST.step_time(StepShape(n, n * n / 2, n, num_seqs=1, prompt_tokens_admitted=n))
 
 
-def decode_parts(ctx: int) -> tuple[float, float]:
-    return COST.step_parts(StepShape(decode_seqs=1, decode_ctx_tokens=ctx, num_seqs=1))
+def decode_step(ctx: int) -> float:
+    return COST.step_time(StepShape(decode_seqs=1, decode_ctx_tokens=ctx, num_seqs=1))
 
 
 async def complete(c: httpx.AsyncClient, url: str, ids: list[int], max_tokens: int) -> None:
@@ -59,23 +60,20 @@ async def timings(c: httpx.AsyncClient, url: str) -> dict[str, float]:
 
 async def test_a_lone_replica_gets_a_static_share() -> None:
     n, out = 2000, 9
-    device, host = prefill_parts(n)
-    dec_device, dec_host = decode_parts(n + out // 2)
-    for share in (1, 4):
-        with sim_fleet("--gpu-share", str(share), profile=PROFILE, speedup=20) as fleet:
+    for share, slowdown in ((1, 1.0), (4, SLOWDOWN)):
+        with sim_fleet("--gpu-share", str(share), profile=PROFILE.name, speedup=20) as fleet:
             async with httpx.AsyncClient() as c:
                 await complete(c, fleet.url, prompt(n, 0), out)
                 t = await timings(c, fleet.url)
-        # The engine's clock advances by exactly the cost model's step times: only the kernels scale.
-        assert t["prefill"] == pytest.approx(share * device + host, rel=0.02)
-        assert t["itl"] == pytest.approx(share * dec_device + dec_host, rel=0.02)
+        # The engine's clock advances by exactly the cost model's step times, scaled by the share.
+        assert t["prefill"] == pytest.approx(slowdown * prefill_step(n), rel=0.01)
+        assert t["itl"] == pytest.approx(slowdown * decode_step(n + out // 2), rel=0.01)
 
 
 async def test_replicas_of_one_process_time_slice_their_gpu() -> None:
     n, out = 8000, 33
-    device, host = prefill_parts(n)
-    dec_device, dec_host = decode_parts(n + out // 2)
-    with sim_fleet("--gpu-share", "4", replicas=4, profile=PROFILE, speedup=1) as fleet:
+    prefill, decode = prefill_step(n), decode_step(n + out // 2)
+    with sim_fleet("--gpu-share", "4", replicas=4, profile=PROFILE.name, speedup=1) as fleet:
         async with httpx.AsyncClient() as c:
             await complete(c, fleet.urls[0], prompt(n, 0), out)
             alone = await timings(c, fleet.urls[0])
@@ -83,13 +81,14 @@ async def test_replicas_of_one_process_time_slice_their_gpu() -> None:
             together = [await timings(c, u) for u in fleet.urls[1:]]
     # Alone on the device, replica 0 ran at the whole GPU's speed (the event loop's lateness on a
     # busy machine only ever adds time).
-    assert device + host <= alone["prefill"] < 1.15 * (device + host)
-    assert dec_device + dec_host <= alone["itl"] < 1.3 * (dec_device + dec_host)
-    # Four prefills at once share the device: each finishes at about four times the kernels' time
-    # (the first to arrive a little sooner), and the decodes that follow share it likewise.
+    assert prefill * 0.99 <= alone["prefill"] < 1.15 * prefill
+    assert decode * 0.99 <= alone["itl"] < 1.3 * decode
+    # Four prefills at once share the device: each finishes at about four times its time alone, over
+    # the time-slicing efficiency (the first to arrive a little sooner), and the decodes that follow
+    # share it likewise.
     for t in together:
-        assert 3.5 * device < t["prefill"] - host < 4.4 * device
-        assert 3.0 * dec_device < t["itl"] - dec_host < 4.6 * dec_device
+        assert 0.85 * SLOWDOWN * prefill < t["prefill"] < 1.1 * SLOWDOWN * prefill
+        assert 0.75 * SLOWDOWN * decode < t["itl"] < 1.15 * SLOWDOWN * decode
 
 
 def test_replicas_must_fill_whole_gpus() -> None:
