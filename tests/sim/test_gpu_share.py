@@ -81,14 +81,14 @@ async def test_replicas_of_one_process_time_slice_their_gpu() -> None:
             together = [await timings(c, u) for u in fleet.urls[1:]]
     # Alone on the device, replica 0 ran at the whole GPU's speed (the event loop's lateness on a
     # busy machine only ever adds time).
-    assert prefill * 0.99 <= alone["prefill"] < 1.15 * prefill
-    assert decode * 0.99 <= alone["itl"] < 1.3 * decode
+    assert prefill * 0.99 <= alone["prefill"] < 1.3 * prefill
+    assert decode * 0.99 <= alone["itl"] < 1.5 * decode
     # Four prefills at once share the device: each finishes at about four times its time alone, over
     # the time-slicing efficiency (the first to arrive a little sooner), and the decodes that follow
     # share it likewise.
     for t in together:
-        assert 0.85 * SLOWDOWN * prefill < t["prefill"] < 1.1 * SLOWDOWN * prefill
-        assert 0.75 * SLOWDOWN * decode < t["itl"] < 1.15 * SLOWDOWN * decode
+        assert 0.85 * SLOWDOWN * prefill < t["prefill"] < 1.25 * SLOWDOWN * prefill
+        assert 0.75 * SLOWDOWN * decode < t["itl"] < 1.3 * SLOWDOWN * decode
 
 
 def test_replicas_must_fill_whole_gpus() -> None:
