@@ -25,9 +25,11 @@ from statistics import median
 
 import aiohttp
 
+from bench import loadgen
+from bench.loadgen import LoadSpec
 from bench.overhead import cpu_seconds
 from bench.scenario import load_scenario
-from bench.workloads import make_workload
+from bench.workloads import BenchRequest, make_workload
 from gateway.sim.device import TimeSlicedGPU
 from gateway.sim.engine import Engine, EngineConfig, Request, run_collecting_gaps
 from gateway.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
@@ -187,38 +189,32 @@ MEASURED_SHARED = {
     "oracle @ 20.74: TTFT p95": 468.5,
     "round_robin @ 30.71: TTFT p50": 5223.6,
 }
-SHARED_SEEDS = (0, 1, 2)  # the arrival draws move round-robin's p95 by +-25%: pool three
 
 
 @functools.cache
-def shared_prompts() -> list[tuple[int, list[int], int]]:
-    """(group, prompt ids, output tokens) of the routing scenario's h200 size, in its order (seed 0, as the
-    scenario's): each group's system prompt is the same ids, each question its own (the chat template's few
-    tokens left out)."""
-    w = load_scenario("routing").size("h200").workload
-    out = []
-    for r in make_workload("shared-prefix", w).build(0):
-        g = int(r.group[1:])  # type: ignore[index]
-        system = [g * 10_000 + i for i in range(w["system_tokens"])]
-        question = [50_000_000 + r.index * 1_000 + i for i in range(w["question_tokens"])]
-        out.append((g, system + question, r.max_tokens))
-    return out
+def shared_workload() -> list[BenchRequest]:
+    """The routing scenario's h200 size, in its order (seed 0, as the scenario's)."""
+    return make_workload("shared-prefix", load_scenario("routing").size("h200").workload).build(0)
 
 
-def shared_gpu_run(profile: str, rate: float, policy: str, n: int | None, seed: int) -> list[Request]:
-    """Poisson arrivals at `rate` over SHARED_REPLICAS engines stepping on one TimeSlicedGPU, on a virtual
-    clock; `policy` round_robin or oracle (group g on replica g mod N). Returns the finished requests."""
+def shared_gpu_run(profile: str, rate: float, policy: str, n: int | None = None) -> list[Request]:
+    """The first `n` requests of the workload at the load generator's own Poisson send times (its seed 0,
+    as the H200 run's) over SHARED_REPLICAS engines stepping on one TimeSlicedGPU, on a virtual clock;
+    `policy` round_robin or oracle (group g on replica g mod N). Returns the requests, finished. Each
+    group's system prompt is the same ids, each question its own (the chat template's tokens left out)."""
     p = get_profile(profile)
     cfg = EngineConfig(p, kv_cache_dtype="fp8", kv_cache_memory_bytes=SHARED_KV_BYTES, max_model_len=8192)
     engines = [Engine(cfg) for _ in range(SHARED_REPLICAS)]
     gpu = TimeSlicedGPU(p.timeslice_efficiency)
-    rng = random.Random(f"arrivals:{seed}")
+    bench = shared_workload()[:n]
+    question = load_scenario("routing").size("h200").workload["question_tokens"]
     arrivals: list[tuple[float, int, Request]] = []
-    t = 0.0
-    for i, (g, ids, out) in enumerate(shared_prompts()[:n]):
-        t += rng.expovariate(rate)
-        replica = i % SHARED_REPLICAS if policy == "round_robin" else g % SHARED_REPLICAS
-        arrivals.append((t, replica, Request(f"r{i}", ids, out)))
+    for at, r in zip(loadgen.schedule(bench, LoadSpec(rate=rate)), bench, strict=True):
+        g = int(r.group[1:])  # type: ignore[index]
+        ids = [g * 10_000 + i for i in range(r.prompt_tokens - question)]
+        ids += [50_000_000 + r.index * 1_000 + i for i in range(question)]
+        replica = r.index % SHARED_REPLICAS if policy == "round_robin" else g % SHARED_REPLICAS
+        arrivals.append((at, replica, Request(f"r{r.index}", ids, r.max_tokens)))
     steps: dict[int, tuple[dict[Request, int], float]] = {}  # replica -> its step in progress, start
     now, nxt = 0.0, 0
     while nxt < len(arrivals) or any(e.has_work() or e.num_waiting for e in engines) or steps:
@@ -251,9 +247,6 @@ def shared_gpu_run(profile: str, rate: float, policy: str, n: int | None, seed: 
 
 
 def shared_rows(profile: str) -> list[Row]:
-    def pooled(rate: float, policy: str) -> list[Request]:
-        return [r for seed in SHARED_SEEDS for r in shared_gpu_run(profile, rate, policy, None, seed)]
-
     def served(reqs: list[Request]) -> float:
         """Completions per second from the first arrival to the last completion (bench.gpu.host's)."""
         return len(reqs) / (max(r.finished_at or 0.0 for r in reqs) - min(r.arrival for r in reqs))
@@ -262,10 +255,9 @@ def shared_rows(profile: str) -> list[Row]:
         ttft = sorted(r.ttft * 1e3 for r in reqs)  # type: ignore[operator]
         return sum(ttft) / len(ttft) if q is None else ttft[min(len(ttft) - 1, int(q * len(ttft)))]
 
-    capacity = median(
-        served(shared_gpu_run(profile, 40.0, "round_robin", 600, seed)) for seed in SHARED_SEEDS
-    )
-    rr, oracle, over = pooled(20.74, "round_robin"), pooled(20.74, "oracle"), pooled(30.71, "round_robin")
+    capacity = served(shared_gpu_run(profile, 40.0, "round_robin", 600))
+    rr, oracle = shared_gpu_run(profile, 20.74, "round_robin"), shared_gpu_run(profile, 20.74, "oracle")
+    over = shared_gpu_run(profile, 30.71, "round_robin")
     sim = {
         "round_robin capacity (req/s)": capacity,
         "round_robin @ 20.74: TTFT p50": ms(rr, 0.5),
@@ -377,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         (
             f"{SHARED_REPLICAS} replicas time-sharing one GPU (--gpu-share {SHARED_REPLICAS}): routing h200 "
-            f"size, TTFT over arrival seeds {SHARED_SEEDS}, template tokens and gateway left out",
+            "size at the H200 run's send times, template tokens and gateway left out",
             shared_rows(args.profile),
             "",
         ),

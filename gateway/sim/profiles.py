@@ -55,7 +55,7 @@ class Profile:
     transfer_bw: float = 148e9  # PD KV transfer: effective bytes/s (Mooncake 8x RDMA)
     # Replicas time-sharing one GPU (--gpu-share): the fraction of its time that does their work while
     # more than one has work queued; the rest goes to context switches (gateway.sim.device).
-    timeslice_efficiency: float = 0.9
+    timeslice_efficiency: float = 0.93
 
 
 H200 = Hardware("H200", flops=989e12, hbm_bw=4.8e12, memory_bytes=143_771 * 1024**2)
