@@ -3,16 +3,18 @@
 `python -m bench.sim_calibration [--profile NAME] [--skip-realtime] [--concurrency 256] [--seconds 8]`
 
 Part 1 runs the profile on the virtual clock through the same measurements as calibration-h200-vllm.md (cold
-prefill, prefix-cache hit, decode step vs batch, KV capacity) and prints each figure beside the measured one
-with their ratio; `!!` marks anything more than 15% off. Part 2 starts one simulator process at --speedup 1,
-holds N concurrent streaming requests through it, and reports the process's CPU use and how late its step
-timer fires (event-loop lag).
+prefill, prefix-cache hit, decode step vs batch, KV capacity), and four replicas time-sharing one GPU through
+the routing scenario's h200 size as the bench/gpu run of 2026-12-01 did, and prints each figure beside the
+measured one with their ratio; `!!` marks anything more than 15% off. Part 2 starts one simulator process at
+--speedup 1, holds N concurrent streaming requests through it, and reports the process's CPU use and how late
+its step timer fires (event-loop lag).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import random
 import re
@@ -23,7 +25,12 @@ from statistics import median
 
 import aiohttp
 
+from bench import loadgen
+from bench.loadgen import LoadSpec
 from bench.overhead import cpu_seconds
+from bench.scenario import load_scenario
+from bench.workloads import BenchRequest, make_workload
+from gateway.sim.device import TimeSlicedGPU
 from gateway.sim.engine import Engine, EngineConfig, Request, run_collecting_gaps
 from gateway.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
 
@@ -166,6 +173,104 @@ def table(title: str, rows: list[Row], unit: str) -> tuple[str, int]:
     return "\n".join(lines), off
 
 
+# ---- part 1b: four replicas time-sharing one H200 (bench/gpu, 2026-12-01) -------------------------------
+# vLLM 0.26, FP8 KV with 6,227,702,579 bytes (95,024 tokens) per replica, the routing scenario's h200 size
+# through kvgate: round-robin's capacity (600 requests offered at 40 req/s, served over the run's span)
+# and TTFT (ms) at 90% of it, and groups pinned to replicas (the oracle policy) at the same rate.
+SHARED_KV_BYTES = 6_227_702_579
+SHARED_REPLICAS = 4
+MEASURED_SHARED = {
+    "round_robin capacity (req/s)": 23.05,
+    "round_robin @ 20.74: TTFT p50": 493.7,
+    "round_robin @ 20.74: TTFT p95": 1792.8,
+    "round_robin @ 20.74: TTFT mean": 654.9,
+    "round_robin @ 20.74: hit rate": 0.330,
+    "oracle @ 20.74: TTFT p50": 93.7,
+    "oracle @ 20.74: TTFT p95": 468.5,
+    "round_robin @ 30.71: TTFT p50": 5223.6,
+}
+
+
+@functools.cache
+def shared_workload() -> list[BenchRequest]:
+    """The routing scenario's h200 size, in its order (seed 0, as the scenario's)."""
+    return make_workload("shared-prefix", load_scenario("routing").size("h200").workload).build(0)
+
+
+def shared_gpu_run(profile: str, rate: float, policy: str, n: int | None = None) -> list[Request]:
+    """The first `n` requests of the workload at the load generator's own Poisson send times (its seed 0,
+    as the H200 run's) over SHARED_REPLICAS engines stepping on one TimeSlicedGPU, on a virtual clock;
+    `policy` round_robin or oracle (group g on replica g mod N). Returns the requests, finished. Each
+    group's system prompt is the same ids, each question its own (the chat template's tokens left out)."""
+    p = get_profile(profile)
+    cfg = EngineConfig(p, kv_cache_dtype="fp8", kv_cache_memory_bytes=SHARED_KV_BYTES, max_model_len=8192)
+    engines = [Engine(cfg) for _ in range(SHARED_REPLICAS)]
+    gpu = TimeSlicedGPU(p.timeslice_efficiency)
+    bench = shared_workload()[:n]
+    question = load_scenario("routing").size("h200").workload["question_tokens"]
+    arrivals: list[tuple[float, int, Request]] = []
+    for at, r in zip(loadgen.schedule(bench, LoadSpec(rate=rate)), bench, strict=True):
+        g = int(r.group[1:])  # type: ignore[index]
+        ids = [g * 10_000 + i for i in range(r.prompt_tokens - question)]
+        ids += [50_000_000 + r.index * 1_000 + i for i in range(question)]
+        replica = r.index % SHARED_REPLICAS if policy == "round_robin" else g % SHARED_REPLICAS
+        arrivals.append((at, replica, Request(f"r{r.index}", ids, r.max_tokens)))
+    steps: dict[int, tuple[dict[Request, int], float]] = {}  # replica -> its step in progress, start
+    now, nxt = 0.0, 0
+    while nxt < len(arrivals) or any(e.has_work() or e.num_waiting for e in engines) or steps:
+        for i, e in enumerate(engines):
+            if i not in steps:
+                e.now = max(e.now, now)
+                e.tick()
+                sched, shape = e.schedule() if e.has_work() else ({}, None)
+                if sched and shape is not None:
+                    gpu.start(i, e.cost.step_time(shape), now)
+                    steps[i] = (sched, now)
+        times = [arrivals[nxt][0]] if nxt < len(arrivals) else []
+        idle = [e.next_event_time() for i, e in enumerate(engines) if i not in steps]
+        times += [t for t in (gpu.next_end(), *idle) if t is not None]
+        if not times:
+            break  # nothing left that can ever run
+        now = max(now, min(times))
+        gpu.advance(now)
+        while nxt < len(arrivals) and arrivals[nxt][0] <= now:
+            at, replica, req = arrivals[nxt]
+            engines[replica].add_request(req, at=at)
+            nxt += 1
+        for i, end in list(gpu.done.items()):
+            sched, start = steps.pop(i)
+            del gpu.done[i]
+            e = engines[i]
+            e.now = end
+            e._after_step(e.complete(sched, end - start))
+    return [r for _, _, r in arrivals]
+
+
+def shared_rows(profile: str) -> list[Row]:
+    def served(reqs: list[Request]) -> float:
+        """Completions per second from the first arrival to the last completion (bench.gpu.host's)."""
+        return len(reqs) / (max(r.finished_at or 0.0 for r in reqs) - min(r.arrival for r in reqs))
+
+    def ms(reqs: list[Request], q: float | None) -> float:
+        ttft = sorted(r.ttft * 1e3 for r in reqs)  # type: ignore[operator]
+        return sum(ttft) / len(ttft) if q is None else ttft[min(len(ttft) - 1, int(q * len(ttft)))]
+
+    capacity = served(shared_gpu_run(profile, 40.0, "round_robin", 600))
+    rr, oracle = shared_gpu_run(profile, 20.74, "round_robin"), shared_gpu_run(profile, 20.74, "oracle")
+    over = shared_gpu_run(profile, 30.71, "round_robin")
+    sim = {
+        "round_robin capacity (req/s)": capacity,
+        "round_robin @ 20.74: TTFT p50": ms(rr, 0.5),
+        "round_robin @ 20.74: TTFT p95": ms(rr, 0.95),
+        "round_robin @ 20.74: TTFT mean": ms(rr, None),
+        "round_robin @ 20.74: hit rate": sum(r.num_cached for r in rr) / sum(r.prompt_len for r in rr),
+        "oracle @ 20.74: TTFT p50": ms(oracle, 0.5),
+        "oracle @ 20.74: TTFT p95": ms(oracle, 0.95),
+        "round_robin @ 30.71: TTFT p50": ms(over, 0.5),
+    }
+    return [(k, v, sim[k]) for k, v in MEASURED_SHARED.items()]
+
+
 # ---- part 2: one real simulator process under 256 concurrent streams ------------------------------------
 LISTEN = re.compile(rb"listening on (http://[\d.]+:\d+)")
 
@@ -261,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
             "Decode, all requests started together, 128 output tokens",
             decode_rows(args.profile),
             "(ms, tok/s)",
+        ),
+        (
+            f"{SHARED_REPLICAS} replicas time-sharing one GPU (--gpu-share {SHARED_REPLICAS}): routing h200 "
+            "size at the H200 run's send times, template tokens and gateway left out",
+            shared_rows(args.profile),
+            "",
         ),
     ):
         text, off = table(title, rows, unit)

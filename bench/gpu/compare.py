@@ -6,7 +6,8 @@ KG is the run's folder (kg/ of the returned kg.tar.gz): steps.jsonl names every 
 arguments it ran with and where its report is (KG/res/<out>/report.json). SIM_RES holds the
 simulator's reports of the same steps (SIM_RES/<out>/report.json); `--run-sim` first runs every
 step that has none yet, here, on the scenario's own simulated fleet with the same arguments (the
-h200 sizes give the simulator the engines' KV bytes and dtype, at speedup 1). The output is Markdown:
+h200 sizes give the simulator the engines' KV bytes and dtype, and four replicas time-sharing one
+simulated H200 as the engines share the real one, `--gpu-share 4`, at speedup 1). The output is Markdown:
 start-up and calibration, one table per scenario (H200 beside the simulator, with the simulator's
 ratio to the H200), the issue's targets with their verdicts, the kill test and the FP8/BF16 pair.
 """

@@ -173,10 +173,10 @@ def plan_fleet(
 
 
 def _gpu_assignment(spec: EngineSpec, adapter: EngineAdapter) -> list[tuple[int, ...] | None]:
+    if spec.gpu_ids is not None:  # a simulator given a layout models its sharing (SimAdapter)
+        return [tuple(ids) for ids in spec.gpu_ids]
     if not adapter.uses_gpus:
         return [None] * spec.replicas
-    if spec.gpu_ids is not None:
-        return [tuple(ids) for ids in spec.gpu_ids]
     # Without an explicit layout each replica gets its own GPUs: left alone, every engine would
     # land on GPU 0 and claim most of its memory.
     tp = spec.tensor_parallel_size

@@ -2,8 +2,8 @@
 
 Every `vllm serve` flag the simulator models is accepted under vLLM's name (and a few SGLang spellings with
 `--api sglang`); any other flag is accepted with a warning, so real launcher command lines run unchanged.
-Simulator-only flags: --profile, --speedup, --max-waiting, --replicas, --startup-delay, --api, --fault-*,
---crash-after, --default-max-tokens, --kv-lease-timeout.
+Simulator-only flags: --profile, --speedup, --max-waiting, --replicas, --gpu-share, --startup-delay, --api,
+--fault-*, --crash-after, --default-max-tokens, --kv-lease-timeout.
 
 `--tokenizer` is vLLM's flag: a tokenizer.json or a model directory holding one (as vLLM, the model's
 own directory is used when `--model` is one), or, simulator-only, `builtin:words` (one token per word,
@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from gateway.routing.tokens import TokenizerError, load_tokenizer, use_tokenizer
+from gateway.sim.device import SharedDevice
 from gateway.sim.engine import EngineConfig
 from gateway.sim.faults import FaultConfig
 from gateway.sim.kv_events import parse_kv_events_config
@@ -66,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--speedup", type=float, default=1.0, help="simulated seconds per wall second")
     sim.add_argument("--max-waiting", "--max-queued-requests", type=int, default=None, help="429 beyond this")
     sim.add_argument("--replicas", type=int, default=1, help="independent replicas on consecutive ports")
+    sim.add_argument(
+        "--gpu-share",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N replicas share one GPU: with --replicas a multiple of N, every N consecutive ones time-slice "
+        "a device; a lone replica gets a static 1/N of it",
+    )
     sim.add_argument("--startup-delay", type=float, default=0.0, help="seconds of 503 from /health")
     sim.add_argument("--api", choices=["vllm", "sglang"], default="vllm")
     sim.add_argument("--fault-error-rate", type=float, default=0.0)
@@ -113,6 +122,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
     if sglang and mode is None and args.disaggregation_bootstrap_port is not None:
         mode = "prefill"
     serving = serving_options(args)
+    devices = _devices(args.replicas, args.gpu_share, profile.timeslice_efficiency)
     out = []
     for i in range(args.replicas):
         engine = EngineConfig(
@@ -134,6 +144,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
             higher_priority_first=sglang,
             kv_lease_timeout_s=args.kv_lease_timeout,
             lora=serving.lora if serving.lora.enabled else None,
+            gpu_share=args.gpu_share if devices is None else 1,
         )
         boot = args.disaggregation_bootstrap_port if mode == "prefill" else None
         if boot is None and mode == "prefill":
@@ -165,9 +176,23 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
                 index=i,
                 single_process_replica=args.replicas == 1,
                 serving=serving,
+                device=None if devices is None else devices[i // args.gpu_share],
             )
         )
     return out
+
+
+def _devices(replicas: int, share: int, efficiency: float) -> list[SharedDevice] | None:
+    """The GPUs the replicas of this process time-share, N consecutive replicas to each; None when each
+    replica has a GPU of its own or, alone in its process, a static share of one (it cannot see the
+    others)."""
+    if share < 1:
+        raise ValueError("--gpu-share must be at least 1")
+    if share == 1 or replicas == 1:
+        return None
+    if replicas % share:
+        raise ValueError(f"--replicas {replicas} is not a multiple of --gpu-share {share} (or 1)")
+    return [SharedDevice(efficiency) for _ in range(replicas // share)]
 
 
 def select_tokenizer(args: argparse.Namespace) -> None:

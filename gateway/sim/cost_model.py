@@ -39,10 +39,15 @@ class StepShape:
 
 
 class CostModel:
-    def __init__(self, profile: Profile, kv_cache_dtype: str = "auto", tp: int | None = None) -> None:
+    def __init__(
+        self, profile: Profile, kv_cache_dtype: str = "auto", tp: int | None = None, gpu_share: int = 1
+    ) -> None:
         p = profile
         self.profile = p
         self.tp = tp or p.tp
+        # A replica alone in its process on a GPU it shares with gpu_share - 1 others it cannot see: its
+        # steps take its 1/gpu_share of the time-sliced GPU, busy or not (gateway.sim.device).
+        self.slowdown = 1.0 if gpu_share == 1 else gpu_share / p.timeslice_efficiency
         self.kv_bpt = p.model.kv_bytes_per_token(kv_dtype_bytes(kv_cache_dtype))
         flops = self.tp * p.hardware.flops * p.mfu
         bw = self.tp * p.hardware.hbm_bw * p.mbu
@@ -63,7 +68,7 @@ class CostModel:
         t = gemm + attn + p.step_overhead_s + p.per_seq_s * s.num_seqs
         if s.prefill_tokens:
             t += p.prefill_step_overhead_s
-        return t + p.per_prompt_token_s * s.prompt_tokens_admitted + s.stall_s
+        return (t + p.per_prompt_token_s * s.prompt_tokens_admitted + s.stall_s) * self.slowdown
 
     def frontend_time(self, prompt_tokens: int) -> float:
         return self.profile.frontend_s + self.profile.frontend_per_token_s * prompt_tokens

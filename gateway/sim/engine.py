@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.sim.cost_model import CostModel, StepShape
+from gateway.sim.device import SharedDevice
 from gateway.sim.kv_cache import BlockPool, block_hashes, chain_hash, root_hash
 from gateway.sim.lora import AdapterSlots, LoraConfig
 from gateway.sim.metrics import EngineMetrics
@@ -55,6 +56,7 @@ class EngineConfig:
     higher_priority_first: bool = False  # SGLang semantics
     kv_lease_timeout_s: float = 30.0  # prefill-side blocks held for a remote decode
     lora: LoraConfig | None = None  # --enable-lora and its limits
+    gpu_share: int = 1  # a static 1/gpu_share of a time-sliced GPU (CostModel); see also SharedDevice
 
 
 class Request:
@@ -182,7 +184,7 @@ class _WaitQueue:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = c = config
-        self.cost = CostModel(c.profile, c.kv_cache_dtype, c.tp)
+        self.cost = CostModel(c.profile, c.kv_cache_dtype, c.tp, c.gpu_share)
         self.block_size = c.block_size
         num_blocks = c.num_gpu_blocks or self.cost.num_gpu_blocks(
             c.block_size, c.gpu_memory_utilization, c.kv_cache_memory_bytes
@@ -579,11 +581,19 @@ class RealtimeRunner:
 
     Each step sleeps until an absolute deadline, so wake-up jitter does not accumulate; if the loop falls
     more than `max_lag_s` behind (an overloaded CPU), the simulated clock jumps forward instead of bursting.
+    With a `device` shared by several runners of this process, each step runs on it time-sliced with theirs.
     """
 
-    def __init__(self, engine: Engine, speedup: float = 1.0, max_lag_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        speedup: float = 1.0,
+        max_lag_s: float = 0.05,
+        device: SharedDevice | None = None,
+    ) -> None:
         self.engine = engine
         self.speedup = speedup
+        self.device = device
         self.max_lag_s = max_lag_s
         self._wake = asyncio.Event()
         self._t0 = 0.0
@@ -628,6 +638,13 @@ class RealtimeRunner:
             except asyncio.CancelledError:
                 pass
 
+    async def _step_time(self, shape: StepShape) -> float:
+        t = self.engine.cost.step_time(shape)
+        if self.device is None:
+            return t
+        start = self._t0 + self.engine.now / self.speedup
+        return (await self.device.run(t / self.speedup, start) - start) * self.speedup
+
     async def _run(self) -> None:
         eng = self.engine
         loop = asyncio.get_running_loop()
@@ -647,7 +664,7 @@ class RealtimeRunner:
             eng.tick()
             sched, shape = eng.schedule() if eng.has_work() else ({}, None)
             if sched and shape is not None:
-                t = eng.cost.step_time(shape)
+                t = await self._step_time(shape)
                 delay = self._t0 + (eng.now + t) / speed - loop.time()
                 # Yield even when late: the previous step's output (SSE writes) must go out before the next
                 # step, or a late runner would batch steps back to back and keep itself late.

@@ -53,6 +53,9 @@ class Profile:
     other_bytes: int = 0  # per GPU: CUDA graphs, non-torch allocations
     transfer_t0_s: float = 0.45e-3  # PD KV transfer: fixed part
     transfer_bw: float = 148e9  # PD KV transfer: effective bytes/s (Mooncake 8x RDMA)
+    # Replicas time-sharing one GPU (--gpu-share): the fraction of its time that does their work while
+    # more than one has work queued; the rest goes to context switches (gateway.sim.device).
+    timeslice_efficiency: float = 0.93
 
 
 H200 = Hardware("H200", flops=989e12, hbm_bw=4.8e12, memory_bytes=143_771 * 1024**2)
@@ -69,7 +72,8 @@ PROFILES: dict[str, Profile] = {
     for p in (
         Profile(
             "h200-llama3.1-8b",
-            "calibrated to measurement: vLLM 0.26 on one H200 (calibration-h200-vllm.md), 2026-11-29",
+            "calibrated to measurement: vLLM 0.26 on one H200 (calibration-h200-vllm.md), 2026-11-29; "
+            "four replicas sharing it (--gpu-share 4): bench/gpu, 2026-12-01",
             H200,
             LLAMA_8B,
             mfu=0.67,

@@ -27,6 +27,7 @@ from gateway.sim import protocol as proto
 from gateway.sim import structured
 from gateway.sim import validation as V
 from gateway.sim.api import ApiExtras
+from gateway.sim.device import SharedDevice
 from gateway.sim.engine import FINISHED, Engine, EngineConfig, RealtimeRunner, Request
 from gateway.sim.faults import HEADER as FAULT_HEADER
 from gateway.sim.faults import FaultConfig, FaultSpec, FaultSyntaxError
@@ -71,6 +72,7 @@ class ReplicaOptions:
     index: int = 0
     single_process_replica: bool = True  # a crash fault exits the process
     serving: ServingOptions = field(default_factory=ServingOptions)
+    device: SharedDevice | None = None  # the GPU this replica time-shares with others of this process
 
 
 class _Response:
@@ -177,7 +179,7 @@ class Replica:
         if self.serving.lora.enabled and opts.engine.lora is None:
             opts.engine.lora = self.serving.lora
         self.engine = Engine(opts.engine)
-        self.runner = RealtimeRunner(self.engine, opts.speedup)
+        self.runner = RealtimeRunner(self.engine, opts.speedup, device=opts.device)
         self.engine.on_output = self._on_output
         self.engine.on_step = self._on_step
         self.tokenizer = get_tokenizer()

@@ -1,10 +1,11 @@
 """The bundled simulator (`python -m gateway.sim`): launched with vLLM's flags, like a real engine.
 
 The simulator accepts `vllm serve`'s flags for what it models, so its command line is vLLM's
-(exercising the same code path) minus what only a GPU needs (CUDA_VISIBLE_DEVICES, the split
-of a shared GPU's memory, the NIXL side channel), plus `--profile`, `--speedup`, `--max-waiting`
-and `sim.extra_args`. An explicit `gpu_memory_utilization` or `kv_cache_memory_bytes` is passed
-on: the simulator sizes its KV cache from them. Flags as of gateway/sim/cli.py (mirrors vLLM 0.33).
+(exercising the same code path) minus what only a GPU needs (CUDA_VISIBLE_DEVICES, the NIXL side
+channel), plus `--profile`, `--speedup`, `--max-waiting` and `sim.extra_args`. An explicit
+`gpu_memory_utilization` or `kv_cache_memory_bytes` is passed on: the simulator sizes its KV cache
+from them. Replicas that `gpu_ids` puts on one GPU get vLLM's split of its memory and
+`--gpu-share N`, a static 1/N of its speed each. Flags as of gateway/sim/cli.py (mirrors vLLM 0.33).
 
 One process per replica: a crash then takes down, and restarts, exactly one replica. The
 simulator's own `--replicas N` (N servers in one process) is refused in `sim.extra_args` because
@@ -83,7 +84,11 @@ class SimAdapter(VLLMAdapter):
         return args
 
     def memory_args(self, spec: EngineSpec, slot: ReplicaSlot) -> list[str]:
-        # Each simulated replica models a GPU of its own: nothing to split.
+        if slot.gpu_sharers > 1:
+            # Replicas that `gpu_ids` puts on one GPU split its memory as vLLM's would, and each gets a
+            # static share of its speed (`--gpu-share`: one process per replica, they cannot see each other).
+            return [*super().memory_args(spec, slot), "--gpu-share", str(slot.gpu_sharers)]
+        # Otherwise each simulated replica models a GPU of its own: nothing to split.
         args: list[str] = []
         if spec.kv_cache_memory_bytes is not None:
             args += ["--kv-cache-memory-bytes", str(spec.kv_cache_memory_bytes)]

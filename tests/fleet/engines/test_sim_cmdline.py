@@ -1,4 +1,5 @@
-"""The simulator's command line: vLLM's flags plus the simulator's own, no GPU plumbing."""
+"""The simulator's command line: vLLM's flags plus the simulator's own; of the GPU plumbing, only a
+shared GPU's memory split and speed share (`--gpu-share`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 from gateway.config import EngineSpec
 from gateway.fleet.engines import adapter_for_spec, get_adapter
 from gateway.fleet.engines.base import BOOTSTRAP_PORT, ReplicaSlot
+from gateway.fleet.launcher import plan_fleet
+from gateway.fleet.ports import release_ports
 
 sim = get_adapter("sim")
 
@@ -36,12 +39,26 @@ def test_sim_argv_uses_vllm_flags_and_own_options() -> None:
         sys.executable, "-m", "gateway.sim", "--model", "llama", "--host", "127.0.0.1", "--port", "9100",
         "--kv-cache-dtype", "fp8", "--enable-chunked-prefill", "--max-num-batched-tokens", "4096",
         "--enable-prefix-caching", "--max-num-seqs", "64", "--kv-cache-memory-bytes", "1000000000",
+        "--gpu-memory-utilization", "0.46", "--gpu-share", "2",
         "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}',
         "--scheduling-policy", "priority",
         "--profile", "h200-llama3.1-8b", "--speedup", "20", "--max-waiting", "50", "--seed", "1",
     ]  # fmt: skip
     assert env == {"PYTHONUNBUFFERED": "1"}  # no CUDA_VISIBLE_DEVICES, no NIXL side channel
     assert sim.aux_port_names(s, "prefill") == ()
+
+
+def test_sim_replicas_on_one_gpu_get_a_share_of_it() -> None:
+    s = EngineSpec(kind="sim", replicas=3, gpu_ids=[[0], [0], [1]], gpu_memory_utilization=0.8)
+    plans = plan_fleet("p", s, "m")
+    try:
+        shared = ["0.4", "--gpu-share", "2"]
+        for plan, tail in zip(plans, (shared, shared, ["0.8"]), strict=True):
+            assert plan.argv[plan.argv.index("--gpu-memory-utilization") + 1 :][: len(tail)] == tail
+            assert "CUDA_VISIBLE_DEVICES" not in plan.env
+        assert "--gpu-share" not in plans[2].argv
+    finally:
+        release_ports([p for plan in plans for p in plan.ports])
 
 
 def test_sim_refuses_in_process_replica_groups() -> None:
