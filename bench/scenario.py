@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import json
 import logging
 import time
@@ -258,8 +259,17 @@ class Fleet:
                     f"fleet {i} ({group.role})", argv, self.log_dir / f"{self.tag}-fleet{i}.log"
                 )
                 self.children.append(child.start())
+                share = _gpu_share(group.args)
                 self.endpoints += [
-                    {"url": u, "role": group.role, "kind": "sim", **({"kv_events": kv[k]} if kv else {})}
+                    {
+                        "url": u,
+                        "role": group.role,
+                        "kind": "sim",
+                        **({"kv_events": kv[k]} if kv else {}),
+                        # The gateway knows which replicas share a simulated GPU, as a launcher's
+                        # gpu_ids tell it which share a real one.
+                        **({"device": f"fleet{i}-gpu{k // share}"} if share > 1 else {}),
+                    }
                     for k, u in enumerate(urls)
                 ]
                 child.wait_ready([f"{u}/health" for u in urls], self.spec.startup_timeout_s)
@@ -290,6 +300,14 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _gpu_share(args: list[str]) -> int:
+    """The simulator's `--gpu-share N` among a fleet group's arguments (1 without it)."""
+    for flag, value in itertools.pairwise(args):
+        if flag == "--gpu-share":
+            return int(value)
+    return 1
 
 
 # How each engine kind empties its prefix cache (vLLM: only with VLLM_SERVER_DEV_MODE=1).

@@ -339,6 +339,11 @@ class EndpointConfig(_Strict):
         description="Precise mode: the engine's KV event publisher, {endpoint, topic} or just the endpoint "
         "(topic empty, the engines' default)",
     )
+    device: str | None = Field(
+        None,
+        description="Engines that name the same device share one GPU (time-sliced between their "
+        "processes): load-aware policies count their requests together",
+    )
 
     @field_validator("kv_events", mode="before")
     @classmethod

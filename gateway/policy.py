@@ -17,6 +17,7 @@ from gateway.routing.policy import (
     RequestFeatures,
     Scorer,
     least_loaded,
+    per_device,
     rank_by,
     uncached_tokens,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "RequestFeatures",
     "Scorer",
     "least_loaded",
+    "per_device",
     "rank_by",
     "uncached_tokens",
 ]

@@ -8,6 +8,8 @@ prefill work (divide by the prefill throughput for seconds):
   + a decode-load term               per_request_tokens x requests in flight there (ours, other
                                      gateways' from shared state, or the engine's count if larger)
 
+(the first and last summed over the replicas that share its GPU, `device`: they queue for one device)
+
 The lowest estimate wins, after a surcharge of `duplicate_weight` per prefix token a candidate would
 recompute although another candidate holds it: a second copy costs KV space that evicts other
 prefixes later. A warm replica therefore keeps a prefix while its queue is shorter than the cost of
@@ -46,6 +48,7 @@ from gateway.policy import (
     Policy,
     ReplicaView,
     RequestFeatures,
+    per_device,
     uncached_tokens,
 )
 
@@ -89,6 +92,11 @@ class PrefixAffinityParams(BaseModel):
     placement_window_s: float = Field(
         600.0, gt=0, description="Time constant of the count of new prefixes given to each replica"
     )
+    device_load: bool = Field(
+        True,
+        description="Count queued prefill and decode load over every replica on the same device (replicas "
+        "sharing a GPU): moving work among them frees nothing. No effect on replicas without a device",
+    )
 
 
 @dataclass(slots=True)
@@ -119,6 +127,7 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         self._queues: dict[str, _Queue] = {}
         self._placed: dict[str, tuple[str, int]] = {}  # request id -> (replica charged, tokens)
         self._window = p.placement_window_s
+        self._device_load = p.device_load
 
     def _queue(self, name: str, now: float) -> _Queue:
         """The replica's queue estimate, drained up to `now`."""
@@ -163,14 +172,16 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         if not candidates:
             return []
         now = self._clock()
-        # estimate_tokens, unrolled: this loop runs once per replica on every request.
+        # estimate_tokens, unrolled (and summed per device): this runs once per replica on every request.
         queues, queued, tps, in_flight = self._queues, self._queued, self._tps, self._load.requests
         per_request, duplicate, prompt = self._per_request, self._duplicate, request.prompt_tokens
         matches = [c.matched_tokens for c in candidates]
         deepest = max(matches)
         cold = deepest == min(matches)
-        scored = []
-        for i, c in enumerate(candidates):
+        # The work each replica has before this prompt: queued prefill and the decode-load term,
+        # taken over the whole GPU when replicas share one (`device_load`).
+        work = []
+        for c in candidates:
             r = c.replica
             q = queues.get(r.name)
             if q is None:
@@ -180,9 +191,14 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
                 q.stamp = now
             fresh = r.engine_fresh
             ahead = queued(q, r, fresh) if fresh else min(q.backlog, q.ledger_tokens)
+            work.append(ahead + per_request * in_flight(r, fresh))
+        if self._device_load:
+            work = per_device(candidates, work)
+        scored = []
+        for i, c in enumerate(candidates):
             uncached = prompt - matches[i]
-            cost = ahead + (uncached if uncached > 0 else 0) + per_request * in_flight(r, fresh)
-            scored.append((cost + duplicate * (deepest - matches[i]), r.inflight_requests, i))
+            cost = work[i] + (uncached if uncached > 0 else 0)
+            scored.append((cost + duplicate * (deepest - matches[i]), c.replica.inflight_requests, i))
         scored.sort()
         best = scored[0]
         if cold:

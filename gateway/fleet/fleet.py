@@ -72,6 +72,7 @@ class Fleet:
         bootstrap_port: int | None,
         managed: bool = False,
         kv_events: KVEventsSource | None = None,
+        device: str | None = None,
     ) -> Replica:
         """Add a replica to a pool and start watching its engine's load (and KV events)."""
         replica = pool.add_replica(
@@ -82,6 +83,7 @@ class Fleet:
             bootstrap_port=bootstrap_port,
             managed=managed,
             kv_events=kv_events,
+            device=device,
         )
         adapter = pool.adapter_for(replica)
         if adapter is not None:
@@ -91,7 +93,14 @@ class Fleet:
     def add_endpoint(self, pool: Pool, ep: EndpointConfig) -> Replica:
         """Add an unmanaged replica (config file, admin API, a peer gateway through shared state)."""
         return self.register(
-            pool, ep.url, ep.name, ep.role, ep.kind, ep.bootstrap_port, kv_events=ep.kv_events
+            pool,
+            ep.url,
+            ep.name,
+            ep.role,
+            ep.kind,
+            ep.bootstrap_port,
+            kv_events=ep.kv_events,
+            device=ep.device,
         )
 
     def unregister(self, pool: Pool, name: str) -> Replica | None:
@@ -114,6 +123,7 @@ class Fleet:
                 kv_events=KVEventsSource(endpoint=launched.kv_events_endpoint, topic=KV_EVENTS_TOPIC)
                 if launched.kv_events_endpoint
                 else None,
+                device=launched.device,
             )
 
         return on_ready

@@ -74,6 +74,7 @@ class LaunchPlan:
     bootstrap_port: int | None = None
     kv_events_endpoint: str | None = None
     ports: tuple[int, ...] = ()  # every port reserved for the replica, HTTP first
+    device: str | None = None  # the GPUs it shares with other replicas of the pool, if any
 
     def shell(self) -> str:
         """The command as one shell line, environment first, quoted for copy and paste."""
@@ -92,6 +93,7 @@ class LaunchedReplica:
     bootstrap_port: int | None
     pid: int
     kv_events_endpoint: str | None = None
+    device: str | None = None
 
 
 @dataclass(slots=True)
@@ -164,12 +166,21 @@ def plan_fleet(
                     bootstrap_port=aux.get(BOOTSTRAP_PORT),
                     kv_events_endpoint=slot.kv_events_endpoint,
                     ports=(slot.port, *reserved[first_reserved:]),
+                    device=shared_device(ids, slot.gpu_sharers),
                 )
             )
     except BaseException:
         release_ports(reserved)
         raise
     return plans
+
+
+def shared_device(gpu_ids: tuple[int, ...] | None, sharers: int) -> str | None:
+    """The device key of replicas placed on the same GPUs (`gpu:0`, `gpu:2,3`), None for a replica
+    with its GPUs to itself: only sharing changes what load on one replica costs the others."""
+    if not gpu_ids or sharers <= 1:
+        return None
+    return "gpu:" + ",".join(str(g) for g in gpu_ids)
 
 
 def _gpu_assignment(spec: EngineSpec, adapter: EngineAdapter) -> list[tuple[int, ...] | None]:
@@ -373,6 +384,7 @@ class FleetLauncher:
             bootstrap_port=plan.bootstrap_port,
             pid=replica.proc.pid,
             kv_events_endpoint=plan.kv_events_endpoint,
+            device=plan.device,
         )
 
     async def _set_state(self, replica: _Replica, state: ReplicaState) -> None:

@@ -98,6 +98,7 @@ class Pool:
         managed: bool = False,
         healthy: bool = True,
         kv_events: KVEventsSource | None = None,
+        device: str | None = None,
     ) -> Replica:
         if name is None:
             name = f"{self.name}-{next(self._names)}"
@@ -116,6 +117,7 @@ class Pool:
             managed=managed,
             healthy=healthy,
             stale_after_s=self._scrape_cfg.stale_after_s,
+            device=device,
         )
         self.replicas[name] = replica
         log.info("pool %s: replica %s added at %s (role %s)", self.name, name, replica.url, role)

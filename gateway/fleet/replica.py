@@ -30,6 +30,7 @@ class Replica:
     __slots__ = (
         "bootstrap_port",
         "breaker",
+        "device",
         "draining",
         "engine",
         "healthy",
@@ -60,6 +61,7 @@ class Replica:
         managed: bool = False,
         healthy: bool = True,
         stale_after_s: float = 3.0,
+        device: str | None = None,
     ) -> None:
         self.name = name
         self.url = url.rstrip("/")
@@ -69,6 +71,8 @@ class Replica:
         self.breaker = breaker
         self.bootstrap_port = bootstrap_port
         self.managed = managed
+        # Replicas naming the same device time-share one GPU (None: a device of its own).
+        self.device = device
         self.healthy = healthy
         self.draining = False
         self.inflight_requests = 0

@@ -73,3 +73,36 @@ async def test_killed_replica_restarts_rejoins_and_no_request_fails(gateway, tmp
     new_pids = [st.pid for st in launcher.status().values()]
     await gw.stop()
     assert not any(_alive(pid) for pid in [*pids.values(), *new_pids] if pid)
+
+
+async def test_replicas_launched_on_one_gpu_join_with_a_shared_device(gateway, tmp_path):
+    """gpu_ids that put two simulators on GPU 0 and one on GPU 1: the two join the pool as one
+    device (load-aware policies weigh them together), the third as a device of its own; an
+    unmanaged endpoint takes the device its config names."""
+    engines = {
+        "kind": "sim",
+        "replicas": 3,
+        "gpu_ids": [[0], [0], [1]],
+        "kv_cache_memory_bytes": 64 * 1024 * 1024,  # the tiny profile has no room to halve its memory
+        "startup_timeout_s": 30,
+        "log_dir": str(tmp_path / "logs"),
+        "sim": {"profile": "tiny", "speedup": 20},
+    }
+    settings = gateway_settings(
+        [],
+        pool={
+            "endpoints": [{"url": "http://127.0.0.1:9", "name": "ext", "device": "gpu:7"}],
+            "engines": engines,
+        },
+    )
+    gw = await gateway(settings)
+    pool = gw.runtime.pools["p"]
+    await wait_until(
+        lambda: len(pool.replicas) == 4, timeout=30, what="three managed replicas and one endpoint"
+    )
+    assert {name: r.device for name, r in pool.replicas.items()} == {
+        "p-0": "gpu:0",
+        "p-1": "gpu:0",
+        "p-2": None,
+        "ext": "gpu:7",
+    }

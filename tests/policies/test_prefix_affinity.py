@@ -213,3 +213,17 @@ def test_retry_moves_the_charge_to_the_replica_that_served() -> None:
 
 def test_no_candidates() -> None:
     assert policy().rank(request(), []) == []
+
+
+def test_replicas_sharing_a_gpu_weigh_their_decode_load_together() -> None:
+    """A hundred requests on the warm replica push a prompt off it onto a replica of its own, but
+    not onto an idle one on the same GPU, whose steps the hundred requests slow just the same;
+    with `device_load` off the shared GPU is ignored and the prompt spills there."""
+    reps = replicas(3)
+    reps[0].device = reps[1].device = "gpu:0"
+    reps[0].remote_inflight_requests = 100
+    offered = {"r0": SHARED}
+    assert decide(policy(), request(PROMPT), candidates(reps, offered))[0].replica.name == "r2"
+    assert decide(policy(), request(PROMPT), candidates(reps[:2], offered))[0].replica.name == "r0"
+    blind = policy(device_load=False)
+    assert decide(blind, request(PROMPT), candidates(reps[:2], offered))[0].replica.name == "r1"

@@ -54,6 +54,7 @@ class View:
     url: str = ""
     role: str = "mixed"
     kind: str = "sim"
+    device: str | None = None  # each simulated replica a whole GPU
     available: bool = True
     kv_capacity_tokens: int | None = None
 
