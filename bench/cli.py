@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the engines' KV event publishers (tcp://HOST:PORT), one per --endpoints URL, for "
         "configurations in precise mode",
     )
+    fleet.add_argument(
+        "--devices",
+        nargs="+",
+        metavar="DEVICE",
+        help="the GPU each --endpoints engine runs on, one per URL ('-': a GPU of its own); engines "
+        "naming the same device share it (the gateways' endpoints[].device)",
+    )
     fleet.add_argument("--engine-kind", choices=["vllm", "sglang", "sim"], default="vllm")
     fleet.add_argument("--model", help="the model name the engines serve (default: the scenario's)")
     return parser
@@ -251,9 +258,10 @@ def _scenario(args: argparse.Namespace) -> int:
         scenario.fleet.model = args.model
     existing = None
     if args.endpoints:
-        existing = ExistingFleet(args.endpoints, args.kv_events, args.engine_kind)
-    elif args.kv_events:
-        raise ValueError("--kv-events goes with --endpoints")
+        devices = [None if d == "-" else d for d in args.devices] if args.devices else None
+        existing = ExistingFleet(args.endpoints, args.kv_events, args.engine_kind, devices=devices)
+    elif args.kv_events or args.devices:
+        raise ValueError("--kv-events and --devices go with --endpoints")
     out = args.out or DEFAULT_OUT / scenario.name
     started = time.monotonic()
     failures: list[str] = []

@@ -328,6 +328,7 @@ class ExistingFleet:
     kv_events: list[str] | None = None  # the engines' ZMQ publishers, one per URL (precise mode)
     kind: Literal["vllm", "sglang", "sim"] = "vllm"
     reset_timeout_s: float = 60.0
+    devices: list[str | None] | None = None  # the GPU each engine shares with others (endpoints[].device)
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -335,6 +336,8 @@ class ExistingFleet:
         self.urls = [u.rstrip("/") for u in self.urls]
         if self.kv_events is not None and len(self.kv_events) != len(self.urls):
             raise ValueError(f"{len(self.kv_events)} KV event endpoints for {len(self.urls)} engines")
+        if self.devices is not None and len(self.devices) != len(self.urls):
+            raise ValueError(f"{len(self.devices)} devices for {len(self.urls)} engines")
 
     def attach(self, spec: FleetSpec) -> AttachedFleet:
         if spec.groups is not None:
@@ -342,7 +345,12 @@ class ExistingFleet:
         if spec.kv_events and not self.kv_events:
             raise ValueError("this configuration needs the engines' KV events: give --kv-events")
         endpoints = [
-            {"url": u, "kind": self.kind, **({"kv_events": self.kv_events[k]} if spec.kv_events else {})}  # type: ignore[index]
+            {
+                "url": u,
+                "kind": self.kind,
+                **({"kv_events": self.kv_events[k]} if spec.kv_events else {}),  # type: ignore[index]
+                **({"device": d} if self.devices and (d := self.devices[k]) else {}),
+            }
             for k, u in enumerate(self.urls)
         ]
         return AttachedFleet(self, endpoints)

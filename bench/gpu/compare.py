@@ -30,6 +30,7 @@ TITLES = {
     "mooncake": "Multi-turn: Mooncake conversation trace",
     "routing-hot": "Hot prefix: two hot prefixes over four replicas",
     "bf16-routing": "BF16 KV cache, same memory, same workload and rate as the FP8 routing table",
+    "routing-hot-device": "Hot prefix with the four replicas known as one GPU (device_load on and off)",
 }
 
 

@@ -145,6 +145,15 @@ need fleet_start fleet_wait
 calib() { host calib "$KG" --gateway "$GW" --out "$1" && gpu_mem; }
 step calib 40 calib calib.json
 
+# QUEUE=hot: the short session after the device fix (a fresh machine, what little device time was
+# left): the hot-prefix workload alone, prefix_affinity with and without device_load against radix.
+if [ "${QUEUE:-all}" = hot ]; then
+  for cfg in prefix_affinity_default prefix_affinity_device_blind radix_cache_aware; do
+    step "devhot_$cfg" 35 host scenario "$KG" "devhot_$cfg" "routing-hot-device/$cfg" -- routing-hot --size h200 --only $cfg
+  done
+  finish
+fi
+
 # ---- routing: capacity probe, then every policy at 90% of round-robin's sustainable rate -----------
 probe() {  # NAME SCENARIO [OFFERED]: overload probe; its steady completions/s go to rates.env as NAME
   local cap extra=() out=probe/$2

@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-_DRYRUN_REPLICA = re.compile(r"^# (\S+) role=(\S+) url=(\S+) log=\S+(?: .*?kv_events=(\S+))?")
+_DRYRUN_REPLICA = re.compile(
+    r"^# (\S+) role=(\S+) url=(\S+) log=\S+(?: .*?kv_events=(\S+))?(?: .*?device=(\S+))?"
+)
 _STARTED = re.compile(r"replica (\S+) started \(pid (\d+)\)")
 TAR_LIMIT = 15 * 1024 * 1024  # under the 16 MiB a returned file may have
 
@@ -76,17 +78,24 @@ def _endpoints(kg: Path) -> dict[str, Any]:
 
 # ---- endpoints ----------------------------------------------------------------------------------------
 def endpoints(dryrun: Path, out: Path) -> int:
-    names, urls, events = [], [], []
+    names, urls, events, devices = [], [], [], []
     for line in dryrun.read_text().splitlines():
         m = _DRYRUN_REPLICA.match(line)
         if m:
             names.append(m.group(1))
             urls.append(m.group(3))
             events.append(m.group(4))
+            devices.append(m.group(5))
     if not urls:
         print(f"no replicas in {dryrun}", file=sys.stderr)
         return 1
-    doc = {"names": names, "urls": urls, "kv_events": events if all(events) else None}
+    doc = {
+        "names": names,
+        "urls": urls,
+        "kv_events": events if all(events) else None,
+        # The GPUs replicas share (the launcher's gpu_ids): the benchmark gateways are told too.
+        "devices": devices if any(devices) else None,
+    }
     _write_json(out, doc)
     print(json.dumps(doc))
     return 0
@@ -310,6 +319,8 @@ def scenario(kg: Path, step: str, out: str, args: list[str]) -> int:
     ]
     if eps["kv_events"]:
         argv += ["--kv-events", *eps["kv_events"]]
+    if eps.get("devices"):
+        argv += ["--devices", *(d or "-" for d in eps["devices"])]
     started = time.time()
     rc = subprocess.call(argv, cwd=kg)
     entry = {

@@ -210,6 +210,8 @@ def dry_run(settings: Settings) -> str:
                 extra = f" bootstrap_port={plan.bootstrap_port}" if plan.bootstrap_port else ""
                 if plan.kv_events_endpoint:
                     extra += f" kv_events={plan.kv_events_endpoint}"
+                if plan.device:
+                    extra += f" device={plan.device}"
                 out.append(f"# {plan.name} role={plan.role} url={plan.url} log={plan.log_path}{extra}")
                 out.append(plan.shell())
             out.append("")

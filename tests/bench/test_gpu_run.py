@@ -108,7 +108,7 @@ def test_cli_endpoints_run_through_gateways_even_where_caches_cannot_be_reset(
     path.write_text(yaml.safe_dump(data))
     with Fleet(FleetSpec(module=STUB, replicas=2, model="m"), tmp_path / "logs", "stub").start() as fleet:
         argv = ["scenario", str(path), "--quick", "--out", str(tmp_path / "out"), "--endpoints", *fleet.urls]
-        assert main(argv) == 0
+        assert main([*argv, "--devices", "gpu:0", "-"]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     (run,) = report["runs"]
     assert run["ok"] == 12
@@ -116,8 +116,9 @@ def test_cli_endpoints_run_through_gateways_even_where_caches_cannot_be_reset(
     assert report["meta"]["fleet"].startswith(f"existing vllm engines {fleet.urls[0]}")
     gw = yaml.safe_load((tmp_path / "out" / "configs" / "gw.yaml").read_text())
     assert [e["url"] for e in gw["pools"][0]["endpoints"]] == fleet.urls
+    assert [e.get("device") for e in gw["pools"][0]["endpoints"]] == ["gpu:0", None]
     assert main(["scenario", str(path), "--quick", "--kv-events", "tcp://127.0.0.1:1"]) == 2
-    assert "--kv-events goes with --endpoints" in capsys.readouterr().err
+    assert "--kv-events and --devices go with --endpoints" in capsys.readouterr().err
 
 
 def render_fleet(
@@ -142,6 +143,7 @@ def test_the_gpu_fleet_config_launches_four_fp8_replicas_sharing_one_gpu(tmp_pat
     assert eps["names"] == [f"h200-{i}" for i in range(4)]
     assert eps["urls"] == [f"http://127.0.0.1:{base + i}" for i in range(4)]
     assert len(set(eps["kv_events"])) == 4
+    assert eps["devices"] == ["gpu:0"] * 4  # the benchmark gateways weigh the four as one GPU
     lines = [line for line in plan.splitlines() if line and not line.startswith("#")]
     assert len(lines) == 4
     for line in lines:
