@@ -10,12 +10,12 @@ request reached an engine.
 
 from __future__ import annotations
 
-import asyncio
 import zlib
 from collections.abc import AsyncIterator, Mapping
 
 from gateway.config import UpstreamConfig, parse_target
 from gateway.errors import GatewayError
+from gateway.path.deadlines import SharedTimeout
 from gateway.path.transports import make_transport
 from gateway.path.transports.base import (
     ConnectError,
@@ -87,6 +87,13 @@ class Upstream:
         self.cfg = cfg
         self.transport = make_transport(cfg)
         self.slots = HostSlots(cfg.max_connections)
+        self._timeouts: dict[float, SharedTimeout] = {}
+
+    def _timeout(self, seconds: float) -> SharedTimeout:
+        shared = self._timeouts.get(seconds)
+        if shared is None:
+            shared = self._timeouts[seconds] = SharedTimeout(seconds)
+        return shared
 
     async def close(self) -> None:
         await self.transport.close()
@@ -104,28 +111,28 @@ class Upstream:
         `first_byte_timeout_s`. `resend`: may a stale keep-alive connection cost one silent resend."""
         target = parse_target(url)
         fbt = self.cfg.first_byte_timeout_s
-        deadline = asyncio.get_running_loop().time() + fbt
         slot = self.slots.try_acquire(target.origin)
-        if slot is None:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    slot = await self.slots.acquire(target.origin)
-            except TimeoutError:
-                raise UpstreamError(
-                    f"all {self.cfg.max_connections} connections to {target.host_header} stayed busy for"
-                    f" {fbt:g} s (upstream.max_connections)",
-                    status=503,
-                    code="upstream_busy",
-                    replica_fault=False,
-                    sent=0,
-                    error_type="service_unavailable",
-                ) from None
         try:
-            async with asyncio.timeout_at(deadline):
+            # One deadline for the free connection and the answer's head.
+            async with self._timeout(fbt).wait():
+                if slot is None:
+                    slot = await self.slots.acquire(target.origin)
                 return await self.transport.request(
                     method, target, body or b"", headers, slot=slot, resend=resend
                 )
         except BaseException as exc:
+            if slot is None:
+                if isinstance(exc, TimeoutError):
+                    raise UpstreamError(
+                        f"all {self.cfg.max_connections} connections to {target.host_header} stayed busy"
+                        f" for {fbt:g} s (upstream.max_connections)",
+                        status=503,
+                        code="upstream_busy",
+                        replica_fault=False,
+                        sent=0,
+                        error_type="service_unavailable",
+                    ) from None
+                raise
             slot.release()
             if isinstance(exc, TimeoutError):
                 raise UpstreamError(
@@ -152,7 +159,7 @@ class Upstream:
                 # What has arrived already (all of a small answer, as a rule) costs no timer.
                 chunk = resp.read_nowait()
                 if chunk is None:
-                    async with asyncio.timeout(idle):
+                    async with self._timeout(idle).wait():
                         chunk = await resp.readany()
                 if not chunk:
                     return
