@@ -73,6 +73,14 @@ def _classify(exc: TransportError, *, head: bool) -> UpstreamError:
     return UpstreamError(str(exc), code=code, retryable=head, sent=exc.sent)
 
 
+def _ready(resp: Response) -> bytes | None:
+    """The body's piece that has arrived already (b"": the end); None when there is none yet."""
+    try:
+        return resp.read_nowait()
+    except TransportError as exc:
+        raise _classify(exc, head=False) from None
+
+
 def _too_large(limit: int) -> UpstreamError:
     # The engine answered; a big answer is something any client can ask for (n, logprobs).
     return UpstreamError(
@@ -153,17 +161,21 @@ class Upstream:
 
     async def chunks(self, resp: Response) -> AsyncIterator[bytes]:
         """The response body as it arrives, failing if the engine goes quiet for too long."""
+        while True:
+            chunk = _ready(resp)
+            if chunk is None:
+                chunk = await self._next(resp)
+            if not chunk:
+                return
+            yield chunk
+
+    async def _next(self, resp: Response) -> bytes:
+        """The body's next piece, within `idle_timeout_s`. What has arrived already (all of a
+        small answer, as a rule) is `_ready`'s, without a timeout."""
         idle = self.cfg.idle_timeout_s
         try:
-            while True:
-                # What has arrived already (all of a small answer, as a rule) costs no timer.
-                chunk = resp.read_nowait()
-                if chunk is None:
-                    async with self._timeout(idle).wait():
-                        chunk = await resp.readany()
-                if not chunk:
-                    return
-                yield chunk
+            async with self._timeout(idle).wait():
+                return await resp.readany()
         except TimeoutError:
             raise UpstreamError(
                 f"engine sent nothing for {idle:g} s", status=504, code="upstream_timeout"
@@ -180,12 +192,16 @@ class Upstream:
             raise _too_large(limit)
         parts: list[bytes] = []
         size = 0
-        async for chunk in self.chunks(resp):
+        while True:  # chunks() but for its async generator, a microsecond per answer
+            chunk = _ready(resp)
+            if chunk is None:
+                chunk = await self._next(resp)
+            if not chunk:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
             size += len(chunk)
             if size > limit:
                 raise _too_large(limit)
             parts.append(chunk)
-        return b"".join(parts)
 
     async def read_content(self, resp: Response, limit: int | None = None) -> bytes:
         """The body the gateway itself must understand (error bodies, the prefill leg's answer):
