@@ -31,8 +31,7 @@ class SharedTimeout:
     def wait(self) -> _Wait:
         return _Wait(self)
 
-    def _add(self, wait: _Wait) -> None:
-        loop = asyncio.get_running_loop()
+    def _add(self, wait: _Wait, loop: asyncio.AbstractEventLoop) -> None:
         self._waits[wait] = loop.time() + self.seconds
         if self._sweeper is None or self._loop is not loop:  # a sweeper on a closed loop never runs
             self._loop = loop
@@ -62,12 +61,13 @@ class _Wait:
         self._expired = False
 
     async def __aenter__(self) -> None:
-        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()  # once: on Python 3.11 each lookup is a getpid() call
+        task = asyncio.current_task(loop)
         if task is None:
             raise RuntimeError("a timeout needs a task")
         self._task = task
         self._cancelling = task.cancelling()
-        self._owner._add(self)
+        self._owner._add(self, loop)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
