@@ -117,6 +117,9 @@ def strip_body(body: dict[str, Any], allowed: frozenset[str]) -> list[str]:
     return sorted(removed)
 
 
+_NO_TOKENS: frozenset[str] = frozenset()
+
+
 def _connection_tokens(values: Iterable[str]) -> set[str]:
     return {t.strip().lower() for v in values for t in v.split(",") if t.strip()}
 
@@ -128,11 +131,11 @@ def upstream_headers(
 
     `items` are the client's headers in order (repeats included); `allowed` are lower-case names a
     pool lets through although engines act on them."""
-    items = list(items)
-    named = _connection_tokens(v for k, v in items if k.lower() == "connection")
+    lowered = [(key.lower(), key, value) for key, value in items]
+    connection = [value for name, _, value in lowered if name == "connection"]
+    named = _connection_tokens(connection) if connection else _NO_TOKENS
     headers: dict[str, str] = {}
-    for key, value in items:
-        name = key.lower()
+    for name, key, value in lowered:
         if name in NEVER_FORWARDED or name in named:
             continue
         if (name in ENGINE_HEADERS or name.startswith(ENGINE_HEADER_PREFIXES)) and name not in allowed:
