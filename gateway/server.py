@@ -9,6 +9,7 @@ finish, then managed engines are stopped and the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from typing import TYPE_CHECKING, Any
@@ -166,6 +167,7 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     gateway = await start_gateway(settings, config_path, server_overrides)
+    settle_gc()
     reloads: set[asyncio.Task[None]] = set()  # held so a running reload is not garbage-collected
 
     def on_sighup() -> None:
@@ -181,6 +183,22 @@ async def serve(
         await gateway.stop()
     log.info("kvgate stopped")
     return 0
+
+
+# Container allocations between two young-generation collections (CPython's default: 700).
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def settle_gc() -> None:
+    """Once the gateway serves: what exists now (modules, config, tokenizer tables) lives as long as
+    the process, so the cyclic collector stops scanning it (gc.freeze), and it runs a young
+    collection every 10,000 container allocations instead of 700. Under 64 clients the collector
+    took 11 us of each request's ~115 us of CPU (each request allocates a few hundred dicts and
+    lists, and every full collection walked the 74k startup objects); a pass over 10,000 young
+    objects is still well under a millisecond."""
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
 def run(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import signal
 import subprocess
 import time
@@ -9,6 +10,7 @@ import time
 import httpx
 import yaml
 
+from gateway.server import GC_YOUNG_THRESHOLD, settle_gc
 from tests.conftest import PYTHON, free_port, subprocess_env, wait_until
 
 
@@ -165,3 +167,14 @@ async def test_sigterm_fails_readiness_first_serves_through_the_delay_then_close
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_settle_gc_freezes_what_exists_and_collects_young_objects_less_often() -> None:
+    before = gc.get_threshold()
+    try:
+        settle_gc()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, before[1], before[2])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

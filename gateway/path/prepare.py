@@ -65,9 +65,10 @@ class Preparation:
     ) -> InferenceRequest:
         server = self.server
         offload = len(raw) > server.offload_body_bytes
-        loop = asyncio.get_running_loop()
         if offload:
-            body = await loop.run_in_executor(self.workers, parse_json_body, raw, server.max_json_depth)
+            body = await asyncio.get_running_loop().run_in_executor(
+                self.workers, parse_json_body, raw, server.max_json_depth
+            )
         else:
             body = parse_json_body(raw, server.max_json_depth)
         target = self._resolve(body, headers, rec)
@@ -80,7 +81,8 @@ class Preparation:
             # them back here, on the loop.
             hasher = router.hasher.detached()
             call = contextvars.copy_context().run
-            await loop.run_in_executor(self.workers, functools.partial(call, self._measure, req, hasher))
+            measure = functools.partial(call, self._measure, req, hasher)
+            await asyncio.get_running_loop().run_in_executor(self.workers, measure)
             router.hasher.absorb(hasher)
             router.learn_token_size(len(req.features.text), req.features.prompt_tokens)
         else:

@@ -141,7 +141,8 @@ class Proxy:
             )
             return response
         finally:
-            router.complete(features, track.replica, track.outcome(rec, features), paired)
+            if router.completion_heard(paired):
+                router.complete(features, track.replica, track.outcome(rec, features), paired)
 
     async def _walk(
         self,

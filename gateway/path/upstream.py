@@ -10,12 +10,12 @@ request reached an engine.
 
 from __future__ import annotations
 
-import asyncio
 import zlib
 from collections.abc import AsyncIterator, Mapping
 
 from gateway.config import UpstreamConfig, parse_target
 from gateway.errors import GatewayError
+from gateway.path.deadlines import SharedTimeout
 from gateway.path.transports import make_transport
 from gateway.path.transports.base import (
     ConnectError,
@@ -73,6 +73,14 @@ def _classify(exc: TransportError, *, head: bool) -> UpstreamError:
     return UpstreamError(str(exc), code=code, retryable=head, sent=exc.sent)
 
 
+def _ready(resp: Response) -> bytes | None:
+    """The body's piece that has arrived already (b"": the end); None when there is none yet."""
+    try:
+        return resp.read_nowait()
+    except TransportError as exc:
+        raise _classify(exc, head=False) from None
+
+
 def _too_large(limit: int) -> UpstreamError:
     # The engine answered; a big answer is something any client can ask for (n, logprobs).
     return UpstreamError(
@@ -87,6 +95,13 @@ class Upstream:
         self.cfg = cfg
         self.transport = make_transport(cfg)
         self.slots = HostSlots(cfg.max_connections)
+        self._timeouts: dict[float, SharedTimeout] = {}
+
+    def _timeout(self, seconds: float) -> SharedTimeout:
+        shared = self._timeouts.get(seconds)
+        if shared is None:
+            shared = self._timeouts[seconds] = SharedTimeout(seconds)
+        return shared
 
     async def close(self) -> None:
         await self.transport.close()
@@ -104,28 +119,28 @@ class Upstream:
         `first_byte_timeout_s`. `resend`: may a stale keep-alive connection cost one silent resend."""
         target = parse_target(url)
         fbt = self.cfg.first_byte_timeout_s
-        deadline = asyncio.get_running_loop().time() + fbt
         slot = self.slots.try_acquire(target.origin)
-        if slot is None:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    slot = await self.slots.acquire(target.origin)
-            except TimeoutError:
-                raise UpstreamError(
-                    f"all {self.cfg.max_connections} connections to {target.host_header} stayed busy for"
-                    f" {fbt:g} s (upstream.max_connections)",
-                    status=503,
-                    code="upstream_busy",
-                    replica_fault=False,
-                    sent=0,
-                    error_type="service_unavailable",
-                ) from None
         try:
-            async with asyncio.timeout_at(deadline):
+            # One deadline for the free connection and the answer's head.
+            async with self._timeout(fbt).wait():
+                if slot is None:
+                    slot = await self.slots.acquire(target.origin)
                 return await self.transport.request(
                     method, target, body or b"", headers, slot=slot, resend=resend
                 )
         except BaseException as exc:
+            if slot is None:
+                if isinstance(exc, TimeoutError):
+                    raise UpstreamError(
+                        f"all {self.cfg.max_connections} connections to {target.host_header} stayed busy"
+                        f" for {fbt:g} s (upstream.max_connections)",
+                        status=503,
+                        code="upstream_busy",
+                        replica_fault=False,
+                        sent=0,
+                        error_type="service_unavailable",
+                    ) from None
+                raise
             slot.release()
             if isinstance(exc, TimeoutError):
                 raise UpstreamError(
@@ -146,17 +161,21 @@ class Upstream:
 
     async def chunks(self, resp: Response) -> AsyncIterator[bytes]:
         """The response body as it arrives, failing if the engine goes quiet for too long."""
+        while True:
+            chunk = _ready(resp)
+            if chunk is None:
+                chunk = await self._next(resp)
+            if not chunk:
+                return
+            yield chunk
+
+    async def _next(self, resp: Response) -> bytes:
+        """The body's next piece, within `idle_timeout_s`. What has arrived already (all of a
+        small answer, as a rule) is `_ready`'s, without a timeout."""
         idle = self.cfg.idle_timeout_s
         try:
-            while True:
-                # What has arrived already (all of a small answer, as a rule) costs no timer.
-                chunk = resp.read_nowait()
-                if chunk is None:
-                    async with asyncio.timeout(idle):
-                        chunk = await resp.readany()
-                if not chunk:
-                    return
-                yield chunk
+            async with self._timeout(idle).wait():
+                return await resp.readany()
         except TimeoutError:
             raise UpstreamError(
                 f"engine sent nothing for {idle:g} s", status=504, code="upstream_timeout"
@@ -173,12 +192,16 @@ class Upstream:
             raise _too_large(limit)
         parts: list[bytes] = []
         size = 0
-        async for chunk in self.chunks(resp):
+        while True:  # chunks() but for its async generator, a microsecond per answer
+            chunk = _ready(resp)
+            if chunk is None:
+                chunk = await self._next(resp)
+            if not chunk:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
             size += len(chunk)
             if size > limit:
                 raise _too_large(limit)
             parts.append(chunk)
-        return b"".join(parts)
 
     async def read_content(self, resp: Response, limit: int | None = None) -> bytes:
         """The body the gateway itself must understand (error bodies, the prefill leg's answer):

@@ -366,7 +366,8 @@ def canonicalize(
         while (
             lead < len(messages)
             and isinstance(messages[lead], dict)
-            and messages[lead].get("role") in _SYSTEM_ROLES
+            and isinstance(role := messages[lead].get("role"), str)  # a list would not hash
+            and role in _SYSTEM_ROLES
         ):
             lead += 1
         if lead:

@@ -84,9 +84,11 @@ class ModelCatalog:
         else:
             upstream = router.lora.upstream_name(choice.adapter)
         names: tuple[str, ...] = ()
-        if choice.rewrite_model:
+        bases = router.lora.base_names
+        # Nothing to rename (and no set built) when the engines get and give the client's name.
+        if choice.rewrite_model and not (upstream == model == pool.upstream_model and not bases):
             # Whatever name the engine answers with: the one sent, the pool's, or an alias it listed.
-            names = tuple(sorted({upstream, pool.upstream_model, *router.lora.base_names} - {model}))
+            names = tuple(sorted({upstream, pool.upstream_model, *bases} - {model}))
         return Target(router, upstream, choice.adapter, names)
 
     def _direct(self, model: str, wanted: frozenset[str] | None) -> Choice | None:
@@ -96,7 +98,7 @@ class ModelCatalog:
         if not found:
             return None
         fit = found[0]
-        if wanted is not None:
+        if wanted is not None and len(found) > 1:
             fit = next((r for r in found if not wanted.isdisjoint(r.cfg.tasks)), fit)
         return Choice(fit.name, None if fit.pool.model == model else model)
 

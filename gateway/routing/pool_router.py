@@ -318,6 +318,13 @@ class PoolRouter:
         if deciding is not None:
             deciding.on_routed(features, replica)
 
+    def completion_heard(self, paired: bool) -> bool:
+        """Whether a policy that ranked the request (the prefill one too when `paired`) has an
+        `on_complete` of its own: the base class's does nothing, so the Outcome need not be built."""
+        policies = (self.policy, self.prefill_policy) if paired else (self.policy,)
+        base = Policy.on_complete
+        return any(getattr(p.on_complete, "__func__", None) is not base for p in policies if p is not None)
+
     def complete(
         self, features: RequestFeatures, replica: Replica | None, outcome: Outcome, paired: bool
     ) -> None:

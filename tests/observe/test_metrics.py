@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 
 import httpx
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.admission.scheduler import Scheduler
 from gateway.config import SchedulerConfig, Settings
-from gateway.observe.metrics import flatten_numbers, queued_by_class, status_label
+from gateway.observe.metrics import (
+    QUEUE_BUCKETS,
+    LoopFamily,
+    RequestSeries,
+    flatten_numbers,
+    queued_by_class,
+    status_label,
+)
 from gateway.path.request_record import RequestRecord
 from gateway.server import RunningGateway
 from tests.conftest import gateway_settings, wait_until
@@ -178,3 +187,26 @@ def test_scheduler_stats_flatten_to_metric_keys() -> None:
     assert flat["shed.batch.queue_full"] == 5 and flat["pools.p.outstanding"] == 4
     assert flat["priority_lowered"] == 0 and flat["wait_s.default.count"] == 0
     assert len(flatten_numbers({str(i): i for i in range(1000)}, limit=10)) == 10
+
+
+def test_loop_series_expose_what_prometheus_clients_counter_and_histogram_would() -> None:
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    counter = LoopFamily("c", "a counter", ["pool", "replica"])
+    histogram = LoopFamily("h", "a histogram", ["pool"], buckets=QUEUE_BUCKETS)
+    ours.register(RequestSeries([counter, histogram]))
+    ref_counter = Counter("c", "a counter", ["pool", "replica"], registry=theirs)
+    ref_histogram = Histogram("h", "a histogram", ["pool"], buckets=QUEUE_BUCKETS, registry=theirs)
+    # Bucket edges exactly, between them, beyond the last, zero and negative.
+    amounts = [0.0, -1.0, 0.0005, 0.0007, 0.001, 0.3, 30.0, 31.0, 1e9, *QUEUE_BUCKETS]
+    for i, amount in enumerate(amounts):
+        labels = ("p", f"r{i % 3}")
+        counter.labels(*labels).inc(i)
+        ref_counter.labels(*labels).inc(i)
+        histogram.labels(labels[1]).observe(amount)
+        ref_histogram.labels(labels[1]).observe(amount)
+
+    def text(registry: CollectorRegistry) -> str:
+        return re.sub(r"(_created\{[^}]*\}) \S+", r"\1 T", generate_latest(registry).decode())
+
+    assert text(ours) == text(theirs)
+    assert 'h_bucket{le="+Inf",pool="r0"}' in text(ours)

@@ -217,6 +217,7 @@ def test_a_deprecated_prefill_policy_still_ranks_the_prefill_leg_and_hears_its_e
     done = Outcome(
         ok=True, status=200, error=None, ttft_s=0.1, e2e_s=0.2, prompt_tokens=1, cached_tokens=0, attempts=1
     )
+    assert router.completion_heard(paired=True) and router.completion_heard(paired=False)
     router.complete(features, pool.replicas["d0"], replace(done, prefill_replica="p1"), paired=True)
     assert [(e.replica, e.outcome.prefill_replica) for e in recording.ended] == [("p1", "p1")]
 
@@ -229,3 +230,13 @@ def test_a_deprecated_prefill_policy_still_ranks_the_prefill_leg_and_hears_its_e
         router.complete(features, pool.replicas["d0"], done, paired=True)
     assert "PrefixAffinity.on_complete failed for request req-1" in caplog.text
     assert len(recording.ended) == 2
+
+
+def test_the_outcome_is_built_only_for_a_policy_that_hears_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    policy = {"type": "round_robin"}
+    pools = [{"name": "p", "model": "m", "endpoints": [{"url": "http://127.0.0.1:1"}], "policy": policy}]
+    pool = Pool(load_config(None, {"pools": pools}).pools[0], BreakerConfig(), ScrapeConfig())
+    router = PoolRouter(pool)
+    assert not router.completion_heard(paired=False)  # round_robin keeps the base class's no-op
+    monkeypatch.setattr(router.policy, "on_complete", lambda *args: None)  # a hook set on the instance
+    assert router.completion_heard(paired=False)
