@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Protocol
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gateway.fleet.engine_load import EngineLoad
+from gateway.fleet.replica_speed import ReplicaSpeed
 
 
 class ReplicaView(Protocol):
@@ -47,6 +48,9 @@ class ReplicaView(Protocol):
     def engine_fresh(self) -> bool: ...
     @property
     def kv_capacity_tokens(self) -> int | None: ...
+    # Measured prefill and decode rates (None until enough requests completed there).
+    @property
+    def speed(self) -> ReplicaSpeed: ...
 
 
 @dataclass(slots=True)

@@ -187,21 +187,25 @@ def model_tokenizer(model: str) -> Path | None:
     return found[-1] if found else None
 
 
-_USAGE_NEEDLE = b'"prompt_tokens":'
-
-
-def engine_prompt_tokens(body: bytes) -> int | None:
-    """The engine's `usage.prompt_tokens` in a response body or SSE chunk (its last occurrence),
-    found without parsing the JSON; None when absent. A value inside generated text is escaped
+def usage_figure(body: bytes, field: bytes) -> int | None:
+    """An integer field of an engine's usage (`b"prompt_tokens"`, `b"cached_tokens"`,
+    `b"completion_tokens"`) in a response body or SSE chunk (its last occurrence), found without
+    parsing the JSON; None when absent. A value inside generated text is escaped
     (`\\"prompt_tokens\\"`), so it never matches."""
-    at = body.rfind(_USAGE_NEEDLE)
+    needle = b'"' + field + b'":'
+    at = body.rfind(needle)
     if at == -1:
         return None
-    digits = body[at + len(_USAGE_NEEDLE) : at + len(_USAGE_NEEDLE) + 16].lstrip()
+    digits = body[at + len(needle) : at + len(needle) + 16].lstrip()
     end = 0
     while end < len(digits) and 48 <= digits[end] <= 57:
         end += 1
     return int(digits[:end]) if 0 < end <= 12 else None
+
+
+def engine_prompt_tokens(body: bytes) -> int | None:
+    """The engine's `usage.prompt_tokens` in a response body or SSE chunk; None when absent."""
+    return usage_figure(body, b"prompt_tokens")
 
 
 def load_tiktoken() -> Tokenizer:
