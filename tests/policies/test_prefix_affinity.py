@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from gateway.fleet.replica import Replica
 from gateway.routing.policy import load_policy
 from policies.prefix_affinity import PrefixAffinity, PrefixAffinityParams
 from tests.policies.helpers import candidates, engine_report, replicas, request, send
@@ -213,3 +214,46 @@ async def test_retry_moves_the_charge_to_the_replica_that_served() -> None:
 
 async def test_no_candidates() -> None:
     assert await policy().rank(request(), []) == []
+
+
+def measured(replica: Replica, tokens_per_s: float) -> None:
+    """The proxy's measurement of `replica` after requests prefilled at `tokens_per_s`, one at a time."""
+    for k in range(16):
+        uncached = 128 if k % 2 else 2048
+        replica.speed.observe(k, k + uncached / tokens_per_s, k + 0.5, uncached, 8)
+
+
+async def test_cold_prompts_go_to_the_replica_measured_faster() -> None:
+    reps = replicas(2)
+    measured(reps[0], 10_000)
+    measured(reps[1], 40_000)
+    p = policy()
+    chosen = [(await p.rank(request(PROMPT), candidates(reps)))[0].replica.name for _ in range(4)]
+    assert chosen == ["r1"] * 4
+    # Without measurement both look alike and new prefixes are dealt out in turn.
+    p = policy(measured_speed=False)
+    chosen = [(await p.rank(request(PROMPT), candidates(reps)))[0].replica.name for _ in range(4)]
+    assert sorted(chosen) == ["r0", "r0", "r1", "r1"]
+
+
+async def test_a_warm_slow_replica_still_beats_a_cold_fast_one() -> None:
+    reps = replicas(2)
+    measured(reps[0], 10_000)
+    measured(reps[1], 40_000)
+    ranked = await policy().rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
+    assert ranked[0].replica.name == "r0"
+
+
+async def test_a_slow_replica_spills_its_queue_sooner() -> None:
+    """The same queued work on a replica measured 4x slower costs 4x the time: the warm replica's
+    queue of three 1,000-token requests keeps the prefix on a fast replica, not on a slow one."""
+    for slow, expected in ((False, "r0"), (True, "r1")):
+        reps = replicas(2)
+        measured(reps[0], 10_000 if slow else 40_000)
+        measured(reps[1], 40_000)
+        p = policy(per_request_tokens=0)
+        for i in range(3):
+            p._charge(f"queued-{slow}-{i}", "r0", 1000, p._clock())
+            send(reps[0], request(1000))
+        ranked = await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
+        assert ranked[0].replica.name == expected
