@@ -2,8 +2,8 @@
 
 Every `vllm serve` flag the simulator models is accepted under vLLM's name (and a few SGLang spellings with
 `--api sglang`); any other flag is accepted with a warning, so real launcher command lines run unchanged.
-Simulator-only flags: --profile, --speedup, --max-waiting, --replicas, --startup-delay, --api, --fault-*,
---crash-after, --default-max-tokens, --kv-lease-timeout.
+Simulator-only flags: --profile, --speedup, --max-waiting, --replicas, --shared-gpu, --startup-delay, --api,
+--fault-*, --crash-after, --default-max-tokens, --kv-lease-timeout.
 
 `--tokenizer` is vLLM's flag: a tokenizer.json or a model directory holding one (as vLLM, the model's
 own directory is used when `--model` is one), or, simulator-only, `builtin:words` (one token per word,
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from gateway.routing.tokens import TokenizerError, load_tokenizer, use_tokenizer
-from gateway.sim.engine import EngineConfig
+from gateway.sim.engine import EngineConfig, SharedGpu
 from gateway.sim.faults import FaultConfig
 from gateway.sim.kv_events import parse_kv_events_config
 from gateway.sim.profiles import DEFAULT_PROFILE, PROFILES, get_profile
@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--speedup", type=float, default=1.0, help="simulated seconds per wall second")
     sim.add_argument("--max-waiting", "--max-queued-requests", type=int, default=None, help="429 beyond this")
     sim.add_argument("--replicas", type=int, default=1, help="independent replicas on consecutive ports")
+    sim.add_argument(
+        "--shared-gpu",
+        action="store_true",
+        help="the replicas time-slice one GPU (steps one at a time), as engines sharing a device do",
+    )
     sim.add_argument("--startup-delay", type=float, default=0.0, help="seconds of 503 from /health")
     sim.add_argument("--api", choices=["vllm", "sglang"], default="vllm")
     sim.add_argument("--fault-error-rate", type=float, default=0.0)
@@ -114,6 +119,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
         mode = "prefill"
     serving = serving_options(args)
     out = []
+    gpu = SharedGpu() if args.shared_gpu else None
     for i in range(args.replicas):
         engine = EngineConfig(
             profile=profile,
@@ -162,6 +168,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
                 ),
                 startup_delay_s=args.startup_delay,
                 default_max_tokens=args.default_max_tokens,
+                gpu=gpu,
                 index=i,
                 single_process_replica=args.replicas == 1,
                 serving=serving,

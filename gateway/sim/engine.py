@@ -574,6 +574,19 @@ def run_collecting_gaps(engine: Engine, requests: list[Request]) -> list[float]:
     return gaps
 
 
+@dataclass(slots=True)
+class SharedGpu:
+    """One GPU time-sliced by several replicas (engines in separate processes on one device, no MPS):
+    their steps run one at a time, each starting when the device is free."""
+
+    busy_until: float = 0.0  # simulated seconds
+
+    def reserve(self, now: float, step_s: float) -> float:
+        """When a step of `step_s` wanted at `now` ends."""
+        self.busy_until = max(now, self.busy_until) + step_s
+        return self.busy_until
+
+
 class RealtimeRunner:
     """Paces an engine's steps on the event loop's clock: simulated seconds = wall seconds * speedup.
 
@@ -581,8 +594,11 @@ class RealtimeRunner:
     more than `max_lag_s` behind (an overloaded CPU), the simulated clock jumps forward instead of bursting.
     """
 
-    def __init__(self, engine: Engine, speedup: float = 1.0, max_lag_s: float = 0.05) -> None:
+    def __init__(
+        self, engine: Engine, speedup: float = 1.0, max_lag_s: float = 0.05, gpu: SharedGpu | None = None
+    ) -> None:
         self.engine = engine
+        self.gpu = gpu
         self.speedup = speedup
         self.max_lag_s = max_lag_s
         self._wake = asyncio.Event()
@@ -648,6 +664,8 @@ class RealtimeRunner:
             sched, shape = eng.schedule() if eng.has_work() else ({}, None)
             if sched and shape is not None:
                 t = eng.cost.step_time(shape)
+                if self.gpu is not None:  # the step waits for the other replicas' steps on the device
+                    t = self.gpu.reserve(eng.now, t) - eng.now
                 delay = self._t0 + (eng.now + t) / speed - loop.time()
                 # Yield even when late: the previous step's output (SSE writes) must go out before the next
                 # step, or a late runner would batch steps back to back and keep itself late.

@@ -27,7 +27,7 @@ from gateway.sim import protocol as proto
 from gateway.sim import structured
 from gateway.sim import validation as V
 from gateway.sim.api import ApiExtras
-from gateway.sim.engine import FINISHED, Engine, EngineConfig, RealtimeRunner, Request
+from gateway.sim.engine import FINISHED, Engine, EngineConfig, RealtimeRunner, Request, SharedGpu
 from gateway.sim.faults import HEADER as FAULT_HEADER
 from gateway.sim.faults import FaultConfig, FaultSpec, FaultSyntaxError
 from gateway.sim.kv_events import KVEventPublisher
@@ -68,6 +68,7 @@ class ReplicaOptions:
     faults: FaultConfig = field(default_factory=FaultConfig)
     startup_delay_s: float = 0.0
     default_max_tokens: int = 64
+    gpu: SharedGpu | None = None  # one device shared with the process's other replicas (--shared-gpu)
     index: int = 0
     single_process_replica: bool = True  # a crash fault exits the process
     serving: ServingOptions = field(default_factory=ServingOptions)
@@ -177,7 +178,7 @@ class Replica:
         if self.serving.lora.enabled and opts.engine.lora is None:
             opts.engine.lora = self.serving.lora
         self.engine = Engine(opts.engine)
-        self.runner = RealtimeRunner(self.engine, opts.speedup)
+        self.runner = RealtimeRunner(self.engine, opts.speedup, gpu=opts.gpu)
         self.engine.on_output = self._on_output
         self.engine.on_step = self._on_step
         self.tokenizer = get_tokenizer()
