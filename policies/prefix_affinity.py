@@ -28,6 +28,11 @@ each replica's queue drains at its measured prefill rate (`ReplicaView.speed`, f
 from its requests' time to first token against their uncached tokens), and its estimate is scaled
 by the mean rate over its own, so work on a replica half as fast counts twice.
 
+Several engines on one GPU (`shared_device`) take turns on it: a second replica adds no capacity,
+only a second batch whose steps the first one waits for. There the queue is the device's, the same
+for every replica, and is left out: a prefix stays where it is cached until the decode-load term
+alone outweighs a recompute.
+
 Requests no replica has an advantage for (no hit anywhere, or the same hit everywhere) go to the
 replica, among those within `cold_spread_tokens` of the best, that was given the fewest such
 requests lately (a count decaying with `placement_window_s`): new prefixes are dealt out evenly,
@@ -86,6 +91,12 @@ class PrefixAffinityParams(BaseModel):
     placement_window_s: float = Field(
         600.0, gt=0, description="Time constant of the count of new prefixes given to each replica"
     )
+    shared_device: bool = Field(
+        False,
+        description="The pool's replicas time-slice one device (several engines on one GPU): their "
+        "queues are one, so a queue never makes another replica faster and a prefix spills only for "
+        "the decode load term; every replica kept busy also slows the others' steps",
+    )
     measured_speed: bool = Field(
         True,
         description="Use each replica's measured prefill rate (ReplicaView.speed) where known: its queue "
@@ -123,6 +134,7 @@ class PrefixAffinity(Policy):
         self._placed: dict[str, tuple[str, int]] = {}  # request id -> (replica charged, tokens)
         self._window = p.placement_window_s
         self._measured = p.measured_speed
+        self._shared = p.shared_device
 
     def _rate(self, r: ReplicaView) -> float:
         """The replica's prefill tokens/s: measured where known (and wanted), else the parameter."""
@@ -187,6 +199,7 @@ class PrefixAffinity(Policy):
         # estimate_tokens, unrolled: this loop runs once per replica on every request.
         queues, queued, tps = self._queues, self._queued, self._tps
         per_request, duplicate, prompt = self._per_request, self._duplicate, request.prompt_tokens
+        shared = self._shared
         matches = [c.matched_tokens for c in candidates]
         deepest = max(matches)
         cold = deepest == min(matches)
@@ -215,7 +228,8 @@ class PrefixAffinity(Policy):
             else:
                 ahead = min(q.backlog, q.ledger_tokens)
             uncached = prompt - matches[i]
-            cost = ahead + (uncached if uncached > 0 else 0) + per_request * in_flight
+            # On a shared device every replica waits for the same queue: it adds the same to each.
+            cost = (0.0 if shared else ahead) + (uncached if uncached > 0 else 0) + per_request * in_flight
             if rate != mean_rate:
                 cost *= mean_rate / rate
             scored.append((cost + duplicate * (deepest - matches[i]), n, i))
