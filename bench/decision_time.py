@@ -27,7 +27,7 @@ from gateway.config import load_config
 from gateway.fleet.pool import Pool
 from gateway.routing.pool_router import PoolRouter
 
-TARGET_MS = {16: 0.3, 256: 1.0}
+TARGET_MS = {16: 0.3, 256: 1.0, 1024: 0.3}  # 1,024: issue 18
 # The stages of a decision, as `--breakdown` times them (PoolRouter.rank = serving, candidates, policy).
 STAGES = ("features", "serving", "candidates", "policy")
 
