@@ -237,13 +237,16 @@ class PrefixAffinity(Policy):
         best = scored[0]
         if cold:
             # No replica is preferred for its cache: among the near-cheapest, the one given the
-            # fewest such requests lately, so new prefixes are dealt out evenly.
+            # fewest such requests lately (per unit of its measured speed), so new prefixes are
+            # dealt out evenly, or in proportion to speed.
             limit = best[0] + self._spread
             queues = self._queues
-            best = min(
-                (s for s in scored if s[0] <= limit),
-                key=lambda s: (self.placements(queues[candidates[s[2]].replica.name], now), s[0]),
-            )
+
+            def dealt(s: tuple[float, int, int]) -> tuple[float, float]:
+                q = queues[candidates[s[2]].replica.name]
+                return self.placements(q, now) / (rates[s[2]] if rates else 1.0), s[0]
+
+            best = min((s for s in scored if s[0] <= limit), key=dealt)
             q = queues[candidates[best[2]].replica.name]
             q.placements = self.placements(q, now) + 1.0
             q.placed_at = now

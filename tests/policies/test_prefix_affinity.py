@@ -271,3 +271,13 @@ async def test_on_a_shared_device_a_queue_does_not_spill_the_prefix() -> None:
             send(reps[0], request(1000))
         ranked = await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
         assert ranked[0].replica.name == expected
+
+
+async def test_new_prefixes_are_dealt_in_proportion_to_measured_speed() -> None:
+    reps = replicas(2)
+    measured(reps[0], 10_000)
+    measured(reps[1], 20_000)
+    # Cold prompts short enough that speed alone leaves both within cold_spread_tokens.
+    p = policy(cold_spread_tokens=1e9)
+    chosen = Counter([(await p.rank(request(PROMPT), candidates(reps)))[0].replica.name for _ in range(30)])
+    assert chosen == {"r1": 20, "r0": 10}
