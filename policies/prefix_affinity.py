@@ -29,9 +29,10 @@ from its requests' time to first token against their uncached tokens), and its e
 by the mean rate over its own, so work on a replica half as fast counts twice.
 
 Several engines on one GPU (`shared_device`) take turns on it: a second replica adds no capacity,
-only a second batch whose steps the first one waits for. There the queue is the device's, the same
-for every replica, and is left out: a prefix stays where it is cached until the decode-load term
-alone outweighs a recompute.
+only a second batch whose steps the first one waits for. There a request's estimate also counts
+the other replicas' queues, each up to the work ahead of it plus its own (the device shares its
+time among the replicas with work): an idle replica is no longer much sooner than a warm busy one,
+and a prefix spills far less.
 
 Requests no replica has an advantage for (no hit anywhere, or the same hit everywhere) go to the
 replica, among those within `cold_spread_tokens` of the best, that was given the fewest such
@@ -93,9 +94,8 @@ class PrefixAffinityParams(BaseModel):
     )
     shared_device: bool = Field(
         False,
-        description="The pool's replicas time-slice one device (several engines on one GPU): their "
-        "queues are one, so a queue never makes another replica faster and a prefix spills only for "
-        "the decode load term; every replica kept busy also slows the others' steps",
+        description="The pool's replicas time-slice one device (several engines on one GPU): each "
+        "estimate also counts the work the device does for the other replicas meanwhile",
     )
     measured_speed: bool = Field(
         True,
@@ -200,6 +200,9 @@ class PrefixAffinity(Policy):
         queues, queued, tps = self._queues, self._queued, self._tps
         per_request, duplicate, prompt = self._per_request, self._duplicate, request.prompt_tokens
         shared = self._shared
+        # Shared device: each candidate's queue, and that plus this request's work there.
+        aheads: list[float] = []
+        works: list[float] = []
         matches = [c.matched_tokens for c in candidates]
         deepest = max(matches)
         cold = deepest == min(matches)
@@ -228,11 +231,21 @@ class PrefixAffinity(Policy):
             else:
                 ahead = min(q.backlog, q.ledger_tokens)
             uncached = prompt - matches[i]
-            # On a shared device every replica waits for the same queue: it adds the same to each.
-            cost = (0.0 if shared else ahead) + (uncached if uncached > 0 else 0) + per_request * in_flight
+            work = ahead + (uncached if uncached > 0 else 0)
+            if shared:
+                aheads.append(ahead)
+                works.append(work)
+            cost = work + per_request * in_flight
             if rate != mean_rate:
                 cost *= mean_rate / rate
             scored.append((cost + duplicate * (deepest - matches[i]), n, i))
+        if shared:
+            # The device takes turns among the replicas with work: before this request's own work
+            # is done, every other replica gets through as much of its queue, up to as much.
+            scored = [
+                (cost + sum(min(a, works[i]) for j, a in enumerate(aheads) if j != i), n, i)
+                for cost, n, i in scored
+            ]
         scored.sort()
         best = scored[0]
         if cold:
