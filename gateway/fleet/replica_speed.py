@@ -5,11 +5,14 @@ and a policy that costs work in seconds needs each replica's own rate. Two figur
 exponentially weighted average over the replica's recent completed requests:
 
 - **Prefill**: a request's prefill service time is from when the engine could start on it (its
-  send, or the previous request's first token on that replica if later: prefills queue) to its
-  own first token. Service time against uncached prompt tokens is fitted as
-  `overhead + tokens / rate` by least squares over decaying sums, so short cache hits (mostly
-  overhead) and cold prompts (mostly tokens) both inform it; requests whose prefills shared one
-  engine step (service times near 0 for all but the first) average out in the sums.
+  send, or the latest first token of a request sent before it, if later: prefills queue) to its
+  own first token. Requests sent after it do not count: a short prompt interleaved with a long
+  one's chunked prefill finishes first, and taking its first token as the long prompt's start
+  once made a 30k-token document look prefilled in a tenth of its time. Service time against
+  uncached prompt tokens is fitted as `overhead + tokens / rate` by least squares over decaying
+  sums, so short cache hits (mostly overhead) and cold prompts (mostly tokens) both inform it;
+  requests whose prefills shared one engine step (service times near 0 for all but the first)
+  average out in the sums.
 - **Decode**: output tokens after the first against the time from first token to the end: the
   per-stream rate a client sees, batch effects included.
 
@@ -18,12 +21,16 @@ Figures are None until `MIN_SAMPLES` requests informed them, and policies then u
 
 from __future__ import annotations
 
+from collections import deque
+
 MIN_SAMPLES = 8
 # Weight of the newest request: about the last 1/ALPHA requests count.
 ALPHA = 0.05
 # Below this spread of uncached sizes (coefficient of variation) no slope can be fitted: the mean
 # service time per token is used instead, overhead included (a pessimistic rate).
 MIN_SIZE_CV = 0.1
+# Recent requests' (sent, first token) kept to find where a request's prefill could start.
+RECENT = 64
 
 
 class ReplicaSpeed:
@@ -32,8 +39,8 @@ class ReplicaSpeed:
         "_decode_n",
         "_decode_s",
         "_decode_tokens",
-        "_last_first",
         "_n",
+        "_recent",
         "_s",
         "_su",
         "_sus",
@@ -45,7 +52,7 @@ class ReplicaSpeed:
 
     def __init__(self) -> None:
         self._count = 0
-        self._last_first = 0.0
+        self._recent: deque[tuple[float, float]] = deque(maxlen=RECENT)
         self._n = self._s = self._su = self._suu = self._sus = 0.0
         self._decode_n = 0
         self._decode_s = self._decode_tokens = 0.0
@@ -56,8 +63,11 @@ class ReplicaSpeed:
     def observe(self, sent: float, first: float, end: float, uncached: int, output_tokens: int) -> None:
         """One completed request: sent, first token and end (one clock, seconds), its uncached prompt
         tokens and its output tokens."""
-        start = max(sent, self._last_first)
-        self._last_first = max(self._last_first, first)
+        start = sent
+        for s, f in self._recent:
+            if s <= sent and start < f <= first:
+                start = f
+        self._recent.append((sent, first))
         service = max(0.0, first - start)
         keep = 1.0 - ALPHA
         self._count += 1

@@ -75,3 +75,18 @@ async def test_gateway_measures_a_slow_replica_as_slow(gateway) -> None:
         # Four times slower in simulated time; the gateway's own per-request costs blur it a little.
         assert slow_speed.prefill_tokens_per_s < 0.5 * fast_speed.prefill_tokens_per_s
         assert slow_speed.decode_tokens_per_s < 0.5 * fast_speed.decode_tokens_per_s
+
+
+def test_a_short_prompt_interleaved_with_a_long_one_does_not_shorten_its_service() -> None:
+    """A 20k-token document sent at 0 has its first token at 2.0 s; chats sent during its prefill
+    got theirs earlier (chunked prefill interleaves them) and are seen first."""
+    speed = ReplicaSpeed()
+    t = 0.0
+    for _ in range(MIN_SAMPLES):
+        for k in range(3):
+            speed.observe(t + 0.5 + k * 0.5, t + 0.6 + k * 0.5, t + 0.7 + k * 0.5, 1000, 4)
+        speed.observe(t, t + 2.0, t + 2.1, 20_000, 4)
+        t += 10.0
+    assert speed.prefill_tokens_per_s is not None
+    # 23,000 tokens in 2.3 s of service: the document's 2.0 s counted whole.
+    assert 8_000 < speed.prefill_tokens_per_s < 12_000
