@@ -28,12 +28,6 @@ each replica's queue drains at its measured prefill rate (`ReplicaView.speed`, f
 from its requests' time to first token against their uncached tokens), and its estimate is scaled
 by the mean rate over its own, so work on a replica half as fast counts twice.
 
-Several engines on one GPU (`shared_device`) take turns on it: a second replica adds no capacity,
-only a second batch whose steps the first one waits for. There a request's estimate also counts
-the other replicas' queues, each up to the work ahead of it plus its own (the device shares its
-time among the replicas with work): an idle replica is no longer much sooner than a warm busy one,
-and a prefix spills far less.
-
 Requests no replica has an advantage for (no hit anywhere, or the same hit everywhere) go to the
 replica, among those within `cold_spread_tokens` of the best, that was given the fewest such
 requests lately (a count decaying with `placement_window_s`): new prefixes are dealt out evenly,
@@ -92,11 +86,6 @@ class PrefixAffinityParams(BaseModel):
     placement_window_s: float = Field(
         600.0, gt=0, description="Time constant of the count of new prefixes given to each replica"
     )
-    shared_device: bool = Field(
-        False,
-        description="The pool's replicas time-slice one device (several engines on one GPU): each "
-        "estimate also counts the work the device does for the other replicas meanwhile",
-    )
     measured_speed: bool = Field(
         True,
         description="Use each replica's measured prefill rate (ReplicaView.speed) where known: its queue "
@@ -134,7 +123,6 @@ class PrefixAffinity(Policy):
         self._placed: dict[str, tuple[str, int]] = {}  # request id -> (replica charged, tokens)
         self._window = p.placement_window_s
         self._measured = p.measured_speed
-        self._shared = p.shared_device
 
     def _rate(self, r: ReplicaView) -> float:
         """The replica's prefill tokens/s: measured where known (and wanted), else the parameter."""
@@ -199,10 +187,6 @@ class PrefixAffinity(Policy):
         # estimate_tokens, unrolled: this loop runs once per replica on every request.
         queues, queued, tps = self._queues, self._queued, self._tps
         per_request, duplicate, prompt = self._per_request, self._duplicate, request.prompt_tokens
-        shared = self._shared
-        # Shared device: each candidate's queue, and that plus this request's work there.
-        aheads: list[float] = []
-        works: list[float] = []
         matches = [c.matched_tokens for c in candidates]
         deepest = max(matches)
         cold = deepest == min(matches)
@@ -231,21 +215,10 @@ class PrefixAffinity(Policy):
             else:
                 ahead = min(q.backlog, q.ledger_tokens)
             uncached = prompt - matches[i]
-            work = ahead + (uncached if uncached > 0 else 0)
-            if shared:
-                aheads.append(ahead)
-                works.append(work)
-            cost = work + per_request * in_flight
+            cost = ahead + (uncached if uncached > 0 else 0) + per_request * in_flight
             if rate != mean_rate:
                 cost *= mean_rate / rate
             scored.append((cost + duplicate * (deepest - matches[i]), n, i))
-        if shared:
-            # The device takes turns among the replicas with work: before this request's own work
-            # is done, every other replica gets through as much of its queue, up to as much.
-            scored = [
-                (cost + sum(min(a, works[i]) for j, a in enumerate(aheads) if j != i), n, i)
-                for cost, n, i in scored
-            ]
         scored.sort()
         best = scored[0]
         if cold:

@@ -259,20 +259,6 @@ async def test_a_slow_replica_spills_its_queue_sooner() -> None:
         assert ranked[0].replica.name == expected
 
 
-async def test_on_a_shared_device_a_queue_spills_the_prefix_later() -> None:
-    """Four requests of 1,000 uncached tokens queued on the warm replica: independent replicas
-    spill the prefix (a recompute elsewhere is sooner), replicas time-slicing one GPU do not (the
-    recompute would take turns with that queue on the same device); twenty do spill it."""
-    for shared, queued, expected in ((False, 4, "r1"), (True, 4, "r0"), (True, 20, "r1")):
-        reps = replicas(2)
-        p = policy(per_request_tokens=0, shared_device=shared)
-        for i in range(queued):
-            p._charge(f"queued-{shared}-{i}", "r0", 1000, p._clock())
-            send(reps[0], request(1000))
-        ranked = await p.rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
-        assert ranked[0].replica.name == expected
-
-
 async def test_new_prefixes_are_dealt_in_proportion_to_measured_speed() -> None:
     reps = replicas(2)
     measured(reps[0], 10_000)
