@@ -247,7 +247,12 @@ def _scenario(args: argparse.Namespace) -> int:
     size_spec = scenario.size(size)
     size_spec.workload.update(_parse_sets(args.set))
     if args.rate or args.concurrency:
-        size_spec.loads = [{"rate": r} for r in args.rate] + [{"concurrency": c} for c in args.concurrency]
+        # A new rate keeps the size's arrival shape (bursts), only the rate changes.
+        rated = [p for p in size_spec.loads if "rate" in p]
+        shape = {k: v for k, v in rated[0].items() if k != "rate"} if rated else {}
+        size_spec.loads = [{**shape, "rate": r} for r in args.rate] + [
+            {"concurrency": c} for c in args.concurrency
+        ]
     if args.speedup is not None:
         size_spec.fleet["speedup"] = args.speedup
     if args.profile:

@@ -28,7 +28,7 @@ from gateway.fleet.replica import Lease, Replica
 from gateway.routing.policy import Outcome, RequestFeatures
 from gateway.routing.pool_router import PoolRouter
 
-TARGET_MS = {16: 0.3, 256: 1.0}
+TARGET_MS = {16: 0.3, 256: 1.0, 1024: 0.3}  # 1,024: issue 18
 # The stages of a decision, as `--breakdown` times them (PoolRouter.rank = serving, candidates, policy).
 STAGES = ("features", "serving", "candidates", "policy")
 

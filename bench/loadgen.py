@@ -36,15 +36,27 @@ class LoadSpec:
     warmup_s: float = 0.0  # and those scheduled before this offset
     drain_timeout_s: float = 120.0  # after the last send, how long in-flight requests may take
     seed: int = 0
+    # Bursty Poisson: on/off phases at burst_high x and burst_low x the mean `rate`, the on phase
+    # long enough that the mean stays `rate`; one on + off cycle lasts burst_period_s.
+    burst_period_s: float | None = None
+    burst_high: float = 2.0
+    burst_low: float = 0.2
 
     def __post_init__(self) -> None:
         if self.mode == "poisson" and not (self.rate and self.rate > 0):
             raise ValueError("poisson arrivals need rate > 0")
         if self.mode == "closed" and not (self.concurrency and self.concurrency > 0):
             raise ValueError("closed-loop arrivals need concurrency > 0")
+        if self.burst_period_s is not None and not (
+            self.mode == "poisson" and self.burst_period_s > 0 and self.burst_low < 1.0 < self.burst_high
+        ):
+            raise ValueError("bursts need poisson arrivals, burst_period_s > 0, burst_low < 1 < burst_high")
 
     @property
     def label(self) -> str:
+        if self.mode == "poisson" and self.burst_period_s is not None:
+            high, low = self.burst_high, self.burst_low
+            return f"{self.rate:g} req/s bursty {high:g}x/{low:g}x {self.burst_period_s:g}s"
         if self.mode == "poisson":
             return f"{self.rate:g} req/s"
         if self.mode == "closed":
@@ -70,12 +82,41 @@ def schedule(requests: list[BenchRequest], load: LoadSpec) -> list[float]:
         times = [r.at or 0.0 for r in requests]
         base = times[0] if times else 0.0
         times = [t - base for t in times]
+    elif load.burst_period_s is not None:
+        times = _bursty(len(requests), load)
     else:
         assert load.rate is not None
         rng = random.Random(f"arrivals:{load.seed}")
         times = list(itertools.accumulate((rng.expovariate(load.rate) for _ in requests), initial=0.0))[:-1]
     if load.duration_s is not None:
         times = [t for t in times if t < load.duration_s]
+    return times
+
+
+def _bursty(n: int, load: LoadSpec) -> list[float]:
+    """n arrivals of a Poisson process whose rate switches between high and low phases (starting
+    high): each gap is a unit exponential of intensity, spent across phase boundaries."""
+    assert load.rate is not None and load.burst_period_s is not None
+    period = load.burst_period_s
+    # on * high + (period - on) * low = period * rate
+    on = (1.0 - load.burst_low) / (load.burst_high - load.burst_low) * period
+    phases = [(load.rate * load.burst_high, on), (load.rate * load.burst_low, period - on)]
+    rng = random.Random(f"arrivals:{load.seed}")
+    times: list[float] = []
+    start, k, t = 0.0, 0, 0.0  # the current phase began at `start`; t is within it
+    for _ in range(n):
+        times.append(t)
+        need = rng.expovariate(1.0)
+        while True:
+            rate, length = phases[k]
+            left = start + length - t
+            if need <= rate * left:
+                t += need / rate
+                break
+            need -= rate * left
+            start += length
+            t = start
+            k = 1 - k
     return times
 
 

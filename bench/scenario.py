@@ -50,6 +50,7 @@ class FleetGroup:
     replicas: int = 1
     role: Literal["mixed", "prefill", "decode"] = "mixed"
     args: list[str] = field(default_factory=list)
+    profile: str | None = None  # the fleet's profile unless set: a heterogeneous fleet
 
 
 @dataclass
@@ -193,6 +194,9 @@ def load_spec(point: dict[str, Any], size: SizeSpec, seed: int) -> LoadSpec:
         warmup_s=point.pop("warmup_s", size.warmup_s),
         drain_timeout_s=point.pop("drain_timeout_s", size.drain_timeout_s),
         seed=seed,
+        burst_period_s=point.pop("burst_period_s", None),
+        burst_high=point.pop("burst_high", 2.0),
+        burst_low=point.pop("burst_low", 0.2),
     )
     if point:
         raise ValueError(f"load point has unknown keys {sorted(point)}")
@@ -250,7 +254,7 @@ class Fleet:
                     "--model", self.spec.model,
                     "--port", str(base),
                     "--replicas", str(group.replicas),
-                    "--profile", self.spec.profile,
+                    "--profile", group.profile or self.spec.profile,
                     "--speedup", str(self.spec.speedup),
                     *events,
                     *group.args,

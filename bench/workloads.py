@@ -237,15 +237,15 @@ class MultiTurnChat(Workload):
     user_tokens: int = 128
     output_tokens: int = 128
 
+    def system_prompt(self, seed: int, session: int) -> str:
+        return text.words(f"mt-sys:{seed}:{session}", self.system_tokens)
+
     def build(self, seed: int) -> list[BenchRequest]:
-        rng = random.Random(f"multi-turn:{seed}")
+        rng = random.Random(f"{self.name}:{seed}")
         # Interleave sessions at random while keeping each session's turns in order.
         order = [s for s in range(self.sessions) for _ in range(self.turns)]
         rng.shuffle(order)
-        history = {
-            s: [{"role": "system", "content": text.words(f"mt-sys:{seed}:{s}", self.system_tokens)}]
-            for s in order
-        }
+        history = {s: [{"role": "system", "content": self.system_prompt(seed, s)}] for s in order}
         tokens = dict.fromkeys(history, self.system_tokens)
         turn = dict.fromkeys(history, 0)
         last: dict[int, int] = {}
@@ -271,6 +271,63 @@ class MultiTurnChat(Workload):
             tokens[s] += self.output_tokens
             turn[s] = t + 1
             last[s] = i
+        return out
+
+
+@_register
+@dataclass
+class ToolAgent(MultiTurnChat):
+    """An agent framework's traffic: every session starts with its agent's long tool definitions
+    (shared by all sessions of that agent), then grows by short turns (a tool result or a user
+    line, a short tool call back)."""
+
+    name: ClassVar[str] = "tool-agent"
+    summary: ClassVar[str] = "sessions sharing long tool definitions per agent, short growing turns"
+    agents: int = 2
+    sessions: int = 48
+    turns: int = 8
+    system_tokens: int = 4096
+    user_tokens: int = 64
+    output_tokens: int = 32
+
+    def system_prompt(self, seed: int, session: int) -> str:
+        return text.words(f"tools:{seed}:{session % self.agents}", self.system_tokens)
+
+
+@_register
+@dataclass
+class PrefixSurge(Workload):
+    """Shared-prefix traffic into which a new hot prefix bursts mid-run: from `surge_at` (share of
+    the requests) on, `surge_share` of the requests carry the one new prefix."""
+
+    name: ClassVar[str] = "prefix-surge"
+    summary: ClassVar[str] = "G groups of shared prefixes; mid-run one new prefix takes a share of traffic"
+    groups: int = 32
+    system_tokens: int = 2048
+    question_tokens: int = 128
+    output_tokens: int = 64
+    num_requests: int = 600
+    surge_at: float = 0.4
+    surge_share: float = 0.5
+
+    def build(self, seed: int) -> list[BenchRequest]:
+        rng = random.Random(f"prefix-surge:{seed}")
+        systems = [text.words(f"surge-sys:{seed}:{g}", self.system_tokens) for g in range(self.groups + 1)]
+        start = int(self.num_requests * self.surge_at)
+        out = []
+        for i in range(self.num_requests):
+            hot = i >= start and rng.random() < self.surge_share
+            g = self.groups if hot else rng.randrange(self.groups)
+            out.append(
+                BenchRequest(
+                    index=i,
+                    messages=_chat(systems[g], text.words(f"surge-q:{seed}:{i}", self.question_tokens)),
+                    max_tokens=self.output_tokens,
+                    prompt_tokens=self.system_tokens + self.question_tokens,
+                    group=f"g{g}",
+                    kind="surge" if hot else "background",
+                )
+            )
         return out
 
 

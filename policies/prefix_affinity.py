@@ -25,6 +25,11 @@ gateways' traffic: its requests are costed at the average uncached size of ours 
 those beyond our own count at `waiting_token_cost`. The larger of the two estimates counts, so
 neither double counts our own requests nor misses anyone else's.
 
+Replicas differ (an H100 beside an H200, a GPU shared by several engines): with `measured_speed`
+each replica's queue drains at its measured prefill rate (`ReplicaView.speed`, fitted by the gateway
+from its requests' time to first token against their uncached tokens), and its estimate is scaled
+by the mean rate over its own, so work on a replica half as fast counts twice.
+
 Requests no replica has an advantage for (no hit anywhere, or the same hit everywhere) go to the
 replica, among those within `cold_spread_tokens` of the best, that was given the fewest such
 requests lately (a count decaying with `placement_window_s`): new prefixes are dealt out evenly,
@@ -97,6 +102,11 @@ class PrefixAffinityParams(BaseModel):
         description="Count queued prefill and decode load over every replica on the same device (replicas "
         "sharing a GPU): moving work among them frees nothing. No effect on replicas without a device",
     )
+    measured_speed: bool = Field(
+        True,
+        description="Use each replica's measured prefill rate (ReplicaView.speed) where known: its queue "
+        "drains at that rate and its estimate is scaled by the fleet's mean rate over its own",
+    )
 
 
 @dataclass(slots=True)
@@ -108,6 +118,7 @@ class _Queue:
     backlog: float = 0.0  # uncached tokens not yet prefilled, as of `stamp`
     stamp: float = 0.0
     placements: float = 0.0  # requests without a preference given to it, decaying, as of `placed_at`
+    rate: float = 0.0  # prefill tokens/s it drains at, as last known (0: the parameter)
     placed_at: float = 0.0
 
 
@@ -128,14 +139,23 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         self._placed: dict[str, tuple[str, int]] = {}  # request id -> (replica charged, tokens)
         self._window = p.placement_window_s
         self._device_load = p.device_load
+        self._measured = p.measured_speed
 
-    def _queue(self, name: str, now: float) -> _Queue:
-        """The replica's queue estimate, drained up to `now`."""
+    def _rate(self, r: ReplicaView) -> float:
+        """The replica's prefill tokens/s: measured where known (and wanted), else the parameter."""
+        if self._measured:
+            rate = r.speed.prefill_tokens_per_s
+            if rate is not None:
+                return rate
+        return self._tps
+
+    def _queue(self, name: str, now: float, rate: float | None = None) -> _Queue:
+        """The replica's queue estimate, drained up to `now` at `rate` (default: as last known)."""
         q = self._queues.get(name)
         if q is None:
             q = self._queues[name] = _Queue(stamp=now)
         elif q.backlog:
-            q.backlog = max(0.0, q.backlog - (now - q.stamp) * self._tps)
+            q.backlog = max(0.0, q.backlog - (now - q.stamp) * (rate or q.rate or self._tps))
         q.stamp = now
         return q
 
@@ -153,20 +173,20 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
 
     def queued_tokens(self, r: ReplicaView, now: float | None = None) -> float:
         """Uncached prompt tokens believed queued for prefill on `r`."""
-        q = self._queue(r.name, self._clock() if now is None else now)
+        q = self._queue(r.name, self._clock() if now is None else now, self._rate(r))
         return self._queued(q, r, r.engine_fresh)
 
     def estimate_tokens(self, request: RequestFeatures, c: Candidate, now: float | None = None) -> float:
-        """Estimated time to first token of `request` on `c`, in tokens of prefill work."""
+        """Estimated time to first token of `request` on `c`, in tokens of prefill work on `c`."""
         r = c.replica
-        q = self._queue(r.name, self._clock() if now is None else now)
+        q = self._queue(r.name, self._clock() if now is None else now, self._rate(r))
         uncached = uncached_tokens(request.prompt_tokens, c.matched_tokens)
         fresh = r.engine_fresh
         return self._queued(q, r, fresh) + uncached + self._per_request * self._load.requests(r, fresh)
 
     def estimate_s(self, request: RequestFeatures, c: Candidate) -> float:
         """Estimated time to first token of `request` on `c`, in seconds."""
-        return self.estimate_tokens(request, c) / self._tps
+        return self.estimate_tokens(request, c) / self._rate(c.replica)
 
     def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
         if not candidates:
@@ -178,17 +198,22 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         matches = [c.matched_tokens for c in candidates]
         deepest = max(matches)
         cold = deepest == min(matches)
+        # A slower replica's work takes longer: estimates are in tokens at the fleet's mean rate.
+        rates = [self._rate(c.replica) for c in candidates] if self._measured else None
+        mean_rate = sum(rates) / len(rates) if rates else tps
         # The work each replica has before this prompt: queued prefill and the decode-load term,
         # taken over the whole GPU when replicas share one (`device_load`).
         work = []
-        for c in candidates:
+        for i, c in enumerate(candidates):
             r = c.replica
+            rate = rates[i] if rates else tps
             q = queues.get(r.name)
             if q is None:
                 q = self._queue(r.name, now)
             elif q.backlog:
-                q.backlog = max(0.0, q.backlog - (now - q.stamp) * tps)
+                q.backlog = max(0.0, q.backlog - (now - q.stamp) * rate)
                 q.stamp = now
+            q.rate = rate
             fresh = r.engine_fresh
             ahead = queued(q, r, fresh) if fresh else min(q.backlog, q.ledger_tokens)
             work.append(ahead + per_request * in_flight(r, fresh))
@@ -198,18 +223,23 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         for i, c in enumerate(candidates):
             uncached = prompt - matches[i]
             cost = work[i] + (uncached if uncached > 0 else 0)
+            if rates and rates[i] != mean_rate:
+                cost *= mean_rate / rates[i]
             scored.append((cost + duplicate * (deepest - matches[i]), c.replica.inflight_requests, i))
         scored.sort()
         best = scored[0]
         if cold:
             # No replica is preferred for its cache: among the near-cheapest, the one given the
-            # fewest such requests lately, so new prefixes are dealt out evenly.
+            # fewest such requests lately (per unit of its measured speed), so new prefixes are
+            # dealt out evenly, or in proportion to speed.
             limit = best[0] + self._spread
             queues = self._queues
-            best = min(
-                (s for s in scored if s[0] <= limit),
-                key=lambda s: (self.placements(queues[candidates[s[2]].replica.name], now), s[0]),
-            )
+
+            def dealt(s: tuple[float, int, int]) -> tuple[float, float]:
+                q = queues[candidates[s[2]].replica.name]
+                return self.placements(q, now) / (rates[s[2]] if rates else 1.0), s[0]
+
+            best = min((s for s in scored if s[0] <= limit), key=dealt)
             q = queues[candidates[best[2]].replica.name]
             q.placements = self.placements(q, now) + 1.0
             q.placed_at = now

@@ -19,6 +19,7 @@ from typing import Literal
 
 from gateway.fleet.breaker import BreakerState, CircuitBreaker
 from gateway.fleet.engine_load import EngineLoad
+from gateway.fleet.replica_speed import ReplicaSpeed
 
 Role = Literal["mixed", "prefill", "decode"]
 
@@ -43,6 +44,7 @@ class Replica:
         "remote_inflight_requests",
         "remote_inflight_tokens",
         "role",
+        "speed",
         "stale_after_s",
         "total_requests",
         "url",
@@ -82,6 +84,7 @@ class Replica:
         self.remote_inflight_tokens = 0
         self.total_requests = 0
         self.engine = EngineLoad()
+        self.speed = ReplicaSpeed()  # measured by the proxy from completed requests
         self.stale_after_s = stale_after_s
 
     @property

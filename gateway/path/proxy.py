@@ -36,7 +36,7 @@ from gateway.path.transports.base import Response
 from gateway.path.upstream import ERROR_BODY_LIMIT, Upstream, UpstreamError
 from gateway.routing.lora import LoraWatch
 from gateway.routing.policy import Candidate, Outcome, RequestFeatures
-from gateway.routing.tokens import engine_cached_tokens, engine_prompt_tokens
+from gateway.routing.tokens import engine_prompt_tokens, usage_figure
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +212,7 @@ class Proxy:
                         try:
                             url = replica.url + request.path
                             resend = deliveries + 2 <= max_attempts
+                            rec.sent_at = time.perf_counter()
                             resp = await self._open(url, plan, up.headers, resend)
                         except UpstreamError as exc:
                             deliveries += exc.sent
@@ -241,7 +242,10 @@ class Proxy:
                             route_reason(candidate, ranked) if router.policy.uses_prefix_match else None
                         )
                         track.error = "upstream_error"  # should reading a whole answer fail
-                        return await self._relay(request, resp, claim, rec, req.rename)
+                        response = await self._relay(request, resp, claim, rec, req.rename)
+                        if plan.prefill is None:  # a PD hand-off's prefill ran elsewhere
+                            measure_speed(replica, rec, features.prompt_tokens - candidate.matched_tokens)
+                        return response
                     finally:
                         up.end(rec)
         finally:
@@ -325,8 +329,7 @@ class Proxy:
             finally:
                 resp.release()
             rec.first_byte_at = time.perf_counter()
-            rec.engine_prompt_tokens = engine_prompt_tokens(raw)
-            rec.engine_cached_tokens = engine_cached_tokens(raw)
+            read_usage(raw, rec)
             if rename is not None and not resp.header("Content-Encoding"):
                 raw = rename.apply(raw)
             return Reply(resp.status, raw, headers)
@@ -355,9 +358,7 @@ class Proxy:
                     if not chunk:
                         continue
                     if _USAGE in chunk:  # a substring test per chunk; only a usage chunk is read
-                        rec.engine_prompt_tokens = engine_prompt_tokens(chunk) or rec.engine_prompt_tokens
-                        cached = engine_cached_tokens(chunk)  # 0 is a figure: a cold prompt
-                        rec.engine_cached_tokens = rec.engine_cached_tokens if cached is None else cached
+                        read_usage(chunk, rec)
                     await out.write(chunk)
                     end.feed(chunk)
                 tail = events.flush()
@@ -414,6 +415,28 @@ class _Track:
             attempts=self.attempts,
             prefill_replica=self.prefill,
         )
+
+
+def read_usage(body: bytes, rec: RequestRecord) -> None:
+    """The engine's usage figures in a body or its usage chunk, kept where present."""
+    rec.engine_prompt_tokens = engine_prompt_tokens(body) or rec.engine_prompt_tokens
+    cached = usage_figure(body, b"cached_tokens")  # 0 is a figure: a cold prompt
+    rec.engine_cached_tokens = rec.engine_cached_tokens if cached is None else cached
+    rec.engine_output_tokens = usage_figure(body, b"completion_tokens") or rec.engine_output_tokens
+
+
+def measure_speed(replica: Replica, rec: RequestRecord, believed_uncached: int) -> None:
+    """A completed answer teaches the replica's measured speed. Uncached tokens are the engine's
+    own figures where its usage gives them, else what the routing decision believed."""
+    if rec.sent_at is None or rec.first_byte_at is None or rec.status != 200 or rec.error_code is not None:
+        return
+    if rec.client_disconnected:
+        return
+    uncached = believed_uncached
+    if rec.engine_prompt_tokens is not None and rec.engine_cached_tokens is not None:
+        uncached = rec.engine_prompt_tokens - rec.engine_cached_tokens
+    output = rec.engine_output_tokens or 0
+    replica.speed.observe(rec.sent_at, rec.first_byte_at, time.perf_counter(), max(0, uncached), output)
 
 
 def route_reason(chosen: Candidate, ranked: list[Candidate]) -> str:

@@ -26,7 +26,8 @@ class RequestRecord:
     prompt_tokens: int = 0
     prompt_chars: int = 0  # characters of the prompt text the gateway hashed
     engine_prompt_tokens: int | None = None  # the engine's own count (its usage figures), when it gave one
-    engine_cached_tokens: int | None = None  # of those, what its prefix cache served, when it said
+    engine_cached_tokens: int | None = None  # of them, found in its prefix cache (usage), when it said
+    engine_output_tokens: int | None = None  # usage.completion_tokens, when it gave them
     matched_tokens: int = 0  # prompt tokens the chosen replica was believed to hold
     route_reason: str | None = None  # why the policy chose the replica (e.g. "cache_hit", "spill")
     status: int = 0
@@ -34,6 +35,7 @@ class RequestRecord:
     shed_reason: str | None = None
     retries: int = 0
     queued_s: float = 0.0
+    sent_at: float | None = None  # perf_counter when the last attempt was sent to its replica
     first_byte_at: float | None = None  # perf_counter when the first body byte went to the client
     ended: float | None = None
     client_disconnected: bool = False

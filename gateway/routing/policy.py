@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, get_args, get_orig
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gateway.fleet.engine_load import EngineLoad
+from gateway.fleet.replica_speed import ReplicaSpeed
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ class ReplicaView(Protocol):
     # Replicas with the same device time-share one GPU (None: a device of its own).
     @property
     def device(self) -> str | None: ...
+    # Measured prefill and decode rates (None until enough requests completed there).
+    @property
+    def speed(self) -> ReplicaSpeed: ...
 
 
 @dataclass(slots=True)

@@ -372,7 +372,7 @@ class PoolRouter:
         """A scrape of a replica's prompt token counter: what it counted since the last scrape,
         against the prompt characters routed to it meanwhile. Figures are summed over scrapes, so
         a request counted by the gateway before the engine has prefilled it evens out. Used only
-        while the pool has too few usage figures (those are per request, and no other gateway's
+        while no response has carried usage figures (those are per request, and no other gateway's
         traffic can mix in)."""
         chars = self._chars_routed.get(replica, 0)
         previous = self._counter_seen.get(replica)
@@ -391,7 +391,11 @@ class PoolRouter:
         enough, else from the engines' counters."""
         if self._usage_samples >= MIN_USAGE_SAMPLES and self._usage_chars >= MIN_USAGE_CHARS:
             engine_per_char = self._usage_tokens / self._usage_chars
-        elif self._counter_chars >= 4 * MIN_USAGE_CHARS and self._counter_tokens > 0:
+        elif not self._usage_samples and self._counter_chars >= 4 * MIN_USAGE_CHARS and self._counter_tokens:
+            # Only where responses carry no usage at all: counters lag the characters routed by the
+            # prompts still waiting for prefill, and the first long prompts of a run made them read a
+            # hundredth of the true count (every block rounded to 0 tokens: no prefix matched) until
+            # enough usage figures came.
             engine_per_char = self._counter_tokens / self._counter_chars
         else:
             return

@@ -12,7 +12,7 @@ token per whitespace-separated word, word `tN` being id N: the GPU kit's WordLev
 or the path of a Hugging Face `tokenizer.json` (or of a model directory holding one), read with
 the optional `tokenizers` library (`pip install 'kvgate[tokenizers]'`). `model_tokenizer`
 finds a model's tokenizer.json locally (a model directory, or the Hugging Face cache): never
-downloaded. `engine_prompt_tokens` (and `engine_cached_tokens`) read an engine's own counts from a
+downloaded. `usage_figure` (and `engine_prompt_tokens`) read an engine's own counts from a
 response's usage.
 """
 
@@ -188,25 +188,12 @@ def model_tokenizer(model: str) -> Path | None:
     return found[-1] if found else None
 
 
-_USAGE_NEEDLE = b'"prompt_tokens":'
-_CACHED_NEEDLE = b'"cached_tokens":'
-
-
-def engine_prompt_tokens(body: bytes) -> int | None:
-    """The engine's `usage.prompt_tokens` in a response body or SSE chunk (its last occurrence),
-    found without parsing the JSON; None when absent. A value inside generated text is escaped
+def usage_figure(body: bytes, field: bytes) -> int | None:
+    """An integer field of an engine's usage (`b"prompt_tokens"`, `b"cached_tokens"`,
+    `b"completion_tokens"`) in a response body or SSE chunk (its last occurrence), found without
+    parsing the JSON; None when absent. A value inside generated text is escaped
     (`\\"prompt_tokens\\"`), so it never matches."""
-    return _usage_figure(body, _USAGE_NEEDLE)
-
-
-def engine_cached_tokens(body: bytes) -> int | None:
-    """The engine's `usage.prompt_tokens_details.cached_tokens` (prompt tokens its prefix cache
-    served), read as `engine_prompt_tokens` is; None when absent (vLLM reports it only with
-    `--enable-prompt-tokens-details`)."""
-    return _usage_figure(body, _CACHED_NEEDLE)
-
-
-def _usage_figure(body: bytes, needle: bytes) -> int | None:
+    needle = b'"' + field + b'":'
     at = body.rfind(needle)
     if at == -1:
         return None
@@ -215,6 +202,11 @@ def _usage_figure(body: bytes, needle: bytes) -> int | None:
     while end < len(digits) and 48 <= digits[end] <= 57:
         end += 1
     return int(digits[:end]) if 0 < end <= 12 else None
+
+
+def engine_prompt_tokens(body: bytes) -> int | None:
+    """The engine's `usage.prompt_tokens` in a response body or SSE chunk; None when absent."""
+    return usage_figure(body, b"prompt_tokens")
 
 
 def load_tiktoken() -> Tokenizer:

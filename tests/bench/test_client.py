@@ -167,6 +167,20 @@ async def test_next_turn_waits_for_the_previous_one(stub: Stub) -> None:
             assert (by_index[req.index].sent or 0) >= (dep.sent or 0) + (dep.e2e or 0) - 1e-3
 
 
+def test_bursty_schedule_alternates_high_and_low_phases_around_the_mean() -> None:
+    reqs = [request(i) for i in range(4000)]
+    load = LoadSpec(rate=10.0, seed=1, burst_period_s=10.0)
+    times = loadgen.schedule(reqs, load)
+    assert times == loadgen.schedule(reqs, load) and all(x < y for x, y in itertools.pairwise(times))
+    assert (len(times) - 1) / times[-1] == pytest.approx(10.0, rel=0.1)
+    on = 0.8 / 1.8 * 10.0  # 2x for `on` seconds and 0.2x for the rest average 1x
+    high = sum(1 for t in times if t % 10.0 < on) / (times[-1] * on / 10.0)
+    low = sum(1 for t in times if t % 10.0 >= on) / (times[-1] * (10.0 - on) / 10.0)
+    assert high == pytest.approx(20.0, rel=0.1) and low == pytest.approx(2.0, rel=0.2)
+    with pytest.raises(ValueError):
+        LoadSpec(mode="closed", concurrency=4, burst_period_s=10.0)
+
+
 def test_poisson_schedule_is_seeded_and_cut_by_duration() -> None:
     reqs = [request(i) for i in range(2000)]
     a = loadgen.schedule(reqs, LoadSpec(rate=50.0, seed=3))

@@ -22,6 +22,8 @@ SMALL: dict[str, dict[str, Any]] = {
     "long-prompt": {"num_requests": 20, "long_fraction": 0.2, "long_min_tokens": 300, "long_max_tokens": 400},
     "mooncake": {"length_scale": 0.05, "max_requests": 20},
     "lora-mix": {"adapters": 4, "system_tokens": 16, "question_tokens": 8, "num_requests": 40},
+    "tool-agent": {"sessions": 4, "turns": 3, "system_tokens": 32, "user_tokens": 8, "output_tokens": 8},
+    "prefix-surge": {"groups": 3, "system_tokens": 32, "question_tokens": 8, "num_requests": 40},
 }
 
 needs_trace = pytest.mark.skipif(
@@ -182,3 +184,21 @@ def test_lora_mix_asks_for_adapters_by_popularity() -> None:
     assert counts["lora-0"] > counts["lora-1"] > counts["lora-3"]  # Zipf: the first is the hot one
     uniform = make_workload("lora-mix", {"adapters": 4, "num_requests": 400, "zipf_s": 0}).build(seed=3)
     assert max(Counter(r.model for r in uniform).values()) < 140
+
+
+def test_tool_agent_sessions_share_their_agents_tools_then_grow() -> None:
+    reqs = make_workload("tool-agent", SMALL["tool-agent"]).build(0)
+    tools = {r.group: r.messages[0]["content"] for r in reqs}
+    assert len(tools) == 4 and len(set(tools.values())) == 2  # sessions 0, 2 and 1, 3 share an agent
+    assert tools["s0"] == tools["s2"] != tools["s1"] == tools["s3"]
+    last = max((r for r in reqs if r.group == "s0"), key=lambda r: r.index)
+    assert last.depends_on is not None and len(last.messages) == 1 + 2 * 2 + 1
+
+
+def test_prefix_surge_starts_mid_run_with_one_new_prefix() -> None:
+    reqs = make_workload("prefix-surge", SMALL["prefix-surge"] | {"surge_at": 0.5}).build(0)
+    surge = [r for r in reqs if r.kind == "surge"]
+    assert surge and min(r.index for r in surge) >= 20
+    assert {r.group for r in surge} == {"g3"}
+    assert {r.messages[0]["content"] for r in surge} == {surge[0].messages[0]["content"]}
+    assert "g3" not in {r.group for r in reqs if r.kind == "background"}

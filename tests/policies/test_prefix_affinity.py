@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from gateway.fleet.replica import Replica
 from gateway.routing.policy import load_policy
 from policies.prefix_affinity import PrefixAffinity, PrefixAffinityParams
 from tests.policies.helpers import candidates, complete, decide, engine_report, replicas, request, send
@@ -227,3 +228,56 @@ def test_replicas_sharing_a_gpu_weigh_their_decode_load_together() -> None:
     assert decide(policy(), request(PROMPT), candidates(reps[:2], offered))[0].replica.name == "r0"
     blind = policy(device_load=False)
     assert decide(blind, request(PROMPT), candidates(reps[:2], offered))[0].replica.name == "r1"
+
+
+def measured(replica: Replica, tokens_per_s: float) -> None:
+    """The proxy's measurement of `replica` after requests prefilled at `tokens_per_s`, one at a time."""
+    for k in range(16):
+        uncached = 128 if k % 2 else 2048
+        replica.speed.observe(k, k + uncached / tokens_per_s, k + 0.5, uncached, 8)
+
+
+def test_cold_prompts_go_to_the_replica_measured_faster() -> None:
+    reps = replicas(2)
+    measured(reps[0], 10_000)
+    measured(reps[1], 40_000)
+    p = policy()
+    chosen = [decide(p, request(PROMPT), candidates(reps))[0].replica.name for _ in range(4)]
+    assert chosen == ["r1"] * 4
+    # Without measurement both look alike and new prefixes are dealt out in turn.
+    p = policy(measured_speed=False)
+    chosen = [decide(p, request(PROMPT), candidates(reps))[0].replica.name for _ in range(4)]
+    assert sorted(chosen) == ["r0", "r0", "r1", "r1"]
+
+
+def test_a_warm_slow_replica_still_beats_a_cold_fast_one() -> None:
+    reps = replicas(2)
+    measured(reps[0], 10_000)
+    measured(reps[1], 40_000)
+    ranked = decide(policy(), request(PROMPT), candidates(reps, {"r0": SHARED}))
+    assert ranked[0].replica.name == "r0"
+
+
+def test_a_slow_replica_spills_its_queue_sooner() -> None:
+    """The same queued work on a replica measured 4x slower costs 4x the time: the warm replica's
+    queue of three 1,000-token requests keeps the prefix on a fast replica, not on a slow one."""
+    for slow, expected in ((False, "r0"), (True, "r1")):
+        reps = replicas(2)
+        measured(reps[0], 10_000 if slow else 40_000)
+        measured(reps[1], 40_000)
+        p = policy(per_request_tokens=0)
+        for i in range(3):
+            p._charge(f"queued-{slow}-{i}", "r0", 1000, p._clock())
+            send(reps[0], request(1000))
+        ranked = p.rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
+        assert ranked[0].replica.name == expected
+
+
+def test_new_prefixes_are_dealt_in_proportion_to_measured_speed() -> None:
+    reps = replicas(2)
+    measured(reps[0], 10_000)
+    measured(reps[1], 20_000)
+    # Cold prompts short enough that speed alone leaves both within cold_spread_tokens.
+    p = policy(cold_spread_tokens=1e9)
+    chosen = Counter([decide(p, request(PROMPT), candidates(reps))[0].replica.name for _ in range(30)])
+    assert chosen == {"r1": 20, "r0": 10}

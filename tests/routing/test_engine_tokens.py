@@ -5,6 +5,7 @@ sizing and job-size estimates are in engine tokens."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
@@ -16,11 +17,11 @@ from gateway.fleet.pool import Pool
 from gateway.routing.pool_router import PoolRouter
 from gateway.routing.tokens import (
     WordTokenizer,
-    engine_cached_tokens,
     engine_prompt_tokens,
     get_tokenizer,
     load_tokenizer,
     model_tokenizer,
+    usage_figure,
 )
 from tests.conftest import gateway_settings, wait_until
 from tests.simfleet import sim_process
@@ -59,7 +60,7 @@ def test_usage_figures_are_found_without_parsing_and_never_in_generated_text() -
         b'data: {"choices":[],"usage":{"prompt_tokens": 17,"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
     )
     assert engine_prompt_tokens(chunk) == 17
-    assert engine_cached_tokens(chunk) == 0 and engine_cached_tokens(body) is None
+    assert usage_figure(chunk, b"cached_tokens") == 0 and usage_figure(body, b"cached_tokens") is None
     # The same words inside generated text are escaped JSON: no match.
     assert engine_prompt_tokens(b'{"choices":[{"text":"\\"prompt_tokens\\": 5"}]}') is None
     assert engine_prompt_tokens(b'{"usage":{"prompt_tokens":"many"}}') is None
@@ -162,3 +163,27 @@ async def test_without_usage_figures_the_engines_own_counters_teach_the_pool(gat
                     await r.aread()
         await wait_until(lambda: 0.25 < pool.token_scale < 0.45, timeout=10, what="the counters to be read")
         assert pool._usage_samples == 0
+
+
+async def test_a_long_prompt_in_prefill_does_not_skew_the_count_when_usage_flows(gateway) -> None:
+    """Responses with usage, too few yet to be trusted, and a long prompt still prefilling when the
+    engine's counters are scraped: the counters, which do not count it yet, must not set the scale
+    (they made every block of such prompts 0 tokens: no prefix matched until 8 responses came)."""
+    with sim_process("--speedup", "0.05") as url:
+        pool_cfg = {"policy": {"type": "prefix_affinity"}, "endpoints": [{"url": url, "kind": "sim"}]}
+        gw = await gateway(gateway_settings([url], pool=pool_cfg, scrape={"interval_s": 0.05}))
+        pool = gw.runtime.routers["p"]
+        usage = {"stream": True, "stream_options": {"include_usage": True}}
+        path = gw.url + "/v1/chat/completions"
+        async with httpx.AsyncClient(timeout=60) as c:
+            async with c.stream("POST", path, json=chat("w1 w2", "t0", **usage)) as r:
+                await r.aread()
+            await wait_until(lambda: pool._usage_samples == 1, timeout=5, what="one usage figure")
+            await wait_until(lambda: pool._counter_tokens > 0, timeout=5, what="the counters read")
+            document = " ".join(f"word{k}" for k in range(6000))
+            long = asyncio.create_task(c.post(path, json=chat(document, "t1")))
+            # Scraped while the engine prefills it (5 s of wall clock at this speed).
+            await wait_until(lambda: pool._counter_chars >= 4 * 4096, timeout=5, what="a scrape after it")
+            assert not long.done()
+            assert pool.token_scale == 1.0
+            assert (await long).status_code == 200

@@ -24,6 +24,7 @@ from bench.loadgen import LoadSpec, schedule
 from bench.stats import percentile
 from bench.workloads import make_workload
 from gateway.fleet.engine_load import EngineLoad
+from gateway.fleet.replica_speed import ReplicaSpeed
 from gateway.policy import Candidate, Outcome, Policy, RequestFeatures
 from gateway.routing.tokens import get_tokenizer
 from gateway.sim import protocol
@@ -55,6 +56,7 @@ class View:
     role: str = "mixed"
     kind: str = "sim"
     device: str | None = None  # each simulated replica a whole GPU
+    speed: ReplicaSpeed = field(default_factory=ReplicaSpeed)  # measured: nothing is, in this model
     available: bool = True
     kv_capacity_tokens: int | None = None
 

@@ -1,0 +1,77 @@
+"""How fast a replica really is, measured from the requests the gateway sent it.
+
+A fleet is not uniform (an H100 beside an H200, a replica sharing its GPU, another model revision),
+and a policy that costs work in seconds needs each replica's own rate. Two figures, each an
+exponentially weighted average over the replica's recent completed requests:
+
+- **Prefill**: a request's prefill service time is from when the engine could start on it (its
+  send, or the latest first token of a request sent before it, if later: prefills queue) to its
+  own first token. Requests sent after it do not count: a short prompt interleaved with a long
+  one's chunked prefill finishes first, and taking its first token as the long prompt's start
+  once made a 30k-token document look prefilled in a tenth of its time. The rate is uncached
+  tokens over service time, both summed: requests whose prefills shared one engine step (service
+  times near 0 for all but the first) add up to the step's time, and per-request overheads are
+  part of the rate (a replica serving cache hits looks slower per token than one prefilling
+  documents). A least-squares split into overhead and per-token time was tried first: under
+  bursts most service times are 0, the fitted slope fell near 0, the replica looked many times
+  faster than it was and drew every request (routing-bursty: p95 5x radix's).
+- **Decode**: output tokens after the first against the time from first token to the end: the
+  per-stream rate a client sees, batch effects included.
+
+Figures are None until `MIN_SAMPLES` requests informed them, and policies then use their defaults.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+MIN_SAMPLES = 8
+# Weight of the newest request: about the last 1/ALPHA requests count.
+ALPHA = 0.05
+# Recent requests' (sent, first token) kept to find where a request's prefill could start.
+RECENT = 64
+
+
+class ReplicaSpeed:
+    __slots__ = (
+        "_count",
+        "_decode_n",
+        "_decode_s",
+        "_decode_tokens",
+        "_recent",
+        "_s",
+        "_su",
+        "decode_tokens_per_s",
+        "prefill_tokens_per_s",
+    )
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._recent: deque[tuple[float, float]] = deque(maxlen=RECENT)
+        self._s = self._su = 0.0
+        self._decode_n = 0
+        self._decode_s = self._decode_tokens = 0.0
+        self.prefill_tokens_per_s: float | None = None
+        self.decode_tokens_per_s: float | None = None
+
+    def observe(self, sent: float, first: float, end: float, uncached: int, output_tokens: int) -> None:
+        """One completed request: sent, first token and end (one clock, seconds), its uncached prompt
+        tokens and its output tokens."""
+        start = sent
+        for s, f in self._recent:
+            if s <= sent and start < f <= first:
+                start = f
+        self._recent.append((sent, first))
+        service = max(0.0, first - start)
+        keep = 1.0 - ALPHA
+        self._count += 1
+        self._s = self._s * keep + service
+        self._su = self._su * keep + uncached
+        if self._count >= MIN_SAMPLES and self._su > 0 and self._s > 0:
+            self.prefill_tokens_per_s = self._su / self._s
+        if output_tokens >= 2 and end > first:
+            self._decode_n += 1
+            self._decode_tokens = self._decode_tokens * keep + (output_tokens - 1)
+            self._decode_s = self._decode_s * keep + (end - first)
+            if self._decode_n >= MIN_SAMPLES:
+                self.decode_tokens_per_s = self._decode_tokens / self._decode_s
