@@ -200,6 +200,10 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         cold = deepest == min(matches)
         # A slower replica's work takes longer: estimates are in tokens at the fleet's mean rate.
         rates = [self._rate(c.replica) for c in candidates] if self._measured else None
+        if rates and self._device_load:
+            # Replicas on one GPU prefill at the device's pace, whichever was measured busier.
+            counts = per_device(candidates, [1.0] * len(candidates))
+            rates = [total / n for total, n in zip(per_device(candidates, rates), counts, strict=True)]
         mean_rate = sum(rates) / len(rates) if rates else tps
         # The work each replica has before this prompt: queued prefill and the decode-load term,
         # taken over the whole GPU when replicas share one (`device_load`).

@@ -281,3 +281,21 @@ def test_new_prefixes_are_dealt_in_proportion_to_measured_speed() -> None:
     p = policy(cold_spread_tokens=1e9)
     chosen = Counter([decide(p, request(PROMPT), candidates(reps))[0].replica.name for _ in range(30)])
     assert chosen == {"r1": 20, "r0": 10}
+
+
+def test_replicas_on_one_gpu_prefill_at_the_devices_pace() -> None:
+    """Two replicas sharing a GPU, one measured while busier (slower): the GPU is one, so neither is
+    faster, and the warm one keeps its prefix under the shared load; weighed by their own
+    measurements the busy warm one would look 4x slower and its prefix would be recomputed beside it."""
+    reps = replicas(2)
+    reps[0].device = reps[1].device = "gpu:0"
+    measured(reps[0], 10_000)
+    measured(reps[1], 40_000)
+    reps[0].remote_inflight_requests = 100
+    offered = {"r0": SHARED}
+    assert decide(policy(), request(PROMPT), candidates(reps, offered))[0].replica.name == "r0"
+    for r in reps:
+        r.device = None
+    assert (
+        decide(policy(device_load=False), request(PROMPT), candidates(reps, offered))[0].replica.name == "r1"
+    )
