@@ -54,7 +54,6 @@ from gateway.policy import (
     ReplicaView,
     RequestFeatures,
     per_device,
-    uncached_tokens,
 )
 
 
@@ -176,23 +175,11 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         q = self._queue(r.name, self._clock() if now is None else now, self._rate(r))
         return self._queued(q, r, r.engine_fresh)
 
-    def estimate_tokens(self, request: RequestFeatures, c: Candidate, now: float | None = None) -> float:
-        """Estimated time to first token of `request` on `c`, in tokens of prefill work on `c`."""
-        r = c.replica
-        q = self._queue(r.name, self._clock() if now is None else now, self._rate(r))
-        uncached = uncached_tokens(request.prompt_tokens, c.matched_tokens)
-        fresh = r.engine_fresh
-        return self._queued(q, r, fresh) + uncached + self._per_request * self._load.requests(r, fresh)
-
-    def estimate_s(self, request: RequestFeatures, c: Candidate) -> float:
-        """Estimated time to first token of `request` on `c`, in seconds."""
-        return self.estimate_tokens(request, c) / self._rate(c.replica)
-
     def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
         if not candidates:
             return []
         now = self._clock()
-        # estimate_tokens, unrolled (and summed per device): this runs once per replica on every request.
+        # The module docstring's estimate, per candidate, in one pass (this runs on every request).
         queues, queued, tps, in_flight = self._queues, self._queued, self._tps, self._load.requests
         per_request, duplicate, prompt = self._per_request, self._duplicate, request.prompt_tokens
         matches = [c.matched_tokens for c in candidates]
