@@ -158,6 +158,7 @@ class Registry(Protocol):
         bootstrap_port: int | None,
         managed: bool = False,
         kv_events: KVEventsSource | None = None,
+        device: str | None = None,
     ) -> Replica: ...
 
     def unregister(self, pool: Pool, name: str) -> Replica | None: ...
