@@ -9,6 +9,7 @@ against a pool whose replicas already hold the groups' prefixes, with in-flight 
     python -m bench.decision_time                      # 16 and 256 replicas
     python -m bench.decision_time --replicas 16 --iterations 20000 --out bench/results/routing
     python -m bench.decision_time --breakdown          # CPU time of each stage, taken one by one
+    python -m bench.decision_time --replicas 1024 --max-candidates 32 --max-candidates 0  # shortlist vs all
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from gateway.routing.policy import Outcome, RequestFeatures
 from gateway.routing.pool_router import PoolRouter
 
 TARGET_MS = {16: 0.3, 256: 1.0, 1024: 0.3}  # 1,024: issue 18
-# The stages of a decision, as `--breakdown` times them (PoolRouter.rank = serving, candidates, policy).
-STAGES = ("features", "serving", "candidates", "policy")
+# The stages of a decision, as `--breakdown` times them (PoolRouter.rank = shortlist, candidates, policy;
+# shortlist: the available replicas offered, all of them up to the pool's policy.max_candidates).
+STAGES = ("features", "shortlist", "candidates", "policy")
 
 
 # How every measured request ends, as far as the policy hears it (prefix_affinity's ledger).
@@ -39,7 +41,7 @@ DONE = Outcome(
 )
 
 
-def build_pool(replicas: int, policy: str, block_chars: int = 64) -> PoolRouter:
+def build_pool(replicas: int, policy: str, block_chars: int = 64, max_candidates: int = 32) -> PoolRouter:
     settings = load_config(
         None,
         {
@@ -47,7 +49,7 @@ def build_pool(replicas: int, policy: str, block_chars: int = 64) -> PoolRouter:
                 {
                     "name": "bench",
                     "model": "m",
-                    "policy": {"type": policy},
+                    "policy": {"type": policy, "max_candidates": max_candidates},
                     "prefix": {"block_chars": block_chars},
                     "endpoints": [{"url": f"http://127.0.0.1:{10000 + i}"} for i in range(replicas)],
                 }
@@ -67,9 +69,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def measure(
-    replicas: int, iterations: int, policy: str, block_chars: int = 64, seed: int = 0, breakdown: bool = False
+    replicas: int,
+    iterations: int,
+    policy: str,
+    block_chars: int = 64,
+    seed: int = 0,
+    breakdown: bool = False,
+    max_candidates: int = 32,
 ) -> dict[str, float]:
-    pool = build_pool(replicas, policy, block_chars)
+    pool = build_pool(replicas, policy, block_chars, max_candidates)
     workload = SharedPrefix()
     systems = [workload.system_prompt(seed, g) for g in range(workload.groups)]
     rng = random.Random(seed)
@@ -103,6 +111,8 @@ def measure(
     times: list[float] = []
     cpu: list[float] = []  # CPU time of this thread: what the decision costs without other processes' noise
     stages: dict[str, list[float]] = {stage: [] for stage in STAGES}
+    best_match = 0
+    excess: list[float] = []  # requests in flight on the busiest replica beyond the mean, per decision
     gc.collect()
     gc.disable()
     try:
@@ -112,7 +122,8 @@ def measure(
             features = pool.features(b, "chat", f"req-{i}", {})
             if breakdown:
                 c1 = time.thread_time()
-                serving = pool.pool.serving("decode")
+                shortlisted = pool.shortlist(features, "decode", pool.policy)
+                serving = pool.pool.serving("decode") if shortlisted is None else shortlisted
                 c2 = time.thread_time()
                 candidates = pool.candidates(features, serving, pool.policy)
                 c3 = time.thread_time()
@@ -126,6 +137,12 @@ def measure(
             cpu.append((time.thread_time() - c0) * 1000.0)
             chosen = pool.replica(ranked[0])
             assert chosen is not None
+            # Quality, outside the timing: did the replica chosen hold as much of the prompt as the
+            # best replica of the whole pool (a shortlist may have left that one out)?
+            deepest = max(pool.prefix_index.match(features.block_hashes, pool.pool.replicas).values())
+            best_match += ranked[0].matched_blocks >= deepest
+            most = max(r.inflight_requests for r in pool.pool.replicas.values())
+            excess.append(most - (len(inflight) + 1) / replicas)
             pool.learn(features, chosen)
             # Steady load: about 8 requests in flight per replica, finishing in random order.
             inflight.append((features, chosen, chosen.lease(features.prompt_tokens)))
@@ -145,6 +162,9 @@ def measure(
         "max_ms": max(times),
         "cpu_p50_ms": statistics.median(cpu),
         "cpu_p99_ms": percentile(cpu, 0.99),
+        "best_match": best_match / iterations,
+        "excess_inflight": statistics.mean(excess),
+        "max_candidates": max_candidates,
         "chars": len(features.text),
         "prompt_tokens": features.prompt_tokens,
     }
@@ -167,11 +187,18 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time PoolRouter.features and the stages of PoolRouter.rank one by one (CPU us per request)",
     )
+    parser.add_argument(
+        "--max-candidates",
+        type=int,
+        action="append",
+        help="pool policy.max_candidates (default 32; 0: every replica is a candidate); repeat to compare",
+    )
     parser.add_argument("--out", type=Path, help="append the table to decision_time.md in this directory")
     args = parser.parse_args(argv)
     rows = [
-        measure(n, args.iterations, args.policy, args.block_chars, breakdown=args.breakdown)
+        measure(n, args.iterations, args.policy, args.block_chars, breakdown=args.breakdown, max_candidates=k)
         for n in args.replicas or [16, 256]
+        for k in args.max_candidates or [32]
     ]
     lines = [
         f"Decision time (PoolRouter.features + PoolRouter.rank, policy {args.policy}, "
@@ -179,15 +206,20 @@ def main(argv: list[str] | None = None) -> int:
         f"{rows[0]['prompt_tokens']}-token chat prompt of {rows[0]['chars']} characters, "
         f"{args.iterations} requests); wall clock, and this thread's CPU time",
         "",
-        "| replicas | p50 ms | p99 ms | max ms | CPU p50 ms | CPU p99 ms | target p99 |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "best match: decisions whose replica holds as much of the prompt as the pool's best holder; "
+        "excess: requests in flight on the busiest replica beyond the mean (8), averaged over decisions",
+        "",
+        "| replicas | max_candidates | p50 ms | p99 ms | max ms | CPU p50 ms | CPU p99 ms | best match "
+        "| excess | target p99 |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         target = TARGET_MS.get(int(r["replicas"]))
         verdict = "-" if target is None else f"<= {target} ms: {'met' if r['p99_ms'] <= target else 'MISSED'}"
         lines.append(
-            f"| {r['replicas']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['max_ms']:.3f} "
-            f"| {r['cpu_p50_ms']:.3f} | {r['cpu_p99_ms']:.3f} | {verdict} |"
+            f"| {r['replicas']} | {r['max_candidates'] or 'all'} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
+            f"| {r['max_ms']:.3f} | {r['cpu_p50_ms']:.3f} | {r['cpu_p99_ms']:.3f} | {r['best_match']:.1%} "
+            f"| {r['excess_inflight']:.1f} | {verdict} |"
         )
     if args.breakdown:
         lines += [
@@ -195,12 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             "Where the time goes: this thread's CPU time per request, mean / p99, in us "
             "(PoolRouter.rank is serving + candidates + policy; candidates includes the prefix index match)",
             "",
-            "| replicas | " + " | ".join(STAGES) + " |",
-            "| ---: |" + " ---: |" * len(STAGES),
+            "| replicas | max_candidates | " + " | ".join(STAGES) + " |",
+            "| ---: | ---: |" + " ---: |" * len(STAGES),
         ]
         for r in rows:
             cells = [f"{r[f'{stage}_mean_us']:.0f} / {r[f'{stage}_p99_us']:.0f}" for stage in STAGES]
-            lines.append(f"| {r['replicas']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {r['replicas']} | {r['max_candidates'] or 'all'} | " + " | ".join(cells) + " |")
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:

@@ -414,6 +414,14 @@ class DiscoveryConfig(_Strict):
 class PolicyConfig(_Strict):
     type: str = "prefix_affinity"
     args: dict[str, Any] = Field(default_factory=dict)
+    max_candidates: int = Field(
+        32,
+        ge=0,
+        description="In a pool of more replicas than this, a policy that uses prefix matches is offered "
+        "only the replicas holding the most of the prompt's prefix (up to half of this) and a random "
+        "sample of the others, plus any replica sharing a device with one of them: its decision time "
+        "stops growing with the pool. 0: always every replica",
+    )
 
 
 class CanonicalizeRule(_Strict):

@@ -44,6 +44,7 @@ class Pool:
         self._breaker_cfg = breaker_cfg
         self._scrape_cfg = scrape_cfg
         self.replicas: dict[str, Replica] = {}
+        self._members: dict[str, list[Replica]] = {}  # by leg, available or not; reset on joins and leaves
         # What clients may send engines that engines would act on (see gateway/path/sanitize.py).
         self.passthrough_fields = frozenset(cfg.client_passthrough.body_fields)
         self.passthrough_headers = frozenset(h.lower() for h in cfg.client_passthrough.headers)
@@ -120,6 +121,7 @@ class Pool:
             device=device,
         )
         self.replicas[name] = replica
+        self._members.clear()
         log.info("pool %s: replica %s added at %s (role %s)", self.name, name, replica.url, role)
         for listener in self._listeners:
             listener.replica_added(replica, kv_events)
@@ -128,6 +130,7 @@ class Pool:
     def remove_replica(self, name: str) -> Replica | None:
         replica = self.replicas.pop(name, None)
         if replica is not None:
+            self._members.clear()
             for listener in self._listeners:
                 listener.replica_removed(name)
             log.info("pool %s: replica %s removed", self.name, name)
@@ -144,11 +147,28 @@ class Pool:
     def disaggregated(self) -> bool:
         return any(r.role == "prefill" for r in self.replicas.values())
 
+    def members(self, role: str) -> list[Replica]:
+        """Replicas that can take the given leg, available or not: `decode` legs also go to mixed
+        ones. The list is shared until the membership changes: do not modify it."""
+        found = self._members.get(role)
+        if found is None:
+            prefill = role == "prefill"
+            found = self._members[role] = [
+                r for r in self.replicas.values() if (r.role == "prefill") == prefill
+            ]
+        return found
+
+    def on_device(self, role: str, device: str) -> list[Replica]:
+        """`members(role)` on one device (a GPU several engine processes share)."""
+        key = f"{role}@{device}"
+        found = self._members.get(key)
+        if found is None:
+            found = self._members[key] = [r for r in self.members(role) if r.device == device]
+        return found
+
     def serving(self, role: str) -> list[Replica]:
         """Available replicas that can take the given leg: `decode` legs also go to mixed ones."""
-        if role == "prefill":
-            return [r for r in self.replicas.values() if r.role == "prefill" and r.available]
-        return [r for r in self.replicas.values() if r.role != "prefill" and r.available]
+        return [r for r in self.members(role) if r.available]
 
     def has_healthy(self) -> bool:
         return any(r.healthy and r.role != "prefill" for r in self.replicas.values())

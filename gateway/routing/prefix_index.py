@@ -28,6 +28,7 @@ Not thread-safe: meant for the gateway's event loop.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
@@ -63,6 +64,7 @@ class PrefixIndex:
         self._replicas: dict[str, _Replica] = {}
         self._names: dict[int, str] = {}  # bit -> replica id
         self._masks: dict[str, int] = {}  # replica id -> 1 << bit
+        self._everyone = 0  # the mask of all replicas
         self._free_bits: list[int] = []
         self._confirmed: dict[int, int] = {}  # hash -> bitmask of replicas
         self._speculative: dict[int, int] = {}  # hash -> bitmask, expiry kept per replica
@@ -90,6 +92,7 @@ class PrefixIndex:
             state = self._replicas[replica] = _Replica(bit=bit, capacity=self.default_capacity)
             self._names[bit] = replica
             self._masks[replica] = 1 << bit
+            self._everyone |= 1 << bit
         return state
 
     def set_capacity(self, replica: str, blocks: int) -> None:
@@ -108,6 +111,7 @@ class PrefixIndex:
         del self._replicas[replica]
         del self._names[state.bit]
         del self._masks[replica]
+        self._everyone &= ~(1 << state.bit)
         self._free_bits.append(state.bit)
 
     def clear_replica(self, replica: str) -> None:
@@ -217,11 +221,46 @@ class PrefixIndex:
         result = dict.fromkeys(replicas, 0)
         # Built with C-level iteration: at 256 replicas a Python loop here would dominate the walk.
         want = sum(filter(None, map(self._masks.get, result)))
+        names = self._names
+        for mask, depth in self._levels(block_hashes, want):
+            while mask:
+                low = mask & -mask
+                mask ^= low
+                result[names[low.bit_length() - 1]] = depth
+        return result
+
+    def holders(self, block_hashes: Sequence[int], limit: int, rng: random.Random) -> list[str]:
+        """Up to `limit` replicas holding the most leading blocks of `block_hashes`, deepest first;
+        among replicas at one depth, those taken start at a random one: a prefix every replica
+        holds is not always offered to the same few."""
+        found: list[str] = []
+        names = self._names
+        for mask, _ in reversed(self._levels(block_hashes, self._everyone)):
+            need = limit - len(found)
+            if mask.bit_count() > need:
+                # Rotate the mask by a random number of bits, then take its lowest ones.
+                width = mask.bit_length()
+                turn = rng.randrange(width)
+                mask = (mask >> turn) | ((mask & ((1 << turn) - 1)) << (width - turn))
+            else:
+                turn = width = 0
+            while mask and need:
+                low = mask & -mask
+                mask ^= low
+                bit = low.bit_length() - 1
+                found.append(names[(bit + turn) % width if width else bit])
+                need -= 1
+            if not need:
+                break
+        return found
+
+    def _levels(self, block_hashes: Sequence[int], want: int) -> list[tuple[int, int]]:
+        """(mask, depth) for each depth > 0 at which some replicas of `want` stop matching, the mask
+        holding those replicas, shallowest first."""
         if not want or not block_hashes:
-            return result
+            return []
         if self.prefix_closed:
-            self._bisect(result, block_hashes, want)
-            return result
+            return self._bisect(block_hashes, want)
         held = map(self._confirmed.get, block_hashes, repeat(0))
         if self._speculative:
             self._expire(self._clock())
@@ -233,19 +272,23 @@ class PrefixIndex:
         changes = iter(dict.fromkeys(alive))
         before = next(changes)
         at = 0
+        levels = []
         for mask in changes:
             at = alive.index(mask, at)
-            self._assign(result, before & ~mask, at - 1)
+            if at > 1:
+                levels.append((before & ~mask, at - 1))
             before = mask
-        self._assign(result, before, len(alive) - 1)
-        return result
+        if len(alive) > 1:
+            levels.append((before, len(alive) - 1))
+        return levels
 
-    def _bisect(self, result: dict[str, int], block_hashes: Sequence[int], want: int) -> None:
-        """`match` for a prefix-closed index: the masks of `want` along the prompt only shrink, so
+    def _bisect(self, block_hashes: Sequence[int], want: int) -> list[tuple[int, int]]:
+        """`_levels` for a prefix-closed index: the masks of `want` along the prompt only shrink, so
         each run of equal masks is found by galloping to a block whose mask differs, then bisecting.
         Lookups: about 2 log2(run length) per change of mask, against one per block for the walk."""
         get = self._confirmed.get
         n = len(block_hashes)
+        levels = []
         start, mask = 0, get(block_hashes[0], 0) & want
         while mask:
             # The masks of blocks start..last equal `mask`; that of block `end` (0 past the end) does not.
@@ -263,16 +306,9 @@ class PrefixIndex:
                     last = mid
                 else:
                     end, after = mid, seen
-            self._assign(result, mask & ~after, last + 1)
+            levels.append((mask & ~after, last + 1))
             start, mask = end, after
-
-    def _assign(self, result: dict[str, int], mask: int, depth: int) -> None:
-        if not depth:
-            return
-        while mask:
-            low = mask & -mask
-            mask ^= low
-            result[self._names[low.bit_length() - 1]] = depth
+        return levels
 
     def holds(self, replica: str, block_hash: int) -> bool:
         return bool(self.match([block_hash], [replica])[replica])
