@@ -287,7 +287,7 @@ class PoolRouter:
         prefill = role == "prefill"
         return [r for r in chosen if (r.role == "prefill") == prefill and r.available]
 
-    def _offered(self, features: RequestFeatures, role: str, policy: Policy[Any]) -> list[Candidate]:
+    def offered(self, features: RequestFeatures, role: str, policy: Policy[Any]) -> list[Candidate]:
         """The candidates a policy is offered for a leg: available replicas (those `shortlist`
         keeps, in a large pool) that serve the request's adapter."""
         shortlisted = self.shortlist(features, role, policy)
@@ -311,15 +311,15 @@ class PoolRouter:
 
     def rank(self, features: RequestFeatures) -> list[Candidate]:
         """Available replicas that serve whole requests (or decode legs), ranked best first."""
-        return self.policy.rank(features, self._offered(features, "decode", self.policy))
+        return self.policy.rank(features, self.offered(features, "decode", self.policy))
 
     def select_pair(self, features: RequestFeatures) -> Pair:
         """Both legs of a request to a pool with prefill replicas, ranked best first."""
         policy, prefill_policy = self.policy, self.prefill_policy
-        decode = self._offered(features, "decode", policy)
+        decode = self.offered(features, "decode", policy)
         if prefill_policy is None:
-            return policy.select_pair(features, self._offered(features, "prefill", policy), decode)
-        prefill = self._offered(features, "prefill", prefill_policy)
+            return policy.select_pair(features, self.offered(features, "prefill", policy), decode)
+        prefill = self.offered(features, "prefill", prefill_policy)
         return Pair(prefill_policy.rank(features, prefill), policy.rank(features, decode))
 
     def replica(self, candidate: Candidate) -> Replica | None:

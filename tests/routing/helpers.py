@@ -14,13 +14,16 @@ _WORDS = (
 )  # fmt: skip
 
 
-def pool_router(replicas: int, policy: str, block_chars: int = 64) -> PoolRouter:
-    """The router of a pool of `replicas` replicas (r0, r1, ...), each available."""
+def pool_router(
+    replicas: int, policy: str, block_chars: int = 64, max_candidates: int = 32, devices: int = 0
+) -> PoolRouter:
+    """The router of a pool of `replicas` replicas (r0, r1, ...), each available; with `devices`,
+    replica i shares GPU `g{i % devices}`."""
     urls = [f"http://127.0.0.1:{10000 + i}" for i in range(replicas)]
     pcfg = {
         "name": "p",
         "model": "m",
-        "policy": {"type": policy},
+        "policy": {"type": policy, "max_candidates": max_candidates},
         "prefix": {"block_chars": block_chars},
         "endpoints": [{"url": url} for url in urls],
     }
@@ -28,7 +31,7 @@ def pool_router(replicas: int, policy: str, block_chars: int = 64) -> PoolRouter
     pool = Pool(settings.pools[0], settings.breaker, settings.scrape)
     router = PoolRouter(pool)
     for i, url in enumerate(urls):
-        pool.add_replica(url, name=f"r{i}")
+        pool.add_replica(url, name=f"r{i}", device=f"g{i % devices}" if devices else None)
     return router
 
 

@@ -74,3 +74,63 @@ def test_index_capacity_follows_measured_characters_per_token() -> None:
     assert abs(per_block - measured) < 0.1 * measured and per_block < 0.8 * 16
     capacity = router.prefix_index.stats()["replicas"]["r0"]["capacity"]  # type: ignore[index]
     assert abs(capacity * per_block - 65536) <= 0.2 * 65536  # resized (within the 20% hysteresis)
+
+
+def test_a_large_pool_offers_the_prompts_holders_and_a_sample_of_the_rest() -> None:
+    pool = pool_router(256, "prefix_affinity", max_candidates=32)
+    features = pool.features(chat(prose("s", 800), "hello"), "chat", "r", {})
+    n = len(features.block_hashes)
+    held = {"r7": n, "r200": n // 2, "r13": 3}
+    for name, k in held.items():
+        pool.prefix_index.record(name, features.block_hashes[:k])
+    seen: set[str] = set()
+    for _ in range(50):
+        offered = pool.offered(features, "decode", pool.policy)
+        names = [c.replica.name for c in offered]
+        assert len(names) == len(set(names)) == 32
+        assert held.keys() <= set(names)  # every holder, with its match
+        assert {c.replica.name: c.matched_blocks for c in offered if c.matched_blocks} == held
+        seen.update(names)
+    assert len(seen) > 200  # the rest is sampled afresh each time, over the whole pool
+    assert pool.rank(features)[0].replica.name == "r7"
+
+
+def test_a_shortlist_keeps_the_deepest_of_many_holders_and_only_available_replicas() -> None:
+    pool = pool_router(128, "prefix_affinity", max_candidates=16)
+    features = pool.features(chat(prose("s", 800), "hello"), "chat", "r", {})
+    n = len(features.block_hashes)
+    for i in range(0, 128, 2):  # half the pool holds the first blocks, a few hold it all
+        pool.prefix_index.record(f"r{i}", features.block_hashes[: n if i % 32 == 0 else 2])
+    for i in range(1, 128, 4):
+        pool.pool.replicas[f"r{i}"].healthy = False
+    for _ in range(20):
+        offered = pool.offered(features, "decode", pool.policy)
+        assert all(c.replica.healthy for c in offered)
+        deepest = {c.replica.name for c in offered if c.matched_blocks == n}
+        assert deepest == {"r0", "r32", "r64", "r96"}
+        assert sum(1 for c in offered if c.matched_blocks == 2) >= 4  # the rest of half the limit
+    # Only one replica available: it is found though no shortlist would have drawn it.
+    for r in pool.pool.replicas.values():
+        r.healthy = r.name == "r77"
+    assert [c.replica.name for c in pool.rank(features)] == ["r77"]
+
+
+def test_a_shortlist_brings_every_replica_sharing_a_gpu() -> None:
+    pool = pool_router(96, "prefix_affinity", max_candidates=8, devices=24)  # four replicas per GPU
+    features = pool.features(chat(prose("s", 300), "hi"), "chat", "r", {})
+    offered = pool.offered(features, "decode", pool.policy)
+    devices: dict[str | None, int] = {}
+    for c in offered:
+        devices[c.replica.device] = devices.get(c.replica.device, 0) + 1
+    assert set(devices.values()) == {4}
+
+
+def test_small_pools_and_policies_without_prefix_matches_are_offered_every_replica() -> None:
+    for size, limit, policy in (
+        (32, 32, "prefix_affinity"),
+        (64, 0, "prefix_affinity"),
+        (64, 8, "least_load"),
+    ):
+        pool = pool_router(size, policy, max_candidates=limit)
+        features = pool.features(chat("s", "hi"), "chat", "r", {})
+        assert len(pool.offered(features, "decode", pool.policy)) == size
