@@ -2,8 +2,12 @@
 ratios that issue 18 sets targets on (against radix_cache_aware's TTFT and the oracle's hit rate).
 
     python -m bench.routing_table bench/out/routing-hetero bench/out/routing-bursty ... [--out FILE]
+    python -m bench.routing_table --seeds bench/out/hetero-seed1 bench/out/hetero-seed2 ...
 
 Each argument is a scenario's output directory (its report.json); every run in it becomes a row.
+With `--seeds`, the runs of one scenario and configuration over several directories (the same
+scenario run with different `--seed`s) become one row: each ratio to radix_cache_aware taken
+within its own run, then their mean and range over the seeds.
 """
 
 from __future__ import annotations
@@ -52,14 +56,47 @@ def table(dirs: list[Path]) -> str:
     return "\n".join(head + body) + "\n"
 
 
+def seeds_table(dirs: list[Path]) -> str:
+    ratios: dict[tuple[str, str, str], list[tuple[float, float, float, float]]] = {}
+    for d in dirs:
+        report = json.loads((d / "report.json").read_text())
+        by_config = {r["config"]: r for r in report["runs"]}
+        ref = by_config.get(REFERENCE)
+        if ref is None:
+            continue
+        scenario = report["meta"]["scenario"].split(":")[0]
+        for config, r in by_config.items():
+            t, rt = r["ttft_ms"], ref["ttft_ms"]
+            ratios.setdefault((scenario, config, str(r["load"])), []).append(
+                (t["mean"] / rt["mean"], t["p99"] / rt["p99"], t["mean"], r["cache_hit_rate"])
+            )
+    lines = [
+        "| scenario | config | load | seeds | mean / radix: mean (range) | p99 / radix: mean (range) "
+        "| TTFT mean ms (mean of seeds) | hit rate |",
+        "| --- | --- | --- | ---: | --- | --- | ---: | ---: |",
+    ]
+    for (scenario, config, load), got in ratios.items():
+        means, p99s, ttft, hits = zip(*got, strict=True)
+        lines.append(
+            f"| {scenario} | {config} | {load} | {len(got)} "
+            f"| {sum(means) / len(got):.2f} ({min(means):.2f}-{max(means):.2f}) "
+            f"| {sum(p99s) / len(got):.2f} ({min(p99s):.2f}-{max(p99s):.2f}) "
+            f"| {sum(ttft) / len(got):.1f} | {sum(hits) / len(got):.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.routing_table", description=__doc__.splitlines()[0]
     )
     parser.add_argument("dirs", nargs="+", type=Path)
+    parser.add_argument(
+        "--seeds", action="store_true", help="one row per scenario and config over the directories' seeds"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    text = table(args.dirs)
+    text = seeds_table(args.dirs) if args.seeds else table(args.dirs)
     print(text)
     if args.out:
         args.out.write_text(text)
