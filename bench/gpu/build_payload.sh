@@ -90,6 +90,14 @@ data() {
   cp "$MOONCAKE/conversation_trace.jsonl" "$OUTD/data/mooncake/"
 }
 
+peers() {  # sglang-router for bench.overhead's side-by-side on the host's quiet cores (QUEUE=recheck, call 3)
+  step "peers: sglang-router"
+  rm -rf "$OUTD/peers"; mkdir -p "$OUTD/peers"
+  # shellcheck disable=SC2086
+  "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
+    -d "$OUTD/peers" sglang-router==0.3.2 setproctitle
+}
+
 split() {  # B.part.00 fills call 1 up to CALL_MIB with the tree, A and the wheels; the rest -> call 2
   step "split into calls"
   tree=$(cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
@@ -117,7 +125,8 @@ split() {  # B.part.00 fills call 1 up to CALL_MIB with the tree, A and the whee
 
 case "${1:-all}" in
   wheels) wheels; split ;;
-  all) payload; wheels; data; split ;;
-  *) echo "usage: $0 [all|wheels]"; exit 2 ;;
+  peers) peers ;;
+  all) payload; wheels; data; split; peers ;;
+  *) echo "usage: $0 [all|wheels|peers]"; exit 2 ;;
 esac
 step done

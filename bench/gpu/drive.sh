@@ -69,7 +69,7 @@ rate() { grep "^$1=" "$KG/rates.env" 2>/dev/null | tail -1 | cut -d= -f2; }
 setrate() { echo "$1=$2" >> "$KG/rates.env"; echo "    $1=$2"; }
 
 # ---- payload and kvgate ---------------------------------------------------------------------------------
-for d in c1 c2 wheels data; do [ -d "$GPU_SRC/$d" ] && mkdir -p "$STAGE/$d" && cp -rfL "$GPU_SRC/$d"/. "$STAGE/$d/"; done
+for d in c1 c2 wheels data peers; do [ -d "$GPU_SRC/$d" ] && mkdir -p "$STAGE/$d" && cp -rfL "$GPU_SRC/$d"/. "$STAGE/$d/"; done
 unpack_a() {
   [ -f "$STAGE/c1/A.tar.xz" ] || { echo "A.tar.xz not carried yet (call 1 carries .gpu/c1; a fresh machine starts again there)"; return 3; }
   untar "$STAGE/c1/A.tar.xz"
@@ -100,6 +100,13 @@ facts() {
 step facts 15 facts
 step unpack_a 40 unpack_a
 step kvgate 20 kvgate_install
+# QUEUE=recheck (issue 18, third sitting): while the payload's second part is on its way (call 1),
+# the CPU-side measurements on the host's quiet cores; then the merged code on the real fleet
+# (call 2) and the overhead beside sglang-router with the fleet stopped (call 3, carrying .gpu/peers).
+if [ "${QUEUE:-all}" = recheck ]; then
+  step cpu_decision 60 bash "$HERE/cpu_suite.sh" decision "$KG/res/cpu/decision"
+  step cpu_seeds 420 env JOBS=7 bash "$HERE/cpu_suite.sh" seeds "$KG/res/cpu/seeds"
+fi
 step unpack_b 30 unpack_b
 need unpack_a kvgate unpack_b
 
@@ -173,6 +180,22 @@ step probe_routing 60 route_probe
 R=$(rate R_ROUTE); R=${R:-${R_ROUTE_FALLBACK:-10}}
 # routing.yaml, size h200: 960 requests (96 groups x 10), at most 60 s of arrivals; ~15 s around them
 EST_ROUTE=$($PY -c "print(int(min(960 / $R, 60)) + 15)")
+if [ "${QUEUE:-all}" = recheck ]; then
+  for cfg in prefix_affinity_default radix_cache_aware round_robin; do
+    step "routing_$cfg" "$EST_ROUTE" host scenario "$KG" "routing_$cfg" "routing/$cfg" -- routing --size h200 --only "$cfg" --rate "$R"
+  done
+  for cfg in prefix_affinity_default radix_cache_aware; do
+    step "hot_$cfg" 45 host scenario "$KG" "hot_$cfg" "routing-hot/$cfg" -- routing-hot --size h200 --only $cfg
+  done
+  step fp8_stop 100 fleet_stop fp8
+  peers_install() {
+    ls "$STAGE"/peers/*.whl >/dev/null 2>&1 || { echo "peers not carried yet (.gpu/peers)"; return 3; }
+    $PY -m pip install -q --no-index --no-deps --no-compile --target "$KVSITE" "$STAGE"/peers/*.whl
+  }
+  step peers 20 peers_install
+  step cpu_overhead 240 bash "$HERE/cpu_suite.sh" overhead "$KG/res/cpu/overhead"
+  finish
+fi
 for cfg in round_robin prefix_affinity_default oracle radix_cache_aware prefix_affinity_precise least_load; do
   step "routing_$cfg" "$EST_ROUTE" host scenario "$KG" "routing_$cfg" "routing/$cfg" -- routing --size h200 --only "$cfg" --rate "$R"
 done
