@@ -431,6 +431,16 @@ class FleetCollector(Collector):
             "Batches the sequence numbers show were missed",
             labels=["pool", "replica"],
         )
+        clears = CounterMetricFamily(
+            "kvgate_kv_event_clears",
+            "AllBlocksCleared events applied (an engine dropped its whole prefix cache: a reset or restart)",
+            labels=["pool"],
+        )
+        undecodable = CounterMetricFamily(
+            "kvgate_kv_event_decode_errors",
+            "KV event messages that could not be decoded (wrong framing, topic or msgpack layout): dropped",
+            labels=["pool", "replica"],
+        )
         failures = CounterMetricFamily(
             "kvgate_precise_tokenize_failures",
             "Requests no engine tokenized (matched against the approximate index instead)",
@@ -453,16 +463,18 @@ class FleetCollector(Collector):
             st = precise.indexer.stats
             for outcome, attr in _EVENT_OUTCOMES:
                 blocks.add_metric([name, outcome], getattr(st, attr))
+            clears.add_metric([name], st.cleared)
             for replica, sub in list(precise.subscribers.items()):
                 batches.add_metric([name, replica], sub.stats.batches)
                 lost.add_metric([name, replica], sub.stats.gaps)
+                undecodable.add_metric([name, replica], sub.stats.decode_errors)
                 current = precise.events_state(replica, now)
                 for value in EVENTS_STATES:
                     state.add_metric([name, replica, value], float(current == value))
             for replica, n in list(precise.fallback_decisions.items()):
                 fallback.add_metric([name, replica], n)
             failures.add_metric([name], precise.tokenize_failures)
-        yield from (blocks, batches, lost, failures, state, fallback)
+        yield from (blocks, clears, batches, lost, undecodable, failures, state, fallback)
 
     @staticmethod
     def _connections(view: GatewayView) -> Iterator[Metric]:

@@ -101,6 +101,9 @@ async def test_routes_by_the_engines_events_and_forgets_what_it_drops(gateway, t
         await wait_until(
             lambda: precise.index.match(hashes, [holder])[holder] == 0, timeout=10, what="the flush event"
         )
+        metrics = (await c.get(gw.url + "/metrics")).text
+        assert _sample(metrics, 'kvgate_kv_event_clears_total{pool="p"}') >= 1
+        assert _sample(metrics, f'kvgate_kv_event_decode_errors_total{{pool="p",replica="{holder}"}}') == 0
 
 
 async def test_an_engine_that_cannot_tokenize_is_routed_without_prefix_information(
