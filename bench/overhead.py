@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -253,14 +254,33 @@ def gateway_sides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     return sides
 
 
+def pinned(argv: list[str], core: int | None) -> list[str]:
+    return argv if core is None else ["taskset", "-c", str(core), *argv]
+
+
+def pin_plan(processes: int) -> list[int]:
+    """`--pin`: a core of its own for each of `processes` (the upstream, each proxy), the rest
+    for this process (the clients); a router pinned to one core runs one worker thread (Rust's
+    available parallelism follows the affinity), as kvgate's event loop is one thread."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < processes + 1 or shutil.which("taskset") is None:
+        raise SystemExit(f"--pin needs taskset and {processes + 1} cores; this process has {len(cores)}")
+    os.sched_setaffinity(0, cores[processes:])
+    return cores[:processes]
+
+
 async def run(args: argparse.Namespace) -> dict[str, object]:
     sides = gateway_sides(args)
     peers = list(args.peers)
     base = free_port_range(1 + len(sides) + len(peers))
     upstream_url = f"http://{HOST}:{base}"
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-overhead-"))
+    processes = 1 + len(sides) + len(peers)
+    cores: list[int | None] = list(pin_plan(processes)) if args.pin else [None] * processes
     upstream = Child(
-        "upstream", python_module("bench.echo_upstream", "--port", str(base)), workdir / "up.log"
+        "upstream",
+        pinned(python_module("bench.echo_upstream", "--port", str(base)), cores.pop(0)),
+        workdir / "up.log",
     )
     # label -> (base URL, readiness path, process)
     proxies: dict[str, tuple[str, str, Child]] = {}
@@ -269,12 +289,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         port += 1
         cfg = workdir / f"gateway-{server}-{transport}.yaml"
         cfg.write_text(yaml.safe_dump(gateway_config(upstream_url, port, server, transport)))
-        argv = python_module("gateway", "serve", "--config", str(cfg))
+        argv = pinned(python_module("gateway", "serve", "--config", str(cfg)), cores.pop(0))
         log_path = workdir / f"{server}-{transport}.log"
         proxies[label] = (f"http://{HOST}:{port}", "/ready", Child(label, argv, log_path))
     for peer in peers:
         port += 1
-        argv = sglang_router_argv(upstream_url, port)
+        argv = pinned(sglang_router_argv(upstream_url, port), cores.pop(0))
         proxies[peer] = (f"http://{HOST}:{port}", "/readiness", Child(peer, argv, workdir / f"{peer}.log"))
     load_before = os.getloadavg()[0]
     with contextlib.ExitStack() as stack:
@@ -317,6 +337,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         conc = {f"{label} x{args.clients}": merge_rounds(r) for label, r in rounds.items()}
     cost = rewrite_cost()
     load = f"load average (1 min) {load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end"
+    if args.pin:
+        load += "; upstream and each proxy pinned to a core of its own"
     text = table(pairs, conc) + "\n\n" + peer_ratios(pairs, conc, peers)
     if renames:
         text += "\n\n" + rename_table(renames, cost)
@@ -406,6 +428,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"other routers measured beside kvgate in one run ({SGLANG_ROUTER}: {SGLANG_ROUTER_INSTALL})",
     )
     parser.add_argument("--no-rename", action="store_true", help="skip the model-rename pairs")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin the upstream and each proxy to a core of its own (taskset), the clients to the rest",
+    )
     parser.add_argument(
         "--transport",
         choices=["http1", "aiohttp", "both"],

@@ -40,7 +40,8 @@ case $what in
     $PY -m bench.routing_table --seeds "$out"/*/ --out "$out/seeds.md"
     ;;
   overhead)
-    $PY -m bench.overhead --peers sglang-router --out "$out"
+    # As issue 18 measured it: the gateway and the router each on one core of their own.
+    $PY -m bench.overhead --peers sglang-router --pin --out "$out"
     ;;
   *) echo "usage: cpu_suite.sh decision|seeds|overhead OUT"; exit 2 ;;
 esac

@@ -4,10 +4,12 @@ measurement add up (the measurement itself is the benchmark's, not a test's)."""
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 
 import pytest
 
-from bench.overhead import Pair, gateway_sides, merge_rounds, peer_ratios
+from bench.overhead import Pair, gateway_sides, merge_rounds, peer_ratios, pin_plan, pinned
 
 
 def test_one_gateway_per_server_and_transport_named_by_what_differs():
@@ -55,3 +57,20 @@ def test_ratios_are_kvgate_over_the_peer():
     }
     row = peer_ratios(pairs, conc, ["peer"]).splitlines()[-1]
     assert row == "| kvgate / peer | 0.50 | 1.00 | 0.50 | 0.50 | 1.50 |"
+
+
+def test_pinning_gives_each_process_a_core_and_the_clients_the_rest():
+    before = os.sched_getaffinity(0)
+    try:
+        if len(before) < 2 or shutil.which("taskset") is None:
+            with pytest.raises(SystemExit, match="--pin needs taskset"):
+                pin_plan(1)
+            return
+        (core,) = pin_plan(1)
+        assert core in before and core not in os.sched_getaffinity(0)
+        assert os.sched_getaffinity(0) == before - {core}
+        assert pinned(["python3"], core) == ["taskset", "-c", str(core), "python3"]
+        with pytest.raises(SystemExit, match=f"--pin needs taskset and {len(before) + 1} cores"):
+            pin_plan(len(before))
+    finally:
+        os.sched_setaffinity(0, before)
