@@ -250,7 +250,8 @@ class Proxy:
                     finally:
                         up.end(rec)
         finally:
-            await plan.finish()
+            if plan.pending:
+                await plan.finish()
         if refused is not None:
             track.error = "engine_error"
             raise refused
@@ -432,7 +433,7 @@ def route_reason(chosen: Candidate, ranked: list[Candidate]) -> str:
 
 def _tries(ranked: list[Candidate], attempts: int) -> list[Candidate]:
     """The replicas to try, best first, wrapping around when there are fewer than attempts."""
-    return [ranked[i % len(ranked)] for i in range(attempts)]
+    return ranked[:attempts] if len(ranked) >= attempts else (ranked * attempts)[:attempts]
 
 
 async def _beside_prefill(opening: Coroutine[Any, Any, Response], guard: asyncio.Task[None]) -> Response:
