@@ -29,7 +29,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from gateway.config import ServerConfig
 from gateway.errors import error_body
 from gateway.http.conn_guard import GuardedConnection
-from gateway.http.handling import answer, route_error
+from gateway.http.handling import failure_reply, route_error
 from gateway.path.exchange import BodyError, Handler, Reply, Route, StreamOut
 
 log = logging.getLogger(__name__)
@@ -418,7 +418,13 @@ class Connection(asyncio.Protocol):
     async def _answer(self, request: Request) -> bool:
         """Serve one request; whether the connection may carry another."""
         handler = self.server.resolve(request)
-        result = await answer(handler, request) if not isinstance(handler, Reply) else handler
+        if isinstance(handler, Reply):
+            result: Reply | StreamOut = handler
+        else:
+            try:
+                result = await handler(request)
+            except Exception as exc:
+                result = failure_reply(exc, request)
         # An unread body (a refusal before reading it) leaves the connection's framing unknown.
         keep = request.keep_alive and request.content.eof and self.parser is not None and not self.closing
         if isinstance(result, Stream):
