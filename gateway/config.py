@@ -12,7 +12,7 @@ import importlib.util
 import re
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -37,18 +37,18 @@ class Target:
     host: str
     port: int
     path: str
+    # Derived once: targets are cached (parse_target), and every request reads these.
+    origin: tuple[str, str, int] = field(init=False)
+    host_header: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "origin", (self.scheme, self.host, self.port))
+        host = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        object.__setattr__(self, "host_header", host)
 
     @property
     def tls(self) -> bool:
         return self.scheme == "https"
-
-    @property
-    def origin(self) -> tuple[str, str, int]:
-        return (self.scheme, self.host, self.port)
-
-    @property
-    def host_header(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:

@@ -104,7 +104,8 @@ class Runtime:
         if settings.server.access_log:
             self.observers.append(access_log)
         self.variant_stats = VariantStats()
-        self.observers.append(self.variant_stats)
+        if self.auth.admin is not None:  # read by the admin API alone: no control plane, no reader
+            self.observers.append(self.variant_stats)
         self.observers.append(self._engine_tokens)
         self.audit = AuditTrail()
         # Reloads (admin API, SIGHUP) re-read `config_path`; the command line's server.* values win.

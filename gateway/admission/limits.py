@@ -112,6 +112,10 @@ class Limits:
         self._limited = {t.name: t for t in tenants if t.requests_per_s or t.tokens_per_min}
         self._take = take or _local(LocalBuckets(clock))
 
+    def applies(self, tenant: str | None) -> bool:
+        """Whether `tenant` has a rate limit (checked first, so the rest pay no charge)."""
+        return tenant is not None and tenant in self._limited
+
     async def check(self, tenant: str | None, tokens: int) -> None:
         """Charge one request of `tokens`, or raise a 429 ShedError saying how long to wait."""
         cfg = self._limited.get(tenant) if tenant is not None else None

@@ -333,11 +333,14 @@ class Scheduler:
     async def admit(self, router: PoolRouter, features: RequestFeatures) -> Ticket:
         """Charge the tenant's rate limits (429), then dispatch now or queue; see the module docstring."""
         cls = features.priority_class
-        try:
-            await self.limits.check(features.tenant, features.prompt_tokens + self._expected_output(features))
-        except ShedError as exc:
-            self._count_shed(cls, exc.shed_reason)
-            raise
+        if self.limits.applies(features.tenant):
+            try:
+                await self.limits.check(
+                    features.tenant, features.prompt_tokens + self._expected_output(features)
+                )
+            except ShedError as exc:
+                self._count_shed(cls, exc.shed_reason)
+                raise
         if not self.cfg.enabled:
             return _UNLIMITED
         state = self._pools.get(router.name)

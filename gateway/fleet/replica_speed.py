@@ -23,12 +23,13 @@ Figures are None until `MIN_SAMPLES` requests informed them, and policies then u
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import bisect_right
 
 MIN_SAMPLES = 8
 # Weight of the newest request: about the last 1/ALPHA requests count.
 ALPHA = 0.05
-# Recent requests' (sent, first token) kept to find where a request's prefill could start.
+# Recent requests' (sent, first token) kept to find where a request's prefill could start: the
+# latest first tokens (an older one is before most requests' sends, so it starts none).
 RECENT = 64
 
 
@@ -38,8 +39,9 @@ class ReplicaSpeed:
         "_decode_n",
         "_decode_s",
         "_decode_tokens",
-        "_recent",
+        "_firsts",
         "_s",
+        "_sents",
         "_su",
         "decode_tokens_per_s",
         "prefill_tokens_per_s",
@@ -47,7 +49,9 @@ class ReplicaSpeed:
 
     def __init__(self) -> None:
         self._count = 0
-        self._recent: deque[tuple[float, float]] = deque(maxlen=RECENT)
+        # Ordered by first token, so a request's search starts at its own and stops at its send.
+        self._firsts: list[float] = []
+        self._sents: list[float] = []  # the same requests' sends
         self._s = self._su = 0.0
         self._decode_n = 0
         self._decode_s = self._decode_tokens = 0.0
@@ -57,11 +61,19 @@ class ReplicaSpeed:
     def observe(self, sent: float, first: float, end: float, uncached: int, output_tokens: int) -> None:
         """One completed request: sent, first token and end (one clock, seconds), its uncached prompt
         tokens and its output tokens."""
-        start = sent
-        for s, f in self._recent:
-            if s <= sent and start < f <= first:
-                start = f
-        self._recent.append((sent, first))
+        firsts, sents = self._firsts, self._sents
+        start = sent  # or the latest first token in (sent, first] of a request sent by then
+        i = bisect_right(firsts, first)
+        k = i - 1
+        while k >= 0 and firsts[k] > sent:
+            if sents[k] <= sent:
+                start = firsts[k]
+                break
+            k -= 1
+        firsts.insert(i, first)
+        sents.insert(i, sent)
+        if len(firsts) > RECENT:
+            del firsts[0], sents[0]
         service = max(0.0, first - start)
         keep = 1.0 - ALPHA
         self._count += 1

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from gateway.config import ServerConfig
 from gateway.http.conn_guard import GuardedConnection
-from gateway.http.handling import answer, route_error
+from gateway.http.handling import failure_reply, route_error
 from gateway.path.exchange import Handler, Reply, Route, StreamOut
 
 AiohttpHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -41,7 +41,11 @@ class AiohttpExchange:
 
 def _adapt(handler: Handler) -> AiohttpHandler:
     async def handle(request: web.Request) -> web.StreamResponse:
-        result = await answer(handler, AiohttpExchange(request))
+        ex = AiohttpExchange(request)
+        try:
+            result = await handler(ex)
+        except Exception as exc:
+            result = failure_reply(exc, ex)
         if isinstance(result, Reply):
             return web.Response(status=result.status, body=result.body, headers=result.headers)
         assert isinstance(result, web.StreamResponse)  # what AiohttpExchange.stream opened

@@ -89,7 +89,17 @@ class DataPlane:
         rec = RequestRecord(client_id or engine_id, ENDPOINTS[request.path], engine_request_id=engine_id)
         root = self.tracer.request(request.method, request.path, request.headers, rec)
         try:
-            response = await self._inference(request, rec)
+            bad_header = invalid_header(request.headers)
+            if bad_header is not None:
+                raise client_error(
+                    f"header {clip(bad_header, 64)!r}: values may hold only visible ASCII, spaces and tabs",
+                    "invalid_header",
+                )
+            tenant = self.auth.client(request)
+            rec.tenant = tenant
+            server = self.server
+            raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
+            response = await self.proxy.handle(request, raw, tenant, rec)
         except GatewayError as exc:
             response = error_response(exc, rec)
         except asyncio.CancelledError:
@@ -102,19 +112,6 @@ class DataPlane:
             self.observe(rec)
             root.end(rec)
         return response
-
-    async def _inference(self, request: Exchange, rec: RequestRecord) -> Reply | StreamOut:
-        server = self.server
-        bad_header = invalid_header(request.headers)
-        if bad_header is not None:
-            raise client_error(
-                f"header {clip(bad_header, 64)!r}: values may hold only visible ASCII, spaces and tabs",
-                "invalid_header",
-            )
-        tenant = self.auth.client(request)
-        rec.tenant = tenant
-        raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
-        return await self.proxy.handle(request, raw, tenant, rec)
 
     # -- probes -------------------------------------------------------------------------------
     def pools_ready(self) -> dict[str, bool]:

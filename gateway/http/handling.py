@@ -7,7 +7,7 @@ import logging
 
 from gateway.errors import GatewayError, error_body
 from gateway.logs import clip
-from gateway.path.exchange import Exchange, Handler, Reply, StreamOut
+from gateway.path.exchange import Exchange, Reply
 
 log = logging.getLogger(__name__)
 
@@ -18,19 +18,18 @@ def gateway_error_reply(exc: GatewayError, headers: dict[str, str] | None = None
     return Reply(exc.status, exc.body(), {"Content-Type": _JSON, **(headers or {}), **exc.headers})
 
 
-async def answer(handler: Handler, ex: Exchange) -> Reply | StreamOut:
-    """The handler's answer; whatever goes wrong, the client gets the OpenAI error form."""
-    try:
-        return await handler(ex)
-    except GatewayError as exc:
+def failure_reply(exc: Exception, ex: Exchange) -> Reply:
+    """A handler's exception as its answer: the OpenAI error form, never a traceback. Each server
+    awaits its handler in `try: ... except Exception as exc: failure_reply(exc, ex)` (one coroutine
+    fewer per request than a wrapper around it)."""
+    if isinstance(exc, GatewayError):
         return gateway_error_reply(exc)
-    except Exception:
-        log.exception("unhandled error on %s %s", ex.method, clip(ex.path))
-        return Reply(
-            500,
-            error_body("internal gateway error", "server_error", "internal_error"),
-            {"Content-Type": _JSON},
-        )
+    log.error("unhandled error on %s %s", ex.method, clip(ex.path), exc_info=exc)
+    return Reply(
+        500,
+        error_body("internal gateway error", "server_error", "internal_error"),
+        {"Content-Type": _JSON},
+    )
 
 
 def route_error(status: int, reason: str, method: str, path: str) -> Reply:

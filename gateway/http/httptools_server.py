@@ -29,7 +29,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from gateway.config import ServerConfig
 from gateway.errors import error_body
 from gateway.http.conn_guard import GuardedConnection
-from gateway.http.handling import answer, route_error
+from gateway.http.handling import failure_reply, route_error
 from gateway.path.exchange import BodyError, Handler, Reply, Route, StreamOut
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class Body:
 
     async def readany(self) -> bytes:
         while not self._parts and not self.eof and self._error is None:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._conn.loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -225,6 +225,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, server: HttptoolsServer) -> None:
         self.server = server
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self.guarded: GuardedConnection | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[Request | Reply] = deque()  # a Reply: a refusal, answered in turn, then close
@@ -243,6 +244,8 @@ class Connection(asyncio.Protocol):
     # -- asyncio protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        # Looked up once: on Python 3.11 each get_running_loop() is a getpid() system call.
+        self.loop = asyncio.get_running_loop()
         protocol = self.transport.get_protocol()
         self.guarded = protocol if isinstance(protocol, GuardedConnection) else None
         self.server.connections.add(self)
@@ -298,7 +301,7 @@ class Connection(asyncio.Protocol):
         if self.lost:
             raise ConnectionResetError("the client closed the connection")
         if self.write_paused:
-            self._drain = asyncio.get_running_loop().create_future()
+            self._drain = self.loop.create_future()
             try:
                 await self._drain
             finally:
@@ -370,7 +373,7 @@ class Connection(asyncio.Protocol):
         if len(self.queue) > MAX_PIPELINED:
             self.pause_reading()
         if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._serve())
+            self.task = self.loop.create_task(self._serve())
 
     def _refuse(self, status: int, message: str) -> None:
         """A request the parser or a limit refuses: answered in turn, then the connection closes."""
@@ -415,7 +418,13 @@ class Connection(asyncio.Protocol):
     async def _answer(self, request: Request) -> bool:
         """Serve one request; whether the connection may carry another."""
         handler = self.server.resolve(request)
-        result = await answer(handler, request) if not isinstance(handler, Reply) else handler
+        if isinstance(handler, Reply):
+            result: Reply | StreamOut = handler
+        else:
+            try:
+                result = await handler(request)
+            except Exception as exc:
+                result = failure_reply(exc, request)
         # An unread body (a refusal before reading it) leaves the connection's framing unknown.
         keep = request.keep_alive and request.content.eof and self.parser is not None and not self.closing
         if isinstance(result, Stream):
@@ -434,7 +443,7 @@ class Connection(asyncio.Protocol):
     def _linger(self, request: Request) -> None:
         """Answered before the request's body was read: drop the rest of it, then close."""
         request.content.discard = True
-        self.lingering = asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+        self.lingering = self.loop.call_later(LINGER_S, self.transport.close)
         self.resume_reading()
 
     def open_stream(self, request: Request, status: int, headers: dict[str, str]) -> StreamOut:

@@ -12,6 +12,7 @@ so a client that leaves still cancels the waiting task, and an expired wait rais
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import TracebackType
 
 
@@ -19,7 +20,7 @@ class SharedTimeout:
     """One timeout value for many waits: `async with shared.wait():` raises TimeoutError after
     `seconds` (at most one tick more)."""
 
-    __slots__ = ("_loop", "_sweeper", "_tick", "_waits", "seconds")
+    __slots__ = ("_loop", "_sweeper", "_thread", "_tick", "_waits", "seconds")
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -27,6 +28,7 @@ class SharedTimeout:
         self._waits: dict[_Wait, float] = {}  # insertion order is deadline order
         self._sweeper: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the sweeper's
+        self._thread = 0  # the sweeper's loop's
 
     def wait(self) -> _Wait:
         return _Wait(self)
@@ -34,7 +36,7 @@ class SharedTimeout:
     def _add(self, wait: _Wait, loop: asyncio.AbstractEventLoop) -> None:
         self._waits[wait] = loop.time() + self.seconds
         if self._sweeper is None or self._loop is not loop:  # a sweeper on a closed loop never runs
-            self._loop = loop
+            self._loop, self._thread = loop, threading.get_ident()
             self._sweeper = loop.call_later(self._tick, self._sweep)
 
     def _sweep(self) -> None:
@@ -61,13 +63,20 @@ class _Wait:
         self._expired = False
 
     async def __aenter__(self) -> None:
-        loop = asyncio.get_running_loop()  # once: on Python 3.11 each lookup is a getpid() call
-        task = asyncio.current_task(loop)
+        # The sweeper's loop first, when it runs on this thread: on Python 3.11 get_running_loop()
+        # is a getpid() system call. One with no task current is not running: then it is looked up.
+        owner = self._owner
+        loop = owner._loop
+        here = loop is not None and owner._thread == threading.get_ident()
+        task = asyncio.current_task(loop) if here else None
         if task is None:
-            raise RuntimeError("a timeout needs a task")
+            loop = asyncio.get_running_loop()
+            task = asyncio.current_task(loop)
+            if task is None:
+                raise RuntimeError("a timeout needs a task")
         self._task = task
         self._cancelling = task.cancelling()
-        self._owner._add(self, loop)
+        owner._add(self, loop)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -86,6 +86,11 @@ class DecodePlan:
     guard: asyncio.Task[None] | None = None  # SGLang's concurrent prefill leg
     claim: Claim | None = None  # the guard's claim on the prefill replica
 
+    @property
+    def pending(self) -> bool:
+        """Whether `finish` has anything to do: a prefill leg ran for this plan."""
+        return self.guard is not None or self.claim is not None
+
     async def finish(self) -> None:
         """After the decode leg: a prefill leg still running is no longer needed, and its claim
         is settled even if its task was cancelled before it ever ran."""

@@ -15,8 +15,10 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Coroutine
+from typing import Any
 
-from gateway.admission.scheduler import Scheduler, Ticket
+from gateway.admission.scheduler import Scheduler
 from gateway.config import RetryConfig
 from gateway.errors import GatewayError, error_body, normalize_error_body
 from gateway.fleet.replica import Replica
@@ -95,15 +97,12 @@ class Proxy:
     ) -> Reply | StreamOut:
         """A client's request, its body read and its tenant known: prepare, admit, dispatch."""
         req = await self.preparation.prepare(request.path, request.headers, raw, tenant, rec)
-        with await self._admit(req):
-            return await self._dispatch(request, req)
-
-    async def _admit(self, req: InferenceRequest) -> Ticket:
         queued_at = time.perf_counter()
         with self.tracer.span("queue", {"kvgate.priority_class": req.features.priority_class}):
             ticket = await self.scheduler.admit(req.router, req.features)
-        req.record.queued_s = time.perf_counter() - queued_at
-        return ticket
+        rec.queued_s = time.perf_counter() - queued_at
+        with ticket:
+            return await self._dispatch(request, req)
 
     # -- dispatch with retries ----------------------------------------------------------------
     async def _dispatch(self, request: Exchange, req: InferenceRequest) -> Reply | StreamOut:
@@ -213,7 +212,9 @@ class Proxy:
                             url = replica.url + request.path
                             resend = deliveries + 2 <= max_attempts
                             rec.sent_at = time.perf_counter()
-                            resp = await self._open(url, plan, up.headers, resend)
+                            opening = self.upstream.open("POST", url, plan.body, up.headers, resend=resend)
+                            guard = plan.guard
+                            resp = await (opening if guard is None else _beside_prefill(opening, guard))
                         except UpstreamError as exc:
                             deliveries += exc.sent
                             if exc.replica_fault:
@@ -249,7 +250,8 @@ class Proxy:
                     finally:
                         up.end(rec)
         finally:
-            await plan.finish()
+            if plan.pending:
+                await plan.finish()
         if refused is not None:
             track.error = "engine_error"
             raise refused
@@ -264,26 +266,6 @@ class Proxy:
         return GatewayError(
             503, message, "service_unavailable", "no_healthy_replica", headers={"Retry-After": retry_after}
         )
-
-    async def _open(self, url: str, plan: DecodePlan, headers: dict[str, str], resend: bool) -> Response:
-        """Open the decode leg; with a concurrent prefill leg, fail fast if that leg breaks first."""
-        upstream = self.upstream
-        if plan.guard is None:
-            return await upstream.open("POST", url, plan.body, headers, resend=resend)
-        opening = asyncio.ensure_future(upstream.open("POST", url, plan.body, headers, resend=resend))
-        try:
-            await asyncio.wait({opening, plan.guard}, return_when=asyncio.FIRST_COMPLETED)
-            if not opening.done() and plan.guard.exception() is not None:
-                # The decode replica is not at fault: its bootstrap partner went away.
-                raise UpstreamError(
-                    f"prefill leg failed: {plan.guard.exception()}",
-                    code="upstream_prefill_failed",
-                    replica_fault=False,
-                )
-            return await opening
-        except BaseException:
-            await _abandon(opening)
-            raise
 
     async def _read_error(self, resp: Response) -> bytes:
         try:
@@ -451,7 +433,26 @@ def route_reason(chosen: Candidate, ranked: list[Candidate]) -> str:
 
 def _tries(ranked: list[Candidate], attempts: int) -> list[Candidate]:
     """The replicas to try, best first, wrapping around when there are fewer than attempts."""
-    return [ranked[i % len(ranked)] for i in range(attempts)]
+    return ranked[:attempts] if len(ranked) >= attempts else (ranked * attempts)[:attempts]
+
+
+async def _beside_prefill(opening: Coroutine[Any, Any, Response], guard: asyncio.Task[None]) -> Response:
+    """Open the decode leg beside a concurrent prefill leg (`guard`): fail fast if that leg breaks
+    first."""
+    decode = asyncio.ensure_future(opening)
+    try:
+        await asyncio.wait({decode, guard}, return_when=asyncio.FIRST_COMPLETED)
+        if not decode.done() and guard.exception() is not None:
+            # The decode replica is not at fault: its bootstrap partner went away.
+            raise UpstreamError(
+                f"prefill leg failed: {guard.exception()}",
+                code="upstream_prefill_failed",
+                replica_fault=False,
+            )
+        return await decode
+    except BaseException:
+        await _abandon(decode)
+        raise
 
 
 async def _abandon(opening: asyncio.Future[Response]) -> None:

@@ -117,11 +117,28 @@ def strip_body(body: dict[str, Any], allowed: frozenset[str]) -> list[str]:
     return sorted(removed)
 
 
-_NO_TOKENS: frozenset[str] = frozenset()
-
-
 def _connection_tokens(values: Iterable[str]) -> set[str]:
     return {t.strip().lower() for v in values for t in v.split(",") if t.strip()}
+
+
+# A header name's lower-case form and what it is (_FORWARD, _NEVER, _ENGINE), by the name as sent:
+# clients send the same few names on every request, so each is classified once.
+_FORWARD, _NEVER, _ENGINE = 0, 1, 2
+_KINDS: dict[str, tuple[str, int]] = {}
+_KINDS_MAX = 4096  # clients choose names: bounded
+
+
+def _kind(key: str) -> tuple[str, int]:
+    name = key.lower()
+    if name in NEVER_FORWARDED:
+        kind = _NEVER
+    elif name in ENGINE_HEADERS or name.startswith(ENGINE_HEADER_PREFIXES):
+        kind = _ENGINE
+    else:
+        kind = _FORWARD
+    if len(_KINDS) < _KINDS_MAX:
+        _KINDS[key] = (name, kind)
+    return name, kind
 
 
 def upstream_headers(
@@ -131,16 +148,20 @@ def upstream_headers(
 
     `items` are the client's headers in order (repeats included); `allowed` are lower-case names a
     pool lets through although engines act on them."""
-    lowered = [(key.lower(), key, value) for key, value in items]
-    connection = [value for name, _, value in lowered if name == "connection"]
-    named = _connection_tokens(connection) if connection else _NO_TOKENS
     headers: dict[str, str] = {}
-    for name, key, value in lowered:
-        if name in NEVER_FORWARDED or name in named:
-            continue
-        if (name in ENGINE_HEADERS or name.startswith(ENGINE_HEADER_PREFIXES)) and name not in allowed:
-            continue
-        headers[key] = value
+    connection: list[str] | None = None
+    kinds = _KINDS
+    for key, value in items:
+        name, kind = kinds.get(key) or _kind(key)
+        if kind == _FORWARD or (kind == _ENGINE and name in allowed):
+            headers[key] = value
+        elif name == "connection":
+            connection = [value] if connection is None else [*connection, value]
+    if connection is not None:
+        # The names a Connection header lists are hop-by-hop too, wherever they came in the order.
+        named = _connection_tokens(connection) - NEVER_FORWARDED
+        if named:
+            headers = {k: v for k, v in headers.items() if k.lower() not in named}
     headers["X-Request-Id"] = request_id
     headers["Content-Type"] = "application/json"
     return headers

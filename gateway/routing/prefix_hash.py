@@ -47,6 +47,8 @@ _PROMPT_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 _xxh64 = xxhash.xxh64_intdigest
+# A JSON body's objects are dicts: checked first, isinstance skips the ABC's check (90 -> 15 ns).
+_DICTS = (dict, Mapping)
 _xxh128 = xxhash.xxh3_128_intdigest
 
 
@@ -69,14 +71,14 @@ def _content_text(content: Any) -> str:
     if isinstance(content, list):
         pieces: list[str] = []
         for part in content:
-            if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            if isinstance(part, _DICTS) and part.get("type") == "text" and isinstance(part.get("text"), str):
                 pieces.append(part["text"])
             elif isinstance(part, str):
                 pieces.append(part)
             else:
                 # Images and audio are cached by the engine keyed on their content: a digest stands in
                 # for them, so a large data URL costs one short placeholder instead of thousands of blocks.
-                kind = part.get("type", "part") if isinstance(part, Mapping) else "part"
+                kind = part.get("type", "part") if isinstance(part, _DICTS) else "part"
                 digest = _xxh64(_json(part).encode("utf-8", "surrogatepass"))
                 pieces.append(f"<|{kind}:{digest:016x}|>")
         return "\n".join(pieces)
@@ -86,7 +88,7 @@ def _content_text(content: Any) -> str:
 
 
 def message_text(message: Any) -> str:
-    if not isinstance(message, Mapping):
+    if not isinstance(message, _DICTS):
         return f"<|?|>{_json(message)}\n"
     role = message.get("role", "?")
     name = message.get("name")
@@ -124,7 +126,7 @@ def _prompt_value(body: Mapping[str, Any], endpoint: str) -> Any:
 def prompt_pieces(body: Mapping[str, Any], endpoint: Endpoint) -> list[str]:
     """The request's prompt as the engine caches it, in order, one piece per tool list or message.
     Of a batch of prompts, the first (each prompt is cached on its own: the first routes the batch)."""
-    if not isinstance(body, Mapping):
+    if not isinstance(body, _DICTS):
         return []
     if endpoint in _PROMPT_FIELDS:
         return [_first_prompt(_prompt_value(body, endpoint))]
@@ -152,7 +154,7 @@ def batch_tokens(
 ) -> tuple[int | None, int]:
     """What `prompt_pieces`' text does not count right in a prompt given as a list: (the first prompt's
     exact token count when it is token ids, else None; the tokens of the batch's other prompts)."""
-    if endpoint not in _PROMPT_FIELDS or not isinstance(body, Mapping):
+    if endpoint not in _PROMPT_FIELDS or not isinstance(body, _DICTS):
         return None, 0
     value = _prompt_value(body, endpoint)
     if not isinstance(value, list) or not value:

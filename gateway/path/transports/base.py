@@ -16,8 +16,8 @@ import asyncio
 import fcntl
 import re
 import ssl
-import struct
 import termios
+from array import array
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -166,14 +166,19 @@ class HostSlots:
 
 
 # -- connections ------------------------------------------------------------------------------
+_ZERO = (0,)
+
+
 def pending_bytes(fd: int) -> int:
     """Bytes the kernel holds for this socket that the event loop has not read yet. An idle
     keep-alive connection with any is never reused: they are not the answer to what we would
     send next. Unknown counts as pending."""
+    count = array("i", _ZERO)
     try:
-        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        fcntl.ioctl(fd, termios.FIONREAD, count)  # filled in place: no bytes built and unpacked
     except OSError:
         return 1
+    return count[0]
 
 
 def client_tls_context(verify: bool, ca_file: str | None) -> ssl.SSLContext:

@@ -71,6 +71,7 @@ class _Connection(asyncio.Protocol):
         "got_bytes",
         "headers",
         "keep_alive",
+        "loop",
         "origin",
         "poisoned",
         "reused",
@@ -80,6 +81,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self, origin: tuple[str, str, int], max_head_bytes: int, max_headers: int) -> None:
         self.origin = origin
         self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.fd = -1
         self.error: BaseException | None = None
         self.complete = True  # no exchange in progress
@@ -106,6 +108,8 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, but behave as one.
         self.transport = transport  # type: ignore[assignment]
+        # Looked up once: on Python 3.11 each get_running_loop() is a getpid() system call.
+        self.loop = asyncio.get_running_loop()
         sock = transport.get_extra_info("socket")
         if sock is not None:
             self.fd = sock.fileno()
@@ -233,7 +237,7 @@ class _Connection(asyncio.Protocol):
         )
 
     def start(self, request: bytes) -> asyncio.Future[int]:
-        assert self.transport is not None
+        assert self.transport is not None and self.loop is not None
         self.complete = False
         self.got_bytes = False
         self.keep_alive = False
@@ -246,7 +250,7 @@ class _Connection(asyncio.Protocol):
         self._body.clear()
         self._body_size = 0
         self._parser = httptools.HttpResponseParser(self)
-        self._head = asyncio.get_running_loop().create_future()
+        self._head = self.loop.create_future()
         self.transport.write(request)
         return self._head
 
@@ -256,7 +260,8 @@ class _Connection(asyncio.Protocol):
                 return b""
             if self.error is not None:
                 raise self.error
-            self._reader = asyncio.get_running_loop().create_future()
+            assert self.loop is not None
+            self._reader = self.loop.create_future()
             try:
                 await self._reader
             finally:
