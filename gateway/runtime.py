@@ -140,7 +140,7 @@ class Runtime:
         self.data_plane = DataPlane(
             settings.server,
             proxy,
-            ApiRoutes(settings.server, self.auth, self.catalog, tokenize),
+            ApiRoutes(settings.server, self.auth, self.catalog, tokenize, self.observe),
             self.auth,
             self.observe,
             tracer,

@@ -57,8 +57,8 @@ class VariantStats:
         self._variants: dict[tuple[str, str], _Variant] = {}
 
     def __call__(self, rec: RequestRecord) -> None:
-        if rec.pool is None or rec.model is None or rec.client_disconnected:
-            return  # never reached a variant, or nobody was there to judge the answer
+        if rec.pool is None or rec.model is None or rec.client_disconnected or not rec.inference:
+            return  # never reached a variant, nobody was there to judge the answer, or no inference
         v = self._variants.get((rec.model, rec.pool))
         if v is None:
             v = self._variants[(rec.model, rec.pool)] = _Variant()

@@ -2,27 +2,37 @@
 
 `GET /v1/models` and `GET /v1/models/{id}` answer from the gateway's own catalog (vLLM does not serve
 the second). `POST /tokenize` and `POST /detokenize` are routed by `model` (optional when the gateway
-serves one model, as in vLLM) to a replica of its pool (gateway/path/tokenize.py).
+serves one model, as in vLLM) to a replica of its pool (gateway/path/tokenize.py); each is recorded
+for the observers (access log, request metrics) as an inference request is.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from gateway.config import ServerConfig
-from gateway.errors import model_not_found
+from gateway.errors import GatewayError, model_not_found
 from gateway.http.auth import Auth
+from gateway.http.handling import error_response
 from gateway.http.request_body import read_body
 from gateway.path.exchange import Exchange, Reply, Route, json_reply
 from gateway.path.request import parse_json_body
+from gateway.path.request_record import Observer, RequestRecord
+from gateway.path.sanitize import client_request_id, new_request_id
 from gateway.path.tokenize import Tokenize
 from gateway.routing.model_catalog import ModelCatalog
 
 
 class ApiRoutes:
-    def __init__(self, server: ServerConfig, auth: Auth, catalog: ModelCatalog, tokenize: Tokenize) -> None:
+    def __init__(
+        self, server: ServerConfig, auth: Auth, catalog: ModelCatalog, tokenize: Tokenize, observe: Observer
+    ) -> None:
         self.server = server
         self.auth = auth
         self.catalog = catalog
         self.tokenize = tokenize
+        self.observe = observe
 
     def routes(self) -> list[Route]:
         return [
@@ -46,8 +56,25 @@ class ApiRoutes:
         return json_reply(card)
 
     async def tokenizer(self, request: Exchange) -> Reply:
-        self.auth.client(request)
-        server = self.server
-        raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
-        body = parse_json_body(raw, server.max_json_depth)
-        return await self.tokenize.handle(request.path, request.headers, raw, body)
+        engine_id = new_request_id()
+        client_id = client_request_id(request.headers.get("x-request-id"))
+        rec = RequestRecord(
+            client_id or engine_id, request.path[1:], engine_request_id=engine_id, inference=False
+        )
+        try:
+            rec.tenant = self.auth.client(request)
+            server = self.server
+            raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
+            body = parse_json_body(raw, server.max_json_depth)
+            reply = await self.tokenize.handle(request.path, request.headers, raw, body, rec)
+            rec.status = reply.status
+            return reply
+        except GatewayError as exc:
+            return error_response(exc, rec)
+        except asyncio.CancelledError:
+            rec.client_disconnected = True
+            rec.status = 499
+            raise
+        finally:
+            rec.ended = time.perf_counter()
+            self.observe(rec)

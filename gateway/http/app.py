@@ -8,13 +8,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from gateway.admission.limits import ShedError
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError, client_error, model_not_found
 from gateway.fleet.pool import Pool
 from gateway.http.api_routes import ApiRoutes
 from gateway.http.auth import Auth
-from gateway.http.handling import gateway_error_reply
+from gateway.http.handling import error_response
 from gateway.http.request_body import read_body
 from gateway.logs import clip
 from gateway.path.exchange import Exchange, Reply, Route, StreamOut, json_reply
@@ -26,15 +25,6 @@ from gateway.path.trace import Tracer
 from gateway.routing.rollout import Router
 
 log = logging.getLogger(__name__)
-
-
-def error_response(exc: GatewayError, rec: RequestRecord) -> Reply:
-    """An inference request's error, in the OpenAI form, recorded for the observers."""
-    rec.status = exc.status
-    rec.error_code = exc.code
-    if isinstance(exc, ShedError):
-        rec.shed_reason = exc.shed_reason
-    return gateway_error_reply(exc, {"x-request-id": rec.request_id})
 
 
 async def live(ex: Exchange) -> Reply:

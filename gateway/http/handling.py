@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 
+from gateway.admission.limits import ShedError
 from gateway.errors import GatewayError, error_body
 from gateway.logs import clip
 from gateway.path.exchange import Exchange, Reply
+from gateway.path.request_record import RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -16,6 +18,15 @@ _JSON = "application/json"
 
 def gateway_error_reply(exc: GatewayError, headers: dict[str, str] | None = None) -> Reply:
     return Reply(exc.status, exc.body(), {"Content-Type": _JSON, **(headers or {}), **exc.headers})
+
+
+def error_response(exc: GatewayError, rec: RequestRecord) -> Reply:
+    """A recorded request's error, in the OpenAI form, written into its record for the observers."""
+    rec.status = exc.status
+    rec.error_code = exc.code
+    if isinstance(exc, ShedError):
+        rec.shed_reason = exc.shed_reason
+    return gateway_error_reply(exc, {"x-request-id": rec.request_id})
 
 
 def failure_reply(exc: Exception, ex: Exchange) -> Reply:

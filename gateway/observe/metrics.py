@@ -300,6 +300,11 @@ class GatewayMetrics:
 
     # -- the observer ---------------------------------------------------------------------
     def __call__(self, rec: RequestRecord) -> None:
+        if not rec.inference:
+            model = rec.model if rec.model in self._models else "other"
+            pool, replica = rec.pool or NONE, rec.replica or NONE
+            self.requests.labels(model, rec.endpoint, pool, replica, status_label(rec.status)).inc()
+            return
         key = (
             # A model name is the client's free text: only the names served key the cache (as they
             # label the series), or every made-up name would keep an entry for good.

@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 class RequestRecord:
     request_id: str  # the client's X-Request-Id when it sent a usable one, else engine_request_id
     endpoint: str
-    engine_request_id: str = ""  # the id engines see, made by the gateway
+    engine_request_id: str = ""
+    # False for /tokenize and /detokenize: logged and counted, kept out of latency, routing and
+    # rollout figures (and of the pools' traffic that autoscaling reads).
+    inference: bool = True  # the id engines see, made by the gateway
     started: float = field(default_factory=time.perf_counter)
     model: str | None = None  # the name the client asked for
     pool: str | None = None

@@ -6,7 +6,6 @@ prefix index nothing. A replica that cannot be reached is passed over for the ne
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +14,7 @@ import orjson
 from gateway.errors import GatewayError, client_error, normalize_error_body
 from gateway.fleet.replica import Replica
 from gateway.path.exchange import Reply
+from gateway.path.request_record import RequestRecord
 from gateway.path.upstream import Upstream, UpstreamError
 from gateway.routing.model_catalog import ModelCatalog, Target
 
@@ -30,9 +30,14 @@ class Tokenize:
         self.max_attempts = max_attempts  # replicas tried at most
         self.retry_after_s = retry_after_s  # what a 503 for want of replicas tells the client
 
-    async def handle(self, path: str, headers: Mapping[str, str], raw: bytes, body: dict[str, Any]) -> Reply:
-        """Send the client's `body` (its bytes `raw`) on to a replica serving its model."""
-        target = self.catalog.resolve(self._model(body), None, headers, body)
+    async def handle(
+        self, path: str, headers: Mapping[str, str], raw: bytes, body: dict[str, Any], rec: RequestRecord
+    ) -> Reply:
+        """Send the client's `body` (its bytes `raw`) on to a replica serving its model; what happened
+        goes into `rec`."""
+        rec.model = self._model(body)
+        target = self.catalog.resolve(rec.model, None, headers, body)
+        rec.pool = target.router.name
         if body.get("model") != target.upstream:
             body["model"] = target.upstream
             raw = orjson.dumps(body)
@@ -45,9 +50,10 @@ class Tokenize:
                 "no_healthy_replica",
                 headers={"Retry-After": str(self.retry_after_s)},
             )
-        sent = {"Content-Type": "application/json", "X-Request-Id": os.urandom(16).hex()}
+        sent = {"Content-Type": "application/json", "X-Request-Id": rec.engine_request_id}
         failure = "no replica answered"
         for replica in replicas[: self.max_attempts]:
+            rec.replica = replica.name
             try:
                 resp = await self.upstream.open("POST", replica.url + path, raw, sent)
                 try:
@@ -62,7 +68,11 @@ class Tokenize:
                 continue
             if resp.status >= 400:
                 answer = normalize_error_body(answer, resp.status)
-            headers = {"Content-Type": "application/json", "x-kvgate-replica": replica.name}
+            headers = {
+                "Content-Type": "application/json",
+                "x-kvgate-replica": replica.name,
+                "x-request-id": rec.request_id,
+            }
             return Reply(resp.status, answer, headers)
         raise GatewayError(502, failure, "upstream_error", "upstream_unreachable")
 

@@ -7,6 +7,8 @@ adapter sql) and `raw` (pool gen, responses keep the engine's name).
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -131,10 +133,16 @@ async def test_pooling_endpoints_and_tasks(client: openai.AsyncOpenAI) -> None:
     assert exc.value.body["code"] == "unsupported_task"  # type: ignore[index]
 
 
-async def test_tokenize_and_detokenize_by_model(client: openai.AsyncOpenAI) -> None:
+async def test_tokenize_and_detokenize_by_model(
+    client: openai.AsyncOpenAI, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvgate.access")
     base = client.gateway_url  # type: ignore[attr-defined]
     tok = await client.post(
-        f"{base}/tokenize", body={"model": "assistant", "prompt": "hello world"}, cast_to=object
+        f"{base}/tokenize",
+        body={"model": "assistant", "prompt": "hello world"},
+        cast_to=object,
+        options={"headers": {"x-request-id": "tok-1"}},
     )
     assert tok["count"] == 2 and tok["max_model_len"] == 4096  # type: ignore[index]
     chat = await client.post(f"{base}/tokenize", body={"model": "llama", "messages": CHAT}, cast_to=object)
@@ -146,6 +154,22 @@ async def test_tokenize_and_detokenize_by_model(client: openai.AsyncOpenAI) -> N
     with pytest.raises(openai.BadRequestError) as exc:  # two models served: which tokenizer?
         await client.post(f"{base}/tokenize", body={"prompt": "x"}, cast_to=object)
     assert exc.value.body["code"] == "missing_model"  # type: ignore[index]
+    # Each is in the access log, and counted by endpoint, but not as a routed inference request.
+    logged = [r.fields for r in caplog.records if r.name == "kvgate.access"]  # type: ignore[attr-defined]
+    assert [(f["endpoint"], f["status"]) for f in logged] == [
+        ("tokenize", 200),
+        ("tokenize", 200),
+        ("detokenize", 200),
+        ("tokenize", 400),
+    ]
+    assert logged[0]["request_id"] == "tok-1" and logged[0]["model"] == "assistant"
+    assert (logged[2]["pool"], logged[2]["replica"]) == ("embed", "e0")
+    assert logged[3]["error"] == "missing_model" and logged[3]["pool"] is None
+    async with httpx.AsyncClient() as h:
+        metrics = (await h.get(base + "/metrics")).text
+    detokenized = 'endpoint="detokenize",model="emb",pool="embed",replica="e0",status="200"} 1.0'
+    assert "kvgate_requests_total{" + detokenized in metrics
+    assert re.search(r'kvgate_request_duration_seconds_count\{[^}]*pool="embed"', metrics) is None
 
 
 async def test_engine_errors_and_unknown_paths_in_one_shape(client: openai.AsyncOpenAI) -> None:
