@@ -5,7 +5,8 @@ A policy ranks the candidate replicas of a pool for one request, best first (`ra
 nothing may happen between a decision and its lease); the proxy walks that list on retries. For a
 pool with prefill and decode roles it picks both legs at once (`select_pair`, by default the
 decode side by `rank` and the prefill side by load). It hears where each request was sent
-(`on_routed`) and, exactly once per ranked request, how it ended (`on_complete`). Policies are
+(`on_routed`), when a streamed answer's first token came (`on_first_token`) and, exactly once per
+ranked request, how it ended (`on_complete`). Policies are
 found by name, in this order: an entry point in the `kvgate.policies` group (the built-ins in
 `policies/` are registered exactly that way), or a `"module:Class"` string. Their `args` are
 validated against the class's parameter model, `Policy[ThatModel]`.
@@ -281,6 +282,12 @@ class Policy(Generic[ParamsT]):
     def on_routed(self, request: RequestFeatures, replica: ReplicaView) -> None:
         """Called once the request was sent to `replica` (after a retry, the replica that finally
         took it; stateful policies learn at decision time here). Not called for a prefill leg."""
+
+    def on_first_token(self, request: RequestFeatures, replica: ReplicaView) -> None:
+        """Called at most once per ranked request, when the first bytes of a streamed answer (its
+        first token) came from `replica`, before `on_complete`: its prefill is over. Not called for
+        a non-streamed answer (its first byte is its end) nor an error. A policy must stay correct
+        if it never comes: gateways before this hook do not call it."""
 
     def on_complete(self, request: RequestFeatures, replica: ReplicaView | None, outcome: Outcome) -> None:
         """Called exactly once for every request this policy ranked, when it ended, however it
