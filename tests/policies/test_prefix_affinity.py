@@ -160,6 +160,47 @@ def test_queued_prefill_drains_while_requests_are_still_decoding() -> None:
     assert reps[0].inflight_requests == 3
 
 
+def test_streams_sent_behind_a_document_wait_until_its_first_token() -> None:
+    """Engines prefill first come, first served: requests sent behind a 30k-token document wait
+    whole until its first token comes, however long it takes (a long prompt prefills slower per
+    token than the rate measured on short ones). Draining everything at the rate made them look
+    done after 3.4 s and the next request queued behind the document (issue 18, routing-long)."""
+    clock = Clock()
+    p = policy(clock, per_request_tokens=0, prefill_tokens_per_s=10000)
+    reps = replicas(2)
+    document = request(30000, stream=True)
+    chats = [request(1000, stream=True) for _ in range(4)]
+    for req in (document, *chats):
+        send(reps[0], req)
+        p.rank(req, [candidates(reps)[0]])
+    clock.now += 5.0  # 3.4 s of work at 10k tokens/s, but the document's first token has not come
+    assert p.queued_tokens(reps[0]) == 4000
+    # A request whose prefix r0 holds goes to r1: 4000 tokens queued on r0 cost more than
+    # recomputing the 2048-token prefix there (3200 with the duplicate's weight).
+    assert decide(p, request(PROMPT), candidates(reps, {"r0": SHARED}))[0].replica.name == "r1"
+    # Its first token came: the chats start from now, the oldest first.
+    p.on_first_token(document, reps[0])
+    assert p.queued_tokens(reps[0]) == 4000
+    clock.now += 0.15
+    assert p.queued_tokens(reps[0]) == 3000
+    for chat in chats:
+        p.on_first_token(chat, reps[0])
+    assert p.queued_tokens(reps[0]) == 0
+    assert decide(p, request(PROMPT), candidates(reps, {"r0": SHARED}))[0].replica.name == "r0"
+
+
+def test_a_stream_that_ends_before_its_first_token_leaves_the_queue() -> None:
+    p = policy(per_request_tokens=0)
+    reps = replicas(2)
+    req = request(PROMPT, stream=True)
+    lease = send(reps[0], req)
+    p.rank(req, [candidates(reps)[0]])
+    assert p.queued_tokens(reps[0]) == PROMPT
+    lease.release()
+    complete(p, req, reps[0])  # the client went away, or the engine failed it
+    assert p.queued_tokens(reps[0]) == 0
+
+
 def test_cold_requests_spread_evenly() -> None:
     p = policy()
     reps = replicas(4)
@@ -266,9 +307,10 @@ def test_a_slow_replica_spills_its_queue_sooner() -> None:
         measured(reps[0], 10_000 if slow else 40_000)
         measured(reps[1], 40_000)
         p = policy(per_request_tokens=0)
-        for i in range(3):
-            p._charge(f"queued-{slow}-{i}", "r0", 1000, p._clock())
-            send(reps[0], request(1000))
+        for _ in range(3):
+            queued = request(1000)
+            p._charge(queued, "r0", 1000, p._clock())
+            send(reps[0], queued)
         ranked = p.rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
         assert ranked[0].replica.name == expected
 
