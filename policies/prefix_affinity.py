@@ -203,13 +203,14 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
     def _queued(self, q: _Queue, r: ReplicaView, fresh: bool, rate: float, now: float) -> float:
         own = self._own(q, rate, now)
         if fresh and r.engine.waiting:
-            # Waiting requests cost what ours in flight there cost on average; any beyond our own
-            # count are another gateway's, of unknown size.
+            # Waiting requests cost what ours queued there cost on average; any beyond our count
+            # in flight are another gateway's, of unknown size. A stream past its first token is
+            # still ours: a scrape a moment old counts it waiting.
             waiting = r.engine.waiting
             mine = len(q.ledger) + len(q.streams)
             tokens = q.ledger_tokens + q.stream_tokens
             engine = min(waiting, mine) * (tokens / mine if mine else 0.0)
-            engine += max(0, waiting - mine) * self._waiting_cost
+            engine += max(0, waiting - max(mine, r.inflight_requests)) * self._waiting_cost
             return max(own, engine)
         return own
 

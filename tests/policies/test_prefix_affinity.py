@@ -71,6 +71,21 @@ def test_engine_waiting_counts_our_own_requests_at_their_size() -> None:
     assert p.queued_tokens(reps[1]) == 3 * (PROMPT - SHARED) + 2 * 1024
 
 
+def test_streams_past_their_first_token_are_not_another_gateways_in_a_stale_scrape() -> None:
+    p = policy(per_request_tokens=0)
+    reps = replicas(2)
+    streams = [request(PROMPT, stream=True) for _ in range(3)]
+    for req in streams:
+        send(reps[1], req)
+        p.rank(req, [candidates(reps)[1]])
+    for req in streams[:2]:
+        p.on_first_token(req, reps[1])  # two are decoding now, still in flight
+    engine_report(reps[1], waiting=3)  # scraped while all three waited
+    assert p.queued_tokens(reps[1]) == PROMPT  # the one still waiting, not two more at 1024
+    engine_report(reps[1], waiting=4)  # one more than ours in flight: another gateway's
+    assert p.queued_tokens(reps[1]) == PROMPT + 1024
+
+
 def test_duplicate_weight_keeps_a_prefix_on_its_replica_when_a_copy_is_barely_faster() -> None:
     reps = replicas(2)
     engine_report(reps[0], waiting=2)  # another gateway's 2 x 1024 tokens queued ahead on the warm one
