@@ -30,15 +30,18 @@ Requests whose first token is not heard (not streamed) drain at the rate (a requ
 over long before its decode is), capped by the uncached tokens of those still in flight (an entry
 leaves that ledger when its request completes, however it ends). The
 engine's own waiting queue, while its scrape is fresh, also sees admission stalls and other
-gateways' traffic: its requests are costed at the average uncached size of ours queued or in
-flight there, those beyond our own count at `waiting_token_cost`. The larger of the two estimates
+gateways' traffic: its requests are costed at the average uncached size of ours queued there,
+those beyond our count in flight there at `waiting_token_cost`. The larger of the two estimates
 counts, so neither double counts our own requests nor misses anyone else's.
 
 Replicas differ (an H100 beside an H200, a GPU shared by several engines): with `measured_speed`
-each replica's queue drains at its measured prefill rate (`ReplicaView.speed`, fitted by the gateway
-from its requests' time to first token against their uncached tokens), and its estimate is scaled
-by the mean rate over its own, so work on a replica half as fast counts twice. A replica not
-measured yet counts as fast as the measured ones on average (the parameter only while none is).
+each replica's pace is the measured replicas' mean prefill rate (`ReplicaView.speed`, fitted by the
+gateway from its requests' time to first token against their uncached tokens) times its speed
+relative to theirs on prompts of like size (`relative_prefill_speeds`); its queue drains at that
+pace and its estimate is scaled by the mean over it, so work on a replica half as fast counts
+twice. Compared overall instead, a replica that served documents read twice as fast as one serving
+chats on the same GPU (per-request overheads weigh on short prompts) and drew the next documents.
+A replica not measured yet counts at the mean (the parameter only while none is measured).
 
 Requests no replica has an advantage for (no hit anywhere, or the same hit everywhere) go to the
 replica, among those within `cold_spread_tokens` of the best, that was given the fewest such
@@ -64,7 +67,11 @@ from gateway.policy import (
     ReplicaView,
     RequestFeatures,
     per_device,
+    relative_prefill_speeds,
 )
+
+# How long replicas' relative speeds are reused between decisions.
+RELATIVE_TTL_S = 1.0
 
 
 class PrefixAffinityParams(BaseModel):
@@ -158,6 +165,8 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         self._window = p.placement_window_s
         self._device_load = p.device_load
         self._measured = p.measured_speed
+        self._relative_speeds: dict[str, float | None] = {}
+        self._relative_at = -math.inf
 
     def _rate(self, r: ReplicaView) -> float:
         """The replica's prefill tokens/s: measured where known (and wanted), else the parameter."""
@@ -168,15 +177,35 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         return self._tps
 
     def _rates(self, candidates: Sequence[Candidate]) -> list[float]:
-        """The candidates' prefill tokens/s. One not measured yet is taken to be as fast as the
-        measured ones on average, not at the parameter: a replica is measured once 8 of its
-        requests have ended, and one serving documents ends few. Taken at 10k tokens/s beside
-        replicas measured at 6-7k, it looked 1.5x faster and drew every document (routing-long: 11
-        of 22, queued behind each other)."""
+        """The candidates' prefill tokens/s: the measured ones' mean rate, times each one's speed
+        relative to the others on requests of like size (`relative_prefill_speeds`). Overall
+        rates depend on the mix a replica served: one that prefilled documents read twice as fast
+        as one serving chats on the same GPU (6.6k against 3.5k tokens/s) and drew the next
+        documents, queued behind each other (routing-long --quick). One not measured yet counts
+        at the mean, not at the parameter: a replica is measured once 8 of its requests have
+        ended, one serving documents ends few, and taken at 10k tokens/s beside replicas measured
+        at 6-7k it looked 1.5x faster and drew 11 of 22 documents (routing-long). The parameter
+        applies while none is measured."""
         measured = [c.replica.speed.prefill_tokens_per_s for c in candidates]
         known = [rate for rate in measured if rate is not None]
-        default = sum(known) / len(known) if known else self._tps
-        return [default if rate is None else rate for rate in measured]
+        if not known:
+            return [self._tps] * len(candidates)
+        mean = sum(known) / len(known)
+        relative = self._relative(candidates)
+        return [mean * (relative.get(c.replica.name) or 1.0) for c in candidates]
+
+    def _relative(self, candidates: Sequence[Candidate]) -> dict[str, float | None]:
+        """`relative_prefill_speeds` by replica name, recomputed at most every RELATIVE_TTL_S (or
+        for a candidate it lacks): it goes over every size class of every candidate, and the rates
+        it compares average about the last 20 requests anyway."""
+        now = self._clock()
+        cached = self._relative_speeds
+        if now - self._relative_at >= RELATIVE_TTL_S or any(c.replica.name not in cached for c in candidates):
+            cached = self._relative_speeds = dict(
+                zip((c.replica.name for c in candidates), relative_prefill_speeds(candidates), strict=True)
+            )
+            self._relative_at = now
+        return cached
 
     def _queue(self, name: str, now: float, rate: float | None = None) -> _Queue:
         """The replica's queue estimate, drained up to `now` at `rate` (default: as last known)."""

@@ -192,6 +192,36 @@ def per_device(candidates: Sequence[Candidate], values: Sequence[float]) -> list
     ]
 
 
+def relative_prefill_speeds(candidates: Sequence[Candidate]) -> list[float | None]:
+    """Each candidate's prefill speed relative to the others', compared on requests of like size:
+    per size class (`ReplicaSpeed.by_size`), its rate over the class's rate pooled over the
+    measured candidates, averaged with the weights of its own recent requests in each class. So
+    replicas alike read about 1.0 whatever mix each served (their overall rates do not: overheads
+    weigh on short prompts), and one twice as fast on every size reads twice another's. None where
+    not measured yet (`speed.prefill_tokens_per_s` is None)."""
+    speeds = [c.replica.speed for c in candidates]
+    pooled: dict[int, list[float]] = {}
+    for speed in speeds:
+        if speed.prefill_tokens_per_s is not None:
+            for size, (tokens, seconds, _) in speed.by_size.items():
+                sums = pooled.setdefault(size, [0.0, 0.0])
+                sums[0] += tokens
+                sums[1] += seconds
+    relative: list[float | None] = []
+    for speed in speeds:
+        if speed.prefill_tokens_per_s is None:
+            relative.append(None)
+            continue
+        weighed = weights = 0.0
+        for size, (tokens, seconds, requests) in speed.by_size.items():
+            if tokens > 0 and seconds > 0:  # a class prefilled in no time of its own says nothing
+                all_tokens, all_seconds = pooled[size]
+                weighed += requests * (tokens / seconds) / (all_tokens / all_seconds)
+                weights += requests
+        relative.append(weighed / weights if weights else 1.0)
+    return relative
+
+
 def uncached_tokens(prompt_tokens: int, matched_tokens: int) -> int:
     """The prompt tokens a replica holding `matched_tokens` of it still has to prefill."""
     return prompt_tokens - matched_tokens if prompt_tokens > matched_tokens else 0

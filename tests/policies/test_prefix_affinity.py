@@ -7,6 +7,7 @@ from collections import Counter
 from gateway.fleet.replica import Replica
 from gateway.routing.policy import load_policy
 from policies.prefix_affinity import PrefixAffinity, PrefixAffinityParams
+from tests.fleet.test_replica_speed import served
 from tests.policies.helpers import candidates, complete, decide, engine_report, replicas, request, send
 
 PROMPT = 2176  # a 2048-token system prompt and a 128-token question
@@ -318,6 +319,21 @@ def test_a_replica_not_measured_yet_counts_as_fast_as_the_measured_ones() -> Non
     send(reps[2], document)
     p.rank(document, [candidates(reps)[2]])
     assert decide(p, request(30_000, stream=True), candidates(reps))[0].replica.name != "r2"
+
+
+def test_a_replica_that_served_documents_is_not_taken_for_a_faster_one() -> None:
+    """Both prefill at one pace, but r0 served documents among its chats and reads 1.7x faster
+    overall: per-request overheads weigh on short prompts. The next document goes to the idle r1,
+    not behind the 5k tokens queued on r0 (routing-long --quick: documents queued on two replicas
+    of four)."""
+    reps = replicas(2)
+    served(reps[0], [256, 256, 256, 12_000] * 4)
+    served(reps[1], [256] * 16)
+    p = policy()
+    queued = request(5_000, stream=True)
+    send(reps[0], queued)
+    p.rank(queued, [candidates(reps)[0]])
+    assert decide(p, request(12_000, stream=True), candidates(reps))[0].replica.name == "r1"
 
 
 def test_a_warm_slow_replica_still_beats_a_cold_fast_one() -> None:
