@@ -317,7 +317,7 @@ class Proxy:
         claim: Claim,
         rec: RequestRecord,
         rename: ModelRename | None,
-        first: Callable[[], None] | None = None,
+        first: Callable[[], None] | None,
     ) -> Reply | StreamOut:
         """Relay the engine's answer; `first` is called once at a streamed answer's first bytes."""
         rec.status = resp.status
