@@ -25,7 +25,7 @@ others wait whole. A drain rate cannot stand in for that: a 16k-32k-token docume
 slower per token than short prompts, and with every queued token drained at one rate a replica
 still prefilling documents looked nearly free (the simulator's queue held 20-28k tokens where the
 estimate had 1-3k), so chats and the next document queued behind them (routing-long: mean time to
-first token 1.66x radix_cache_aware's, 1.05x after).
+first token 1.07-1.66x radix_cache_aware's before; 0.99-1.02x with this and the speeds below).
 Requests whose first token is not heard (not streamed) drain at the rate (a request's prefill is
 over long before its decode is), capped by the uncached tokens of those still in flight (an entry
 leaves that ledger when its request completes, however it ends). The
