@@ -195,17 +195,16 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         return [mean * (relative.get(c.replica.name) or 1.0) for c in candidates]
 
     def _relative(self, candidates: Sequence[Candidate]) -> dict[str, float | None]:
-        """`relative_prefill_speeds` by replica name, recomputed at most every RELATIVE_TTL_S (or
-        for a candidate it lacks): it goes over every size class of every candidate, and the rates
-        it compares average about the last 20 requests anyway."""
+        """`relative_prefill_speeds` by replica name, recomputed at most every RELATIVE_TTL_S: it
+        goes over every size class of every candidate, and the rates it compares average about the
+        last 20 requests anyway. A replica it lacks counts 1.0 until then."""
         now = self._clock()
-        cached = self._relative_speeds
-        if now - self._relative_at >= RELATIVE_TTL_S or any(c.replica.name not in cached for c in candidates):
-            cached = self._relative_speeds = dict(
+        if now - self._relative_at >= RELATIVE_TTL_S:
+            self._relative_speeds = dict(
                 zip((c.replica.name for c in candidates), relative_prefill_speeds(candidates), strict=True)
             )
             self._relative_at = now
-        return cached
+        return self._relative_speeds
 
     def _queue(self, name: str, now: float, rate: float | None = None) -> _Queue:
         """The replica's queue estimate, drained up to `now` at `rate` (default: as last known)."""
