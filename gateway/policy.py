@@ -19,6 +19,7 @@ from gateway.routing.policy import (
     least_loaded,
     per_device,
     rank_by,
+    relative_prefill_speeds,
     uncached_tokens,
 )
 
@@ -37,5 +38,6 @@ __all__ = [
     "least_loaded",
     "per_device",
     "rank_by",
+    "relative_prefill_speeds",
     "uncached_tokens",
 ]

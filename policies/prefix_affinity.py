@@ -17,18 +17,31 @@ recomputing the prefix elsewhere, and a hot prefix spills onto a second replica 
 clearly faster: affinity degrades smoothly under load instead of flipping to shortest-queue.
 
 Load comes from two sources. The policy's own queue estimate is charged at decision time with the
-uncached tokens it sends to a replica and drains at `prefill_tokens_per_s` (a request's prefill is
-over long before its decode is), capped by the uncached tokens of the replica's requests still in
-flight (an entry leaves that ledger when its request completes, however it ends). The
+uncached tokens it sends to a replica. A streamed request's tokens stay queued until its first
+token comes (`on_first_token`): engines prefill first come, first served, so of the streams
+awaiting their first token only the oldest can be partly done, credited `prefill_tokens_per_s`
+times the time since it could start (its send, or the replica's latest first token), and the
+others wait whole. A drain rate cannot stand in for that: a 16k-32k-token document prefills
+slower per token than short prompts, and with every queued token drained at one rate a replica
+still prefilling documents looked nearly free (the simulator's queue held 20-28k tokens where the
+estimate had 1-3k), so chats and the next document queued behind them (routing-long: mean time to
+first token 1.07-1.66x radix_cache_aware's before; 0.99-1.02x with this and the speeds below).
+Requests whose first token is not heard (not streamed) drain at the rate (a request's prefill is
+over long before its decode is), capped by the uncached tokens of those still in flight (an entry
+leaves that ledger when its request completes, however it ends). The
 engine's own waiting queue, while its scrape is fresh, also sees admission stalls and other
-gateways' traffic: its requests are costed at the average uncached size of ours in flight there,
-those beyond our own count at `waiting_token_cost`. The larger of the two estimates counts, so
-neither double counts our own requests nor misses anyone else's.
+gateways' traffic: its requests are costed at the average uncached size of ours queued there,
+those beyond our count in flight there at `waiting_token_cost`. The larger of the two estimates
+counts, so neither double counts our own requests nor misses anyone else's.
 
 Replicas differ (an H100 beside an H200, a GPU shared by several engines): with `measured_speed`
-each replica's queue drains at its measured prefill rate (`ReplicaView.speed`, fitted by the gateway
-from its requests' time to first token against their uncached tokens), and its estimate is scaled
-by the mean rate over its own, so work on a replica half as fast counts twice.
+each replica's pace is the measured replicas' mean prefill rate (`ReplicaView.speed`, fitted by the
+gateway from its requests' time to first token against their uncached tokens) times its speed
+relative to theirs on prompts of like size (`relative_prefill_speeds`); its queue drains at that
+pace and its estimate is scaled by the mean over it, so work on a replica half as fast counts
+twice. Compared overall instead, a replica that served documents read twice as fast as one serving
+chats on the same GPU (per-request overheads weigh on short prompts) and drew the next documents.
+A replica not measured yet counts at the mean (the parameter only while none is measured).
 
 Requests no replica has an advantage for (no hit anywhere, or the same hit everywhere) go to the
 replica, among those within `cold_spread_tokens` of the best, that was given the fewest such
@@ -54,7 +67,11 @@ from gateway.policy import (
     ReplicaView,
     RequestFeatures,
     per_device,
+    relative_prefill_speeds,
 )
+
+# How long replicas' relative speeds are reused between decisions.
+RELATIVE_TTL_S = 1.0
 
 
 class PrefixAffinityParams(BaseModel):
@@ -63,7 +80,8 @@ class PrefixAffinityParams(BaseModel):
         30000.0,
         gt=0,
         description="How fast one replica works through queued prefill (wall clock: multiply by a "
-        "simulator's speedup); drains the policy's own queue estimate between decisions",
+        "simulator's speedup); the oldest stream awaiting its first token is credited this much "
+        "progress, and requests not streamed drain from the queue estimate at this rate",
     )
     # Each decoding sequence adds ~0.1 ms to an 8B step on an H200 (a few tokens of prefill for
     # the step or two a newcomer waits); 32 also weighs the slower decode it will share, and still
@@ -103,8 +121,9 @@ class PrefixAffinityParams(BaseModel):
     )
     measured_speed: bool = Field(
         True,
-        description="Use each replica's measured prefill rate (ReplicaView.speed) where known: its queue "
-        "drains at that rate and its estimate is scaled by the fleet's mean rate over its own",
+        description="Use each replica's measured prefill rate (ReplicaView.speed) where known (one not "
+        "measured yet: the measured ones' mean): its queue drains at that rate and its estimate is "
+        "scaled by the fleet's mean rate over its own",
     )
 
 
@@ -112,9 +131,16 @@ class PrefixAffinityParams(BaseModel):
 class _Queue:
     """The policy's own view of one replica's prefill queue."""
 
-    ledger: OrderedDict[str, int] = field(default_factory=OrderedDict)  # in flight: id -> uncached tokens
+    # Streamed requests sent here whose first token has not come yet, in the order they were sent:
+    # id -> (uncached tokens, when sent). Engines prefill first come, first served, so all but the
+    # oldest are still queued whole.
+    streams: OrderedDict[str, tuple[int, float]] = field(default_factory=OrderedDict)
+    stream_tokens: int = 0
+    first_at: float = 0.0  # when the latest first token came from this replica
+    # Other requests in flight (no first token is heard for them): id -> uncached tokens.
+    ledger: OrderedDict[str, int] = field(default_factory=OrderedDict)
     ledger_tokens: int = 0
-    backlog: float = 0.0  # uncached tokens not yet prefilled, as of `stamp`
+    backlog: float = 0.0  # uncached ledger tokens not yet prefilled, as of `stamp`
     stamp: float = 0.0
     placements: float = 0.0  # requests without a preference given to it, decaying, as of `placed_at`
     rate: float = 0.0  # prefill tokens/s it drains at, as last known (0: the parameter)
@@ -139,6 +165,8 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         self._window = p.placement_window_s
         self._device_load = p.device_load
         self._measured = p.measured_speed
+        self._relative_speeds: dict[str, float | None] = {}
+        self._relative_at = -math.inf
 
     def _rate(self, r: ReplicaView) -> float:
         """The replica's prefill tokens/s: measured where known (and wanted), else the parameter."""
@@ -147,6 +175,36 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
             if rate is not None:
                 return rate
         return self._tps
+
+    def _rates(self, candidates: Sequence[Candidate]) -> list[float]:
+        """The candidates' prefill tokens/s: the measured ones' mean rate, times each one's speed
+        relative to the others on requests of like size (`relative_prefill_speeds`). Overall
+        rates depend on the mix a replica served: one that prefilled documents read twice as fast
+        as one serving chats on the same GPU (6.6k against 3.5k tokens/s) and drew the next
+        documents, queued behind each other (routing-long --quick). One not measured yet counts
+        at the mean, not at the parameter: a replica is measured once 8 of its requests have
+        ended, one serving documents ends few, and taken at 10k tokens/s beside replicas measured
+        at 6-7k it looked 1.5x faster and drew 11 of 22 documents (routing-long). The parameter
+        applies while none is measured."""
+        measured = [c.replica.speed.prefill_tokens_per_s for c in candidates]
+        known = [rate for rate in measured if rate is not None]
+        if not known:
+            return [self._tps] * len(candidates)
+        mean = sum(known) / len(known)
+        relative = self._relative(candidates)
+        return [mean * (relative.get(c.replica.name) or 1.0) for c in candidates]
+
+    def _relative(self, candidates: Sequence[Candidate]) -> dict[str, float | None]:
+        """`relative_prefill_speeds` by replica name, recomputed at most every RELATIVE_TTL_S: it
+        goes over every size class of every candidate, and the rates it compares average about the
+        last 20 requests anyway. A replica it lacks counts 1.0 until then."""
+        now = self._clock()
+        if now - self._relative_at >= RELATIVE_TTL_S:
+            self._relative_speeds = dict(
+                zip((c.replica.name for c in candidates), relative_prefill_speeds(candidates), strict=True)
+            )
+            self._relative_at = now
+        return self._relative_speeds
 
     def _queue(self, name: str, now: float, rate: float | None = None) -> _Queue:
         """The replica's queue estimate, drained up to `now` at `rate` (default: as last known)."""
@@ -158,22 +216,37 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         q.stamp = now
         return q
 
-    def _queued(self, q: _Queue, r: ReplicaView, fresh: bool) -> float:
+    @staticmethod
+    def _own(q: _Queue, rate: float, now: float) -> float:
+        """The uncached tokens of our requests still to prefill on the replica: the ledger's drained
+        backlog, and the streams awaiting their first token, less what the oldest of them got done
+        since it could start (its send, or the replica's latest first token)."""
         own = min(q.backlog, q.ledger_tokens)
+        if q.streams:
+            tokens, sent = next(iter(q.streams.values()))
+            started = sent if sent > q.first_at else q.first_at
+            own += q.stream_tokens - min(tokens, rate * (now - started))
+        return own
+
+    def _queued(self, q: _Queue, r: ReplicaView, fresh: bool, rate: float, now: float) -> float:
+        own = self._own(q, rate, now)
         if fresh and r.engine.waiting:
-            # Waiting requests cost what ours in flight there cost on average; any beyond our own
-            # count are another gateway's, of unknown size.
+            # Waiting requests cost what ours queued there cost on average; any beyond our count
+            # in flight are another gateway's, of unknown size. A stream past its first token is
+            # still ours: a scrape a moment old counts it waiting.
             waiting = r.engine.waiting
-            mine = len(q.ledger)
-            engine = min(waiting, mine) * (q.ledger_tokens / mine if mine else 0.0)
-            engine += max(0, waiting - mine) * self._waiting_cost
+            mine = len(q.ledger) + len(q.streams)
+            tokens = q.ledger_tokens + q.stream_tokens
+            engine = min(waiting, mine) * (tokens / mine if mine else 0.0)
+            engine += max(0, waiting - max(mine, r.inflight_requests)) * self._waiting_cost
             return max(own, engine)
         return own
 
     def queued_tokens(self, r: ReplicaView, now: float | None = None) -> float:
         """Uncached prompt tokens believed queued for prefill on `r`."""
-        q = self._queue(r.name, self._clock() if now is None else now, self._rate(r))
-        return self._queued(q, r, r.engine_fresh)
+        now = self._clock() if now is None else now
+        rate = self._rate(r)
+        return self._queued(self._queue(r.name, now, rate), r, r.engine_fresh, rate, now)
 
     def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
         if not candidates:
@@ -186,7 +259,7 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         deepest = max(matches)
         cold = deepest == min(matches)
         # A slower replica's work takes longer: estimates are in tokens at the fleet's mean rate.
-        rates = [self._rate(c.replica) for c in candidates] if self._measured else None
+        rates = self._rates(candidates) if self._measured else None
         if rates and self._device_load:
             # Replicas on one GPU prefill at the device's pace, whichever was measured busier.
             counts = per_device(candidates, [1.0] * len(candidates))
@@ -206,7 +279,7 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
                 q.stamp = now
             q.rate = rate
             fresh = r.engine_fresh
-            ahead = queued(q, r, fresh) if fresh else min(q.backlog, q.ledger_tokens)
+            ahead = queued(q, r, fresh, rate, now) if fresh else self._own(q, rate, now)
             work.append(ahead + per_request * in_flight(r, fresh))
         if self._device_load:
             work = per_device(candidates, work)
@@ -235,35 +308,56 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
             q.placements = self.placements(q, now) + 1.0
             q.placed_at = now
         chosen = candidates[best[2]]
-        self._charge(request.request_id, chosen.replica.name, prompt - chosen.matched_tokens, now)
+        self._charge(request, chosen.replica.name, prompt - chosen.matched_tokens, now)
         return [chosen, *(candidates[s[2]] for s in scored if s is not best)]
 
     def placements(self, q: _Queue, now: float) -> float:
         return q.placements * math.exp((q.placed_at - now) / self._window)
 
-    def _charge(self, request_id: str, replica: str, tokens: int, now: float) -> None:
+    def _charge(self, request: RequestFeatures, replica: str, tokens: int, now: float) -> None:
+        request_id = request.request_id
         placed = self._placed.get(request_id)
         if placed is not None:
             old = self._queue(placed[0], now)
-            if old.ledger.pop(request_id, None) is not None:
-                old.ledger_tokens -= placed[1]
+            self._waited(old, request_id, placed[1])
             old.backlog = max(0.0, old.backlog - placed[1])
         q = self._queue(replica, now)
-        q.ledger[request_id] = tokens
-        q.ledger_tokens += tokens
-        q.backlog += tokens
+        if request.stream:
+            q.streams[request_id] = (tokens, now)
+            q.stream_tokens += tokens
+        else:
+            q.ledger[request_id] = tokens
+            q.ledger_tokens += tokens
+            q.backlog += tokens
         self._placed[request_id] = (replica, tokens)
+
+    @staticmethod
+    def _waited(q: _Queue, request_id: str, tokens: int) -> None:
+        """The request's uncached tokens no longer wait on `q`'s replica."""
+        if q.streams.pop(request_id, None) is not None:
+            q.stream_tokens -= tokens
+        elif q.ledger.pop(request_id, None) is not None:
+            q.ledger_tokens -= tokens
 
     def on_routed(self, request: RequestFeatures, replica: ReplicaView) -> None:
         # A retry may have sent the request past the replica it was charged to: move the charge.
         placed = self._placed.get(request.request_id)
         if placed is not None and placed[0] != replica.name:
-            self._charge(request.request_id, replica.name, placed[1], self._clock())
+            self._charge(request, replica.name, placed[1], self._clock())
+
+    def on_first_token(self, request: RequestFeatures, replica: ReplicaView) -> None:
+        # Its prefill is over, and the next stream sent there starts on its own from now.
+        placed = self._placed.get(request.request_id)
+        if placed is not None:
+            q = self._queues.get(placed[0])
+            if q is not None and request.request_id in q.streams:
+                self._waited(q, request.request_id, placed[1])
+                q.first_at = self._clock()
 
     def on_complete(self, request: RequestFeatures, replica: ReplicaView | None, outcome: Outcome) -> None:
-        # Its uncached tokens no longer wait anywhere: they leave the ledger that caps the queue.
+        # Its uncached tokens no longer wait anywhere (a stream that ended before its first token too).
         placed = self._placed.pop(request.request_id, None)
         if placed is not None:
             q = self._queues.get(placed[0])
-            if q is not None and q.ledger.pop(request.request_id, None) is not None:
-                q.ledger_tokens -= placed[1]
+            if q is not None:
+                self._waited(q, request.request_id, placed[1])

@@ -1,6 +1,6 @@
 """A routing policy for tests, loaded by "tests.recording_policy:Recording" like any plugin: it
 ranks replicas by name (a request's `x-pin` header puts one first), can put a named prefill
-replica first in a pair, and records every `on_complete` call."""
+replica first in a pair, and records every `on_first_token` and `on_complete` call."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class Recording(Policy[RecordingParams]):
     def __init__(self, params: RecordingParams) -> None:
         super().__init__(params)
         self.ended: list[Ended] = []
+        self.first_tokens: list[tuple[str | None, str, bool]] = []  # (test id, replica, ended already)
         self.pairs = 0
 
     def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -42,6 +43,10 @@ class Recording(Policy[RecordingParams]):
         self.pairs += 1
         first = self.params.prefill_first
         return Pair(sorted(prefill, key=lambda c: c.replica.name != first), self.rank(request, decode))
+
+    def on_first_token(self, request: RequestFeatures, replica: ReplicaView) -> None:
+        test_id = request.headers.get(ID_HEADER)
+        self.first_tokens.append((test_id, replica.name, bool(self.of(test_id))))
 
     def on_complete(self, request: RequestFeatures, replica: ReplicaView | None, outcome: Outcome) -> None:
         name = replica.name if replica is not None else None

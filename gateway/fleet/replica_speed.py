@@ -1,7 +1,7 @@
 """How fast a replica really is, measured from the requests the gateway sent it.
 
 A fleet is not uniform (an H100 beside an H200, a replica sharing its GPU, another model revision),
-and a policy that costs work in seconds needs each replica's own rate. Two figures, each an
+and a policy that costs work in seconds needs each replica's own rate. Each figure is an
 exponentially weighted average over the replica's recent completed requests:
 
 - **Prefill**: a request's prefill service time is from when the engine could start on it (its
@@ -15,6 +15,12 @@ exponentially weighted average over the replica's recent completed requests:
   documents). A least-squares split into overhead and per-token time was tried first: under
   bursts most service times are 0, the fitted slope fell near 0, the replica looked many times
   faster than it was and drew every request (routing-bursty: p95 5x radix's).
+- **Prefill by size** (`by_size`): the same sums per class of uncached size (`size_class`: sizes
+  within 4x of each other), for comparing replicas on like requests (`gateway.policy`'s
+  `relative_prefill_speeds`). The overall rate depends on a replica's mix: per-request overheads
+  weigh on short prompts, so a replica that happened to serve documents reads faster than one
+  serving chats on the same GPU (routing-long --quick: 6.6k against 3.5k tokens/s) and drew
+  the next documents.
 - **Decode**: output tokens after the first against the time from first token to the end: the
   per-stream rate a client sees, batch effects included.
 
@@ -33,6 +39,12 @@ ALPHA = 0.05
 RECENT = 64
 
 
+def size_class(tokens: int) -> int:
+    """The class of an uncached prompt size: 128-511 tokens are class 4, 512-2047 class 5, 2048-8191
+    class 6, 8192-32767 class 7 (sizes within 4x of each other share one)."""
+    return tokens.bit_length() // 2
+
+
 class ReplicaSpeed:
     __slots__ = (
         "_count",
@@ -43,6 +55,7 @@ class ReplicaSpeed:
         "_s",
         "_sents",
         "_su",
+        "by_size",
         "decode_tokens_per_s",
         "prefill_tokens_per_s",
     )
@@ -57,6 +70,8 @@ class ReplicaSpeed:
         self._decode_s = self._decode_tokens = 0.0
         self.prefill_tokens_per_s: float | None = None
         self.decode_tokens_per_s: float | None = None
+        # size_class -> [uncached tokens, service seconds, requests], decaying with every request
+        self.by_size: dict[int, list[float]] = {}
 
     def observe(self, sent: float, first: float, end: float, uncached: int, output_tokens: int) -> None:
         """One completed request: sent, first token and end (one clock, seconds), its uncached prompt
@@ -81,6 +96,14 @@ class ReplicaSpeed:
         self._su = self._su * keep + uncached
         if self._count >= MIN_SAMPLES and self._su > 0 and self._s > 0:
             self.prefill_tokens_per_s = self._su / self._s
+        for sums in self.by_size.values():
+            sums[0] *= keep
+            sums[1] *= keep
+            sums[2] *= keep
+        sums = self.by_size.setdefault(size_class(uncached), [0.0, 0.0, 0.0])
+        sums[0] += uncached
+        sums[1] += service
+        sums[2] += 1.0
         if output_tokens >= 2 and end > first:
             self._decode_n += 1
             self._decode_tokens = self._decode_tokens * keep + (output_tokens - 1)

@@ -12,10 +12,11 @@ it ranked ended (`on_complete`), exactly once too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from gateway.admission.scheduler import Scheduler
@@ -243,7 +244,12 @@ class Proxy:
                             route_reason(candidate, ranked) if router.policy.uses_prefix_match else None
                         )
                         track.error = "upstream_error"  # should reading a whole answer fail
-                        response = await self._relay(request, resp, claim, rec, req.rename)
+                        first = (
+                            functools.partial(router.first_token, features, replica)
+                            if router.first_token_heard()
+                            else None
+                        )
+                        response = await self._relay(request, resp, claim, rec, req.rename, first)
                         if plan.prefill is None:  # a PD hand-off's prefill ran elsewhere
                             measure_speed(replica, rec, features.prompt_tokens - candidate.matched_tokens)
                         return response
@@ -292,7 +298,9 @@ class Proxy:
         claim: Claim,
         rec: RequestRecord,
         rename: ModelRename | None,
+        first: Callable[[], None] | None,
     ) -> Reply | StreamOut:
+        """Relay the engine's answer; `first` is called once at a streamed answer's first bytes."""
         rec.status = resp.status
         if resp.status >= 400:
             # Rewritten in the OpenAI form, decoded: the engine's Content-Encoding no longer applies.
@@ -315,7 +323,7 @@ class Proxy:
             if rename is not None and not resp.header("Content-Encoding"):
                 raw = rename.apply(raw)
             return Reply(resp.status, raw, headers)
-        return await self._relay_stream(request, resp, headers, claim, rec, rename)
+        return await self._relay_stream(request, resp, headers, claim, rec, rename, first)
 
     async def _relay_stream(
         self,
@@ -325,6 +333,7 @@ class Proxy:
         claim: Claim,
         rec: RequestRecord,
         rename: ModelRename | None,
+        first: Callable[[], None] | None,
     ) -> Reply | StreamOut:
         out: StreamOut | None = None
         finished = False
@@ -336,6 +345,8 @@ class Proxy:
                 async for chunk in self.upstream.chunks(resp):
                     if rec.first_byte_at is None:
                         rec.first_byte_at = time.perf_counter()
+                        if first is not None:
+                            first()
                     chunk = events.feed(chunk)
                     if not chunk:
                         continue

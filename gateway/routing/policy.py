@@ -5,7 +5,8 @@ A policy ranks the candidate replicas of a pool for one request, best first (`ra
 nothing may happen between a decision and its lease); the proxy walks that list on retries. For a
 pool with prefill and decode roles it picks both legs at once (`select_pair`, by default the
 decode side by `rank` and the prefill side by load). It hears where each request was sent
-(`on_routed`) and, exactly once per ranked request, how it ended (`on_complete`). Policies are
+(`on_routed`), when a streamed answer's first token came (`on_first_token`) and, exactly once per
+ranked request, how it ended (`on_complete`). Policies are
 found by name, in this order: an entry point in the `kvgate.policies` group (the built-ins in
 `policies/` are registered exactly that way), or a `"module:Class"` string. Their `args` are
 validated against the class's parameter model, `Policy[ThatModel]`.
@@ -191,6 +192,36 @@ def per_device(candidates: Sequence[Candidate], values: Sequence[float]) -> list
     ]
 
 
+def relative_prefill_speeds(candidates: Sequence[Candidate]) -> list[float | None]:
+    """Each candidate's prefill speed relative to the others', compared on requests of like size:
+    per size class (`ReplicaSpeed.by_size`), its rate over the class's rate pooled over the
+    measured candidates, averaged with the weights of its own recent requests in each class. So
+    replicas alike read about 1.0 whatever mix each served (their overall rates do not: overheads
+    weigh on short prompts), and one twice as fast on every size reads twice another's. None where
+    not measured yet (`speed.prefill_tokens_per_s` is None)."""
+    speeds = [c.replica.speed for c in candidates]
+    pooled: dict[int, list[float]] = {}
+    for speed in speeds:
+        if speed.prefill_tokens_per_s is not None:
+            for size, (tokens, seconds, _) in speed.by_size.items():
+                sums = pooled.setdefault(size, [0.0, 0.0])
+                sums[0] += tokens
+                sums[1] += seconds
+    relative: list[float | None] = []
+    for speed in speeds:
+        if speed.prefill_tokens_per_s is None:
+            relative.append(None)
+            continue
+        weighed = weights = 0.0
+        for size, (tokens, seconds, requests) in speed.by_size.items():
+            if tokens > 0 and seconds > 0:  # a class prefilled in no time of its own says nothing
+                all_tokens, all_seconds = pooled[size]
+                weighed += requests * (tokens / seconds) / (all_tokens / all_seconds)
+                weights += requests
+        relative.append(weighed / weights if weights else 1.0)
+    return relative
+
+
 def uncached_tokens(prompt_tokens: int, matched_tokens: int) -> int:
     """The prompt tokens a replica holding `matched_tokens` of it still has to prefill."""
     return prompt_tokens - matched_tokens if prompt_tokens > matched_tokens else 0
@@ -281,6 +312,12 @@ class Policy(Generic[ParamsT]):
     def on_routed(self, request: RequestFeatures, replica: ReplicaView) -> None:
         """Called once the request was sent to `replica` (after a retry, the replica that finally
         took it; stateful policies learn at decision time here). Not called for a prefill leg."""
+
+    def on_first_token(self, request: RequestFeatures, replica: ReplicaView) -> None:
+        """Called at most once per ranked request, when the first bytes of a streamed answer (its
+        first token) came from `replica`, before `on_complete`: its prefill is over. Not called for
+        a non-streamed answer (its first byte is its end) nor an error. A policy must stay correct
+        if it never comes: gateways before this hook do not call it."""
 
     def on_complete(self, request: RequestFeatures, replica: ReplicaView | None, outcome: Outcome) -> None:
         """Called exactly once for every request this policy ranked, when it ended, however it

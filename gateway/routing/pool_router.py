@@ -369,6 +369,25 @@ class PoolRouter:
         base = Policy.on_complete
         return any(getattr(p.on_complete, "__func__", None) is not base for p in policies if p is not None)
 
+    def first_token_heard(self) -> bool:
+        """Whether the pool's policy has an `on_first_token` of its own (the base class's does
+        nothing, so a stream need not call it). A deprecated prefill policy never hears it: its leg's
+        first token is not relayed."""
+        return getattr(self.policy.on_first_token, "__func__", None) is not Policy.on_first_token
+
+    def first_token(self, features: RequestFeatures, replica: Replica) -> None:
+        """A streamed answer's first token came from `replica`: the policy hears of it. A hook that
+        fails is logged: the stream goes on."""
+        try:
+            self.policy.on_first_token(features, replica)
+        except Exception:
+            log.exception(
+                "pool %s: %s.on_first_token failed for request %s",
+                self.name,
+                type(self.policy).__qualname__,
+                features.request_id,
+            )
+
     def complete(
         self, features: RequestFeatures, replica: Replica | None, outcome: Outcome, paired: bool
     ) -> None:

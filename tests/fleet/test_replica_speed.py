@@ -7,8 +7,11 @@ import random
 
 import httpx
 
+from gateway.fleet.replica import Replica
 from gateway.fleet.replica_speed import MIN_SAMPLES, ReplicaSpeed
+from gateway.policy import relative_prefill_speeds
 from tests.conftest import gateway_settings
+from tests.policies.helpers import candidates, replicas
 from tests.simfleet import sim_fleet
 
 MODEL = "sim-model"
@@ -102,3 +105,29 @@ def test_a_short_prompt_interleaved_with_a_long_one_does_not_shorten_its_service
     assert speed.prefill_tokens_per_s is not None
     # 23,000 tokens in 2.3 s of service: the document's 2.0 s counted whole.
     assert 8_000 < speed.prefill_tokens_per_s < 12_000
+
+
+def served(replica: Replica, sizes: list[int], pace: float = 1.0) -> None:
+    """`replica` prefilled these uncached sizes one at a time, each in 20 ms plus 10k tokens/s,
+    divided by its `pace`."""
+    for k, uncached in enumerate(sizes):
+        t = 10.0 * k
+        service = (0.02 + uncached / 10_000) / pace
+        replica.speed.observe(t, t + service, t + service + 0.1, uncached, 8)
+
+
+def test_relative_speeds_compare_requests_of_like_size() -> None:
+    """r0 served documents among its chats, r1 only chats, both at one pace: per-request overheads
+    make r0's overall rate read 1.7x r1's, but alike sizes compare alike. r2 is twice as fast on
+    every size, r3 not measured yet."""
+    reps = replicas(4)
+    served(reps[0], [256, 256, 256, 12_000] * 4)
+    served(reps[1], [256] * 16)
+    served(reps[2], [256] * 16, pace=2.0)
+    rate0, rate1 = reps[0].speed.prefill_tokens_per_s, reps[1].speed.prefill_tokens_per_s
+    assert rate0 is not None and rate1 is not None and rate0 > 1.6 * rate1
+    r0, r1, r2, r3 = relative_prefill_speeds(candidates(reps))
+    assert r0 is not None and r1 is not None and r2 is not None and r3 is None
+    # Within 10% (not 1.7x): the 12k-token class is r0's alone, so it counts 1.0 there.
+    assert abs(r0 - r1) < 0.1 * r1
+    assert abs(r2 / r1 - 2.0) < 1e-9

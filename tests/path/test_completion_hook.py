@@ -1,7 +1,8 @@
 """The policy's completion hook, end to end: a real gateway in front of simulator processes, a
 policy plugin recording `on_complete`, which must fire exactly once per routed request however it
 ends: an answer, an engine's error, a retry that went to another replica, a client that leaves
-in the middle of a stream, and the prefill leg of a disaggregated request chosen by `select_pair`."""
+in the middle of a stream, and the prefill leg of a disaggregated request chosen by `select_pair`.
+And `on_first_token`: once per streamed answer, before its completion, never for the others."""
 
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ async def test_fires_once_on_success_engine_error_and_a_retry_to_another_replica
         assert streamed.outcome.ok and streamed.outcome.status == 200
         assert streamed.outcome.cached_tokens is not None and streamed.outcome.prompt_tokens > 0
         assert len(policy.ended) == 4
+        # Only the streamed answer's first token is heard, from its replica, before it ended.
+        assert policy.first_tokens == [("stream", "r1", False)]
 
 
 async def test_fires_once_when_every_replica_refuses(gateway) -> None:
@@ -110,6 +113,7 @@ async def test_fires_once_when_the_client_leaves_mid_stream(gateway) -> None:
             assert r.status_code == 200
         await ended_once(policy, "after")
         assert len(policy.of("gone")) == 1 and len(policy.ended) == 2
+        assert policy.first_tokens == [("gone", "r0", False)]
 
 
 async def test_select_pair_picks_the_prefill_leg_and_completion_names_it(gateway) -> None:

@@ -21,7 +21,7 @@ def replicas(n: int) -> list[Replica]:
 
 
 def request(
-    prompt_tokens: int = 2176, text: str = "", headers: dict[str, str] | None = None
+    prompt_tokens: int = 2176, text: str = "", headers: dict[str, str] | None = None, stream: bool = False
 ) -> RequestFeatures:
     return RequestFeatures(
         request_id=f"req-{next(_ids)}",
@@ -29,6 +29,7 @@ def request(
         pool="p",
         endpoint="chat",
         prompt_tokens=prompt_tokens,
+        stream=stream,
         text=text,
         headers=headers or {},
     )

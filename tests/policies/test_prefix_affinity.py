@@ -7,6 +7,7 @@ from collections import Counter
 from gateway.fleet.replica import Replica
 from gateway.routing.policy import load_policy
 from policies.prefix_affinity import PrefixAffinity, PrefixAffinityParams
+from tests.fleet.test_replica_speed import served
 from tests.policies.helpers import candidates, complete, decide, engine_report, replicas, request, send
 
 PROMPT = 2176  # a 2048-token system prompt and a 128-token question
@@ -69,6 +70,21 @@ def test_engine_waiting_counts_our_own_requests_at_their_size() -> None:
     assert ranked[0].replica.name == "r1"
     engine_report(reps[1], waiting=5)  # two more than ours: another gateway's, 1024 each
     assert p.queued_tokens(reps[1]) == 3 * (PROMPT - SHARED) + 2 * 1024
+
+
+def test_streams_past_their_first_token_are_not_another_gateways_in_a_stale_scrape() -> None:
+    p = policy(per_request_tokens=0)
+    reps = replicas(2)
+    streams = [request(PROMPT, stream=True) for _ in range(3)]
+    for req in streams:
+        send(reps[1], req)
+        p.rank(req, [candidates(reps)[1]])
+    for req in streams[:2]:
+        p.on_first_token(req, reps[1])  # two are decoding now, still in flight
+    engine_report(reps[1], waiting=3)  # scraped while all three waited
+    assert p.queued_tokens(reps[1]) == PROMPT  # the one still waiting, not two more at 1024
+    engine_report(reps[1], waiting=4)  # one more than ours in flight: another gateway's
+    assert p.queued_tokens(reps[1]) == PROMPT + 1024
 
 
 def test_duplicate_weight_keeps_a_prefix_on_its_replica_when_a_copy_is_barely_faster() -> None:
@@ -158,6 +174,47 @@ def test_queued_prefill_drains_while_requests_are_still_decoding() -> None:
     assert p.queued_tokens(reps[0]) == 0
     assert decide(p, request(PROMPT), candidates(reps, {"r0": SHARED}))[0].replica.name == "r0"
     assert reps[0].inflight_requests == 3
+
+
+def test_streams_sent_behind_a_document_wait_until_its_first_token() -> None:
+    """Engines prefill first come, first served: requests sent behind a 30k-token document wait
+    whole until its first token comes, however long it takes (a long prompt prefills slower per
+    token than the rate measured on short ones). Draining everything at the rate made them look
+    done after 3.4 s and the next request queued behind the document (issue 18, routing-long)."""
+    clock = Clock()
+    p = policy(clock, per_request_tokens=0, prefill_tokens_per_s=10000)
+    reps = replicas(2)
+    document = request(30000, stream=True)
+    chats = [request(1000, stream=True) for _ in range(4)]
+    for req in (document, *chats):
+        send(reps[0], req)
+        p.rank(req, [candidates(reps)[0]])
+    clock.now += 5.0  # 3.4 s of work at 10k tokens/s, but the document's first token has not come
+    assert p.queued_tokens(reps[0]) == 4000
+    # A request whose prefix r0 holds goes to r1: 4000 tokens queued on r0 cost more than
+    # recomputing the 2048-token prefix there (3200 with the duplicate's weight).
+    assert decide(p, request(PROMPT), candidates(reps, {"r0": SHARED}))[0].replica.name == "r1"
+    # Its first token came: the chats start from now, the oldest first.
+    p.on_first_token(document, reps[0])
+    assert p.queued_tokens(reps[0]) == 4000
+    clock.now += 0.15
+    assert p.queued_tokens(reps[0]) == 3000
+    for chat in chats:
+        p.on_first_token(chat, reps[0])
+    assert p.queued_tokens(reps[0]) == 0
+    assert decide(p, request(PROMPT), candidates(reps, {"r0": SHARED}))[0].replica.name == "r0"
+
+
+def test_a_stream_that_ends_before_its_first_token_leaves_the_queue() -> None:
+    p = policy(per_request_tokens=0)
+    reps = replicas(2)
+    req = request(PROMPT, stream=True)
+    lease = send(reps[0], req)
+    p.rank(req, [candidates(reps)[0]])
+    assert p.queued_tokens(reps[0]) == PROMPT
+    lease.release()
+    complete(p, req, reps[0])  # the client went away, or the engine failed it
+    assert p.queued_tokens(reps[0]) == 0
 
 
 def test_cold_requests_spread_evenly() -> None:
@@ -250,6 +307,35 @@ def test_cold_prompts_go_to_the_replica_measured_faster() -> None:
     assert sorted(chosen) == ["r0", "r0", "r1", "r1"]
 
 
+def test_a_replica_not_measured_yet_counts_as_fast_as_the_measured_ones() -> None:
+    """r2 has ended too few requests to be measured (it is prefilling a document): at the
+    parameter's 10k tokens/s beside replicas measured at 6k it looked 1.6x faster, and the next
+    document queued behind the first there instead of going to an idle replica."""
+    reps = replicas(3)
+    measured(reps[0], 6_000)
+    measured(reps[1], 6_000)
+    p = policy(prefill_tokens_per_s=10_000)
+    document = request(15_000, stream=True)
+    send(reps[2], document)
+    p.rank(document, [candidates(reps)[2]])
+    assert decide(p, request(30_000, stream=True), candidates(reps))[0].replica.name != "r2"
+
+
+def test_a_replica_that_served_documents_is_not_taken_for_a_faster_one() -> None:
+    """Both prefill at one pace, but r0 served documents among its chats and reads 1.7x faster
+    overall: per-request overheads weigh on short prompts. The next document goes to the idle r1,
+    not behind the 5k tokens queued on r0 (routing-long --quick: documents queued on two replicas
+    of four)."""
+    reps = replicas(2)
+    served(reps[0], [256, 256, 256, 12_000] * 4)
+    served(reps[1], [256] * 16)
+    p = policy()
+    queued = request(5_000, stream=True)
+    send(reps[0], queued)
+    p.rank(queued, [candidates(reps)[0]])
+    assert decide(p, request(12_000, stream=True), candidates(reps))[0].replica.name == "r1"
+
+
 def test_a_warm_slow_replica_still_beats_a_cold_fast_one() -> None:
     reps = replicas(2)
     measured(reps[0], 10_000)
@@ -266,9 +352,10 @@ def test_a_slow_replica_spills_its_queue_sooner() -> None:
         measured(reps[0], 10_000 if slow else 40_000)
         measured(reps[1], 40_000)
         p = policy(per_request_tokens=0)
-        for i in range(3):
-            p._charge(f"queued-{slow}-{i}", "r0", 1000, p._clock())
-            send(reps[0], request(1000))
+        for _ in range(3):
+            queued = request(1000)
+            p._charge(queued, "r0", 1000, p._clock())
+            send(reps[0], queued)
         ranked = p.rank(request(PROMPT), candidates(reps, {"r0": SHARED}))
         assert ranked[0].replica.name == expected
 

@@ -240,3 +240,31 @@ def test_the_outcome_is_built_only_for_a_policy_that_hears_it(monkeypatch: pytes
     assert not router.completion_heard(paired=False)  # round_robin keeps the base class's no-op
     monkeypatch.setattr(router.policy, "on_complete", lambda *args: None)  # a hook set on the instance
     assert router.completion_heard(paired=False)
+
+
+def test_first_token_is_passed_only_to_a_policy_with_the_hook(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pools = [
+        {
+            "name": "p",
+            "model": "m",
+            "endpoints": [{"url": "http://127.0.0.1:1"}],
+            "policy": {"type": "round_robin"},
+        }
+    ]
+    pool = Pool(load_config(None, {"pools": pools}).pools[0], BreakerConfig(), ScrapeConfig())
+    router = PoolRouter(pool)
+    assert not router.first_token_heard()  # round_robin keeps the base class's no-op
+
+    # A hook that fails is logged, and the stream it was called from goes on.
+    def fail(*args: object) -> None:
+        raise ValueError("a plugin's bug")
+
+    monkeypatch.setattr(router.policy, "on_first_token", fail)
+    assert router.first_token_heard()
+    replica = pool.add_replica("http://127.0.0.1:1", name="r0")
+    features = router.features({"model": "m", "prompt": "hi"}, "completions", "req-1", {})
+    with caplog.at_level(logging.ERROR):
+        router.first_token(features, replica)
+    assert "RoundRobin.on_first_token failed for request req-1" in caplog.text
