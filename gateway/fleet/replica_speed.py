@@ -20,7 +20,10 @@ exponentially weighted average over the replica's recent completed requests:
   `relative_prefill_speeds`). The overall rate depends on a replica's mix: per-request overheads
   weigh on short prompts, so a replica that happened to serve documents reads faster than one
   serving chats on the same GPU (routing-long --quick: 6.6k against 3.5k tokens/s) and drew
-  the next documents.
+  the next documents. Only requests that did not queue behind another's prefill count here: chats
+  that waited for a document and were prefilled in its last step have service times near 0, the
+  step's time went to the document's class, and their class read 17x the pool's pace; their
+  replica then drew 317 of 400 requests (routing-long, seed 5, on a loaded host).
 - **Decode**: output tokens after the first against the time from first token to the end: the
   per-stream rate a client sees, batch effects included.
 
@@ -100,10 +103,11 @@ class ReplicaSpeed:
             sums[0] *= keep
             sums[1] *= keep
             sums[2] *= keep
-        sums = self.by_size.setdefault(size_class(uncached), [0.0, 0.0, 0.0])
-        sums[0] += uncached
-        sums[1] += service
-        sums[2] += 1.0
+        if start == sent:  # not queued behind another's prefill: its service time is its own
+            sums = self.by_size.setdefault(size_class(uncached), [0.0, 0.0, 0.0])
+            sums[0] += uncached
+            sums[1] += service
+            sums[2] += 1.0
         if output_tokens >= 2 and end > first:
             self._decode_n += 1
             self._decode_tokens = self._decode_tokens * keep + (output_tokens - 1)

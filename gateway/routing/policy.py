@@ -192,13 +192,22 @@ def per_device(candidates: Sequence[Candidate], values: Sequence[float]) -> list
     ]
 
 
+# relative_prefill_speeds' guards against a few odd measurements (chats prefilled in a document's
+# last step once read 17x the pool's pace, and their replica drew 317 of 400 requests): a size
+# class counts for a replica from this many recent requests in it, and its ratio is held within
+# RELATIVE_BOUNDS.
+RELATIVE_MIN_CLASS_REQUESTS = 2.0
+RELATIVE_BOUNDS = (0.25, 4.0)  # an A100 prefills about a third as fast as an H100
+
+
 def relative_prefill_speeds(candidates: Sequence[Candidate]) -> list[float | None]:
     """Each candidate's prefill speed relative to the others', compared on requests of like size:
     per size class (`ReplicaSpeed.by_size`), its rate over the class's rate pooled over the
     measured candidates, averaged with the weights of its own recent requests in each class. So
     replicas alike read about 1.0 whatever mix each served (their overall rates do not: overheads
-    weigh on short prompts), and one twice as fast on every size reads twice another's. None where
-    not measured yet (`speed.prefill_tokens_per_s` is None)."""
+    weigh on short prompts), and one twice as fast on every size reads twice another's (within
+    RELATIVE_BOUNDS; 1.0 without two recent requests in any class). None where not measured yet
+    (`speed.prefill_tokens_per_s` is None)."""
     speeds = [c.replica.speed for c in candidates]
     pooled: dict[int, list[float]] = {}
     for speed in speeds:
@@ -207,6 +216,7 @@ def relative_prefill_speeds(candidates: Sequence[Candidate]) -> list[float | Non
                 sums = pooled.setdefault(size, [0.0, 0.0])
                 sums[0] += tokens
                 sums[1] += seconds
+    low, high = RELATIVE_BOUNDS
     relative: list[float | None] = []
     for speed in speeds:
         if speed.prefill_tokens_per_s is None:
@@ -214,9 +224,11 @@ def relative_prefill_speeds(candidates: Sequence[Candidate]) -> list[float | Non
             continue
         weighed = weights = 0.0
         for size, (tokens, seconds, requests) in speed.by_size.items():
-            if tokens > 0 and seconds > 0:  # a class prefilled in no time of its own says nothing
+            # A class prefilled in no time of its own says nothing; one or two requests, too little.
+            if tokens > 0 and seconds > 0 and requests >= RELATIVE_MIN_CLASS_REQUESTS:
                 all_tokens, all_seconds = pooled[size]
-                weighed += requests * (tokens / seconds) / (all_tokens / all_seconds)
+                ratio = (tokens / seconds) / (all_tokens / all_seconds)
+                weighed += requests * min(high, max(low, ratio))
                 weights += requests
         relative.append(weighed / weights if weights else 1.0)
     return relative

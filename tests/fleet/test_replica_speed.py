@@ -131,3 +131,35 @@ def test_relative_speeds_compare_requests_of_like_size() -> None:
     # Within 10% (not 1.7x): the 12k-token class is r0's alone, so it counts 1.0 there.
     assert abs(r0 - r1) < 0.1 * r1
     assert abs(r2 / r1 - 2.0) < 1e-9
+
+
+def test_requests_queued_behind_another_prefill_are_left_out_of_the_size_classes() -> None:
+    """Chats sent while a 24k-token document prefills get their first tokens in its last step
+    (service ~0 each): the step's time is the document's class's, so counted there the chats'
+    class read many times the pool's pace and drew every request (routing-long, seed 5)."""
+    reps = replicas(2)
+    t = 0.0
+    for _ in range(4):
+        reps[0].speed.observe(t, t + 3.0, t + 3.5, 24_000, 8)  # the document, alone
+        for k in range(8):  # chats queued behind it, all prefilled in its last step
+            reps[0].speed.observe(t + 0.5 + 0.1 * k, t + 3.01, t + 3.6, 512, 8)
+        t += 10.0
+        reps[0].speed.observe(t, t + 0.08, t + 0.5, 512, 8)  # a chat on an idle replica
+        t += 1.0
+    for k in range(40):  # the other replica serves chats alone, at the same pace
+        reps[1].speed.observe(100.0 + k, 100.08 + k, 100.5 + k, 512, 8)
+    assert sum(v[2] for v in reps[0].speed.by_size.values()) < 8  # the queued 32 are not there
+    r0, r1 = relative_prefill_speeds(candidates(reps))
+    assert r0 is not None and r1 is not None and abs(r0 - r1) < 0.05
+
+
+def test_relative_speeds_ignore_lone_samples_and_are_bounded() -> None:
+    reps = replicas(3)
+    served(reps[0], [256] * 16)
+    served(reps[1], [256] * 16)
+    served(reps[2], [256] * 16, pace=50.0)  # 50x the others on one class: held to 4x the pool
+    reps[0].speed.observe(500.0, 500.01, 500.1, 20_000, 8)  # one document 50x fast: a lone sample
+    r0, r1, r2 = relative_prefill_speeds(candidates(reps))
+    assert r0 is not None and r1 is not None and r2 is not None
+    assert abs(r0 - r1) < 0.05 * r1
+    assert r2 == 4.0
