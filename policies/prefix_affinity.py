@@ -168,14 +168,6 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         self._relative_speeds: dict[str, float | None] = {}
         self._relative_at = -math.inf
 
-    def _rate(self, r: ReplicaView) -> float:
-        """The replica's prefill tokens/s: measured where known (and wanted), else the parameter."""
-        if self._measured:
-            rate = r.speed.prefill_tokens_per_s
-            if rate is not None:
-                return rate
-        return self._tps
-
     def _rates(self, candidates: Sequence[Candidate]) -> list[float]:
         """The candidates' prefill tokens/s: the measured ones' mean rate, times each one's speed
         relative to the others on requests of like size (`relative_prefill_speeds`). Overall
@@ -245,8 +237,8 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
     def queued_tokens(self, r: ReplicaView, now: float | None = None) -> float:
         """Uncached prompt tokens believed queued for prefill on `r`."""
         now = self._clock() if now is None else now
-        rate = self._rate(r)
-        return self._queued(self._queue(r.name, now, rate), r, r.engine_fresh, rate, now)
+        q = self._queue(r.name, now)  # at the pace the last decision took for it
+        return self._queued(q, r, r.engine_fresh, q.rate or self._tps, now)
 
     def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
         if not candidates:
