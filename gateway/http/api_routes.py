@@ -14,12 +14,11 @@ import time
 from gateway.config import ServerConfig
 from gateway.errors import GatewayError, model_not_found
 from gateway.http.auth import Auth
-from gateway.http.handling import error_response
+from gateway.http.handling import error_response, new_record
 from gateway.http.request_body import read_body
 from gateway.path.exchange import Exchange, Reply, Route, json_reply
 from gateway.path.request import parse_json_body
-from gateway.path.request_record import Observer, RequestRecord
-from gateway.path.sanitize import client_request_id, new_request_id
+from gateway.path.request_record import Observer
 from gateway.path.tokenize import Tokenize
 from gateway.routing.model_catalog import ModelCatalog
 
@@ -56,11 +55,7 @@ class ApiRoutes:
         return json_reply(card)
 
     async def tokenizer(self, request: Exchange) -> Reply:
-        engine_id = new_request_id()
-        client_id = client_request_id(request.headers.get("x-request-id"))
-        rec = RequestRecord(
-            client_id or engine_id, request.path[1:], engine_request_id=engine_id, inference=False
-        )
+        rec = new_record(request, request.path[1:], inference=False)
         try:
             rec.tenant = self.auth.client(request)
             server = self.server

@@ -13,14 +13,14 @@ from gateway.errors import GatewayError, client_error, model_not_found
 from gateway.fleet.pool import Pool
 from gateway.http.api_routes import ApiRoutes
 from gateway.http.auth import Auth
-from gateway.http.handling import error_response
+from gateway.http.handling import error_response, new_record
 from gateway.http.request_body import read_body
 from gateway.logs import clip
 from gateway.path.exchange import Exchange, Reply, Route, StreamOut, json_reply
 from gateway.path.proxy import Proxy
 from gateway.path.request import ENDPOINTS
-from gateway.path.request_record import Observer, RequestRecord
-from gateway.path.sanitize import client_request_id, invalid_header, new_request_id
+from gateway.path.request_record import Observer
+from gateway.path.sanitize import invalid_header
 from gateway.path.trace import Tracer
 from gateway.routing.rollout import Router
 
@@ -72,11 +72,7 @@ class DataPlane:
     # -- inference ----------------------------------------------------------------------------
     async def inference(self, request: Exchange) -> Reply | StreamOut:
         """The envelope of an inference request: its ids and record, its span, its error form."""
-        # Engines get an id the gateway makes; the client's own id, when usable, names the
-        # request in logs and in the answer's X-Request-Id.
-        engine_id = new_request_id()
-        client_id = client_request_id(request.headers.get("x-request-id"))
-        rec = RequestRecord(client_id or engine_id, ENDPOINTS[request.path], engine_request_id=engine_id)
+        rec = new_record(request, ENDPOINTS[request.path])
         root = self.tracer.request(request.method, request.path, request.headers, rec)
         try:
             bad_header = invalid_header(request.headers)

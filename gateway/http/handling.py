@@ -10,6 +10,7 @@ from gateway.errors import GatewayError, error_body
 from gateway.logs import clip
 from gateway.path.exchange import Exchange, Reply
 from gateway.path.request_record import RequestRecord
+from gateway.path.sanitize import client_request_id, new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +19,14 @@ _JSON = "application/json"
 
 def gateway_error_reply(exc: GatewayError, headers: dict[str, str] | None = None) -> Reply:
     return Reply(exc.status, exc.body(), {"Content-Type": _JSON, **(headers or {}), **exc.headers})
+
+
+def new_record(ex: Exchange, endpoint: str, inference: bool = True) -> RequestRecord:
+    """A recorded request's record. Engines get an id the gateway makes; the client's own id, when
+    usable, names the request in logs and in the answer's X-Request-Id."""
+    engine_id = new_request_id()
+    client_id = client_request_id(ex.headers.get("x-request-id"))
+    return RequestRecord(client_id or engine_id, endpoint, engine_request_id=engine_id, inference=inference)
 
 
 def error_response(exc: GatewayError, rec: RequestRecord) -> Reply:
