@@ -147,15 +147,17 @@ class Pool:
     def disaggregated(self) -> bool:
         return any(r.role == "prefill" for r in self.replicas.values())
 
+    @staticmethod
+    def takes(replica: Replica, role: str) -> bool:
+        """Whether `replica` can take the given leg: `decode` legs also go to mixed ones."""
+        return (replica.role == "prefill") == (role == "prefill")
+
     def members(self, role: str) -> list[Replica]:
-        """Replicas that can take the given leg, available or not: `decode` legs also go to mixed
-        ones. The list is shared until the membership changes: do not modify it."""
+        """Replicas that can take the given leg, available or not. The list is shared until the
+        membership changes: do not modify it."""
         found = self._members.get(role)
         if found is None:
-            prefill = role == "prefill"
-            found = self._members[role] = [
-                r for r in self.replicas.values() if (r.role == "prefill") == prefill
-            ]
+            found = self._members[role] = [r for r in self.replicas.values() if self.takes(r, role)]
         return found
 
     def on_device(self, role: str, device: str) -> list[Replica]:

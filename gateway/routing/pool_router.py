@@ -267,25 +267,23 @@ class PoolRouter:
         members = self.pool.members(role)
         if not limit or len(members) <= limit or not policy.uses_prefix_match:
             return None
-        rng = self._rng
-        named = self.pool.replicas
-        chosen = dict.fromkeys(
-            named[name]
-            for name in self.prefix_index.holders(features.block_hashes, limit // 2, rng)
-            if name in named
-        )
+        rng, pool = self._rng, self.pool
+        indexes = [(self.prefix_index, features.block_hashes)]
         if self.fallback_index is not None:  # precise mode: replicas without KV events, by text blocks
-            for name in self.fallback_index.holders(features.text_block_hashes, limit // 2, rng):
-                if name in named:
-                    chosen[named[name]] = None
+            indexes.append((self.fallback_index, features.text_block_hashes))
+        chosen: dict[Replica, None] = {}
+        for index, hashes in indexes:
+            for name in index.holders(hashes, limit // 2, rng):
+                replica = pool.replicas.get(name)
+                if replica is not None and pool.takes(replica, role):  # the index holds either leg
+                    chosen[replica] = None
         for replica in rng.sample(members, limit):
             if len(chosen) >= limit:
                 break
             chosen[replica] = None
         for device in {r.device for r in chosen if r.device is not None}:
-            chosen.update(dict.fromkeys(self.pool.on_device(role, device)))
-        prefill = role == "prefill"
-        return [r for r in chosen if (r.role == "prefill") == prefill and r.available]
+            chosen.update(dict.fromkeys(pool.on_device(role, device)))
+        return [r for r in chosen if r.available]
 
     def offered(self, features: RequestFeatures, role: str, policy: Policy[Any]) -> list[Candidate]:
         """The candidates a policy is offered for a leg: available replicas (those `shortlist`
