@@ -93,6 +93,11 @@ def _matched(
     return [Candidate(r, matched[r.name], tokens[matched[r.name]]) for r in replicas]
 
 
+def _overrides(policy: Policy[Any], hook: str) -> bool:
+    """Whether `policy` defines the hook itself, rather than inheriting Policy's, which does nothing."""
+    return getattr(getattr(policy, hook), "__func__", None) is not getattr(Policy, hook)
+
+
 class PoolRouter:
     def __init__(self, pool: Pool, policy: Policy[Any] | None = None) -> None:
         self.pool = pool
@@ -364,14 +369,13 @@ class PoolRouter:
         """Whether a policy that ranked the request (the prefill one too when `paired`) has an
         `on_complete` of its own: the base class's does nothing, so the Outcome need not be built."""
         policies = (self.policy, self.prefill_policy) if paired else (self.policy,)
-        base = Policy.on_complete
-        return any(getattr(p.on_complete, "__func__", None) is not base for p in policies if p is not None)
+        return any(_overrides(p, "on_complete") for p in policies if p is not None)
 
     def first_token_heard(self) -> bool:
         """Whether the pool's policy has an `on_first_token` of its own (the base class's does
         nothing, so a stream need not call it). A deprecated prefill policy never hears it: its leg's
         first token is not relayed."""
-        return getattr(self.policy.on_first_token, "__func__", None) is not Policy.on_first_token
+        return _overrides(self.policy, "on_first_token")
 
     def first_token(self, features: RequestFeatures, replica: Replica) -> None:
         """A streamed answer's first token came from `replica`: the policy hears of it. A hook that
