@@ -277,6 +277,11 @@ class EngineSpec(_Strict):
     kv_cache_memory_bytes: int | None = Field(None, gt=0)
     roles: PDRoles | None = Field(None, description="Split replicas into prefill and decode roles")
     pd_transfer_backend: Literal["nixl", "mooncake"] = "nixl"
+    pd_kv_load_failure: Literal["recompute", "fail"] = Field(
+        "recompute",
+        description="A decode replica that cannot fetch the prompt's KV (the prefill replica died or the "
+        "transfer failed) prefills it itself (recompute) or fails the request (fail, vLLM's own default)",
+    )
     kv_events: bool = False
     priority_scheduling: bool = False
     lora: EngineLora | None = Field(None, description="Serve LoRA adapters (--enable-lora and its limits)")

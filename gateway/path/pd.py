@@ -82,6 +82,7 @@ def _is_batch(prompt: Any) -> bool:
 @dataclass(slots=True)
 class DecodePlan:
     body: bytes
+    alone: bytes  # the request as a decode replica serves it without a hand-off (`body` if none)
     prefill: Replica | None = None
     guard: asyncio.Task[None] | None = None  # SGLang's concurrent prefill leg
     claim: Claim | None = None  # the guard's claim on the prefill replica
@@ -131,7 +132,7 @@ class PDHandoff:
             if replica is not None and (claim := Claim.take(replica, tokens)) is not None:
                 break
         if claim is None:
-            return DecodePlan(raw)  # no prefill capacity: the decode replica does it all
+            return DecodePlan(raw, raw)  # no prefill capacity: the decode replica does it all
         prefill = claim.replica
         router.learn(features, prefill, prefill_leg=True)
         if router.pool.pd_protocol == SGLANG_CONCURRENT:
@@ -141,7 +142,7 @@ class PDHandoff:
                 claim.close()
                 raise
             guard = asyncio.create_task(self._sglang_prefill(claim, path, leg, headers))
-            return DecodePlan(leg, prefill, guard, claim)
+            return DecodePlan(leg, raw, prefill, guard, claim)
         with claim:
             return await self._vllm_prefill(claim, body, raw, path, headers, features)
 
@@ -168,7 +169,7 @@ class PDHandoff:
             log.warning(
                 "request %s: prefill on %s failed (%s); decode-only", features.request_id, prefill.name, exc
             )
-            return DecodePlan(raw)
+            return DecodePlan(raw, raw)
         claim.answered()
         if resp.status >= 500:
             log.warning(
@@ -177,7 +178,7 @@ class PDHandoff:
                 prefill.name,
                 resp.status,
             )
-            return DecodePlan(raw)
+            return DecodePlan(raw, raw)
         if resp.status >= 400:
             # The client's request is at fault: it gets the prefill's answer, not a decode attempt.
             raise GatewayError(resp.status, "prefill refused", body=normalize_error_body(answer, resp.status))
@@ -186,8 +187,8 @@ class PDHandoff:
         except (orjson.JSONDecodeError, AttributeError):
             kv = None
         if kv is None:  # the decode replica then does the full prefill itself
-            return DecodePlan(raw, prefill)
-        return DecodePlan(orjson.dumps(vllm_decode_body(body, kv)), prefill)
+            return DecodePlan(raw, raw, prefill)
+        return DecodePlan(orjson.dumps(vllm_decode_body(body, kv)), raw, prefill)
 
     async def _sglang_prefill(self, claim: Claim, path: str, leg: bytes, headers: Mapping[str, str]) -> None:
         with claim:

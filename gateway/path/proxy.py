@@ -166,7 +166,8 @@ class Proxy:
         budget = self.retry_budget
         budget.on_request()
         headers = upstream_headers(request.headers.items(), pool.passthrough_headers, rec.engine_request_id)
-        plan = DecodePlan(req.payload())
+        raw = req.payload()
+        plan = DecodePlan(raw, raw)
         refused: GatewayError | None = None  # the last retryable answer, relayed if every try fails
         failure: UpstreamError | None = None  # the last retryable transport failure
         # A generation is not idempotent: it may reach engines at most max_attempts times in
@@ -176,12 +177,13 @@ class Proxy:
             if prefills and self.pd.wanted(pool, features, ranked[0]):
                 try:
                     plan = await self.pd.prepare(
-                        router, features, prefills, req.body, req.payload(), request.path, headers
+                        router, features, prefills, req.body, raw, request.path, headers
                     )
                 except GatewayError:
                     track.error = "engine_error"  # the prefill leg's refusal is the client's answer
                     raise
                 track.prefill = plan.prefill.name if plan.prefill is not None else None
+            body = plan.body
             for attempt, candidate in enumerate(_tries(ranked, max_attempts)):
                 if deliveries >= max_attempts:
                     break
@@ -213,7 +215,7 @@ class Proxy:
                             url = replica.url + request.path
                             resend = deliveries + 2 <= max_attempts
                             rec.sent_at = time.perf_counter()
-                            opening = self.upstream.open("POST", url, plan.body, up.headers, resend=resend)
+                            opening = self.upstream.open("POST", url, body, up.headers, resend=resend)
                             guard = plan.guard
                             resp = await (opening if guard is None else _beside_prefill(opening, guard))
                         except UpstreamError as exc:
@@ -229,6 +231,22 @@ class Proxy:
                         deliveries += resp.sent
                         claim.answered()  # any well-formed answer: the engine is up
                         up.responded(resp.status)
+                        if resp.status == 500 and body is not plan.alone and plan.guard is None:
+                            # vLLM fails a decode whose KV it could not fetch (its default
+                            # kv_load_failure_policy); without the hand-off, a decode replica
+                            # prefills the prompt itself.
+                            refused = GatewayError(
+                                500,
+                                "refused",
+                                body=normalize_error_body(await self._read_error(resp), resp.status),
+                            )
+                            log.info(
+                                "request %s: decode %s failed the hand-off; again without it",
+                                request_id,
+                                replica.name,
+                            )
+                            body = plan.alone
+                            continue
                         if resp.status in retry_cfg.retry_statuses:
                             error = normalize_error_body(await self._read_error(resp), resp.status)
                             refused = GatewayError(
@@ -250,7 +268,7 @@ class Proxy:
                             else None
                         )
                         response = await self._relay(request, resp, claim, rec, req.rename, first)
-                        if plan.prefill is None:  # a PD hand-off's prefill ran elsewhere
+                        if body is plan.alone:  # no PD hand-off's prefill ran elsewhere
                             measure_speed(replica, rec, features.prompt_tokens - candidate.matched_tokens)
                         return response
                     finally:

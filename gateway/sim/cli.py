@@ -111,9 +111,8 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
     model = args.model or args.model_pos or "sim-model"
     chunked = args.enable_chunked_prefill
     budget = args.max_num_batched_tokens or (8192 if chunked else max(args.max_model_len, 2048))
-    kv_role = None
-    if args.kv_transfer_config:
-        kv_role = json.loads(args.kv_transfer_config).get("kv_role", "kv_both")
+    transfer = json.loads(args.kv_transfer_config) if args.kv_transfer_config else {}
+    kv_role = transfer.get("kv_role", "kv_both") if transfer else None
     sglang = args.api == "sglang"
     mode = None if args.disaggregation_mode in (None, "null") else args.disaggregation_mode
     if sglang and mode is None and kv_role in ("kv_producer", "kv_consumer"):
@@ -160,6 +159,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
                 max_waiting=args.max_waiting,
                 api=args.api,
                 kv_role=kv_role,
+                kv_load_failure_policy=transfer.get("kv_load_failure_policy", "fail"),
                 disaggregation_mode=mode,
                 bootstrap_port=boot + i if boot else boot,  # 0: an ephemeral port
                 kv_events=parse_kv_events_config(args.kv_events_config),

@@ -45,6 +45,8 @@ from gateway.sim.protocol import HTTPError
 from gateway.sim.serving_flags import ServingOptions
 
 log = logging.getLogger("gateway.sim")
+# How long a decode replica waits for a prefill replica that stopped answering before its KV load fails.
+_KV_FETCH_TIMEOUT = ClientTimeout(total=10)
 
 RING_SIZE = 256
 _ECHO_HEADERS = ("x-request-id", "x-vllm-priority", FAULT_HEADER, "authorization", "traceparent")
@@ -63,6 +65,7 @@ class ReplicaOptions:
     max_waiting: int | None = None
     api: str = "vllm"  # or "sglang"
     kv_role: str | None = None  # from --kv-transfer-config: kv_producer | kv_consumer | kv_both
+    kv_load_failure_policy: str = "fail"  # --kv-transfer-config's, vLLM's default: recompute | fail
     disaggregation_mode: str | None = None  # SGLang: prefill | decode
     bootstrap_port: int | None = None
     kv_events: dict[str, Any] | None = None
@@ -227,6 +230,7 @@ class Replica:
         r.add_get("/sim/state", self.sim_state)
         r.add_get("/sim/requests", self.sim_requests)
         r.add_post("/sim/pd/release", self.pd_release)
+        r.add_post("/sim/pd/lease", self.pd_lease)
         r.add_get("/sim/bootstrap/{room}", self.bootstrap_wait)
         for path in ("/sim/flush_cache", "/reset_prefix_cache", "/flush_cache"):
             r.add_post(path, self.flush_cache)
@@ -628,9 +632,11 @@ class Replica:
             if ktp.get("do_remote_decode"):
                 kv_lease, max_tokens, n = True, 1, 1
             elif ktp.get("remote_block_ids"):
-                remote_kv = True
-                if ktp.get("remote_host") and ktp.get("remote_port") and ktp.get("remote_request_id"):
+                remote_kv = await self._remote_kv_reachable(ktp)
+                if remote_kv:
                     out.release = ktp
+                elif o.kv_load_failure_policy == "fail":
+                    return await self._kv_load_failed(request, bool(body.get("stream")), headers)
         room = body.get("bootstrap_room")
         if isinstance(room, list):
             room = room[0] if room else None
@@ -781,6 +787,40 @@ class Replica:
                 await r.read()
         except Exception as exc:  # the lease times out on the prefill side anyway
             log.warning("could not release remote KV blocks at %s: %s", url, exc)
+
+    async def _remote_kv_reachable(self, ktp: dict[str, Any]) -> bool:
+        """Whether the prefill replica named in `kv_transfer_params` still holds the prompt's
+        blocks: a vLLM decode replica pulls them over NIXL and fails the load when it cannot."""
+        host, port, rid = ktp.get("remote_host"), ktp.get("remote_port"), ktp.get("remote_request_id")
+        if not (host and port and rid):
+            return True  # nothing names a lease to check (a hand-crafted body): take the blocks as sent
+        url = f"http://{host}:{port}/sim/pd/lease"
+        try:
+            async with self._client().post(
+                url, json={"remote_request_id": rid}, timeout=_KV_FETCH_TIMEOUT
+            ) as r:
+                return r.status == 200 and bool((await r.json()).get("held"))
+        except (OSError, TimeoutError, ValueError) as exc:
+            log.warning("KV load from %s failed: %s", url, exc)
+            return False
+
+    async def _kv_load_failed(
+        self, request: web.Request, stream: bool, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        """vLLM with `kv_load_failure_policy: fail`: the request ends with finish reason `error`,
+        a 500 when not streamed, an error event in an already-begun 200 stream when streamed."""
+        message = "Internal server error"
+        if not stream:
+            return self._error(500, message, err_type="InternalServerError")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
+        await resp.prepare(request)
+        error = proto.error_body(500, message, err_type="InternalServerError")
+        await resp.write(b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    async def pd_lease(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        return self._json({"held": str(body.get("remote_request_id")) in self.engine.leased})
 
     async def pd_release(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())

@@ -231,7 +231,7 @@ def test_dry_run_renders_a_vllm_pd_fleet() -> None:
     assert len(commands) == 3
     assert commands[0].startswith("CUDA_VISIBLE_DEVICES=0 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 ")
     assert "vllm serve meta-llama/Llama-3.1-8B-Instruct --host 127.0.0.1" in commands[0]
-    config = '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}'
+    config = '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_load_failure_policy":"recompute"}'
     assert f"--kv-transfer-config '{config}'" in commands[0]
     assert "kv_consumer" in commands[1] and "kv_consumer" in commands[2]
     events = [json.loads(c.split("--kv-events-config ")[1].split("'")[1])["endpoint"] for c in commands]

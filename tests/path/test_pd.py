@@ -186,3 +186,43 @@ async def test_sglang_prefill_leg_that_cannot_connect_fails_the_request_fast(gat
         )
     finally:
         await decode_engine.stop()
+
+
+def _consumer(policy: str) -> tuple[str, str]:
+    transfer = {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_load_failure_policy": policy}
+    return ("--kv-transfer-config", json.dumps(transfer))
+
+
+# The prefill replica advertises a side channel where nothing listens, as one that died right after
+# answering would: the decode replica's KV load fails.
+GONE_AFTER_ANSWERING = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.2"}
+
+
+async def test_decode_that_cannot_load_the_kv_is_retried_without_the_hand_off(gateway):
+    with (
+        sim_process(*PRODUCER, env=GONE_AFTER_ANSWERING) as prefill,
+        sim_process(*_consumer("fail")) as decode,
+    ):
+        gw = await gateway(pd_settings(prefill, decode))
+        async with httpx.AsyncClient() as c:
+            r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        legs = await seen(decode)
+    assert [leg["kv_transfer_params"] is not None for leg in legs] == [True, False]
+
+
+async def test_decode_with_recompute_policy_prefills_a_lost_kv_itself(gateway):
+    with (
+        sim_process(*PRODUCER, env=GONE_AFTER_ANSWERING) as prefill,
+        sim_process(*_consumer("recompute")) as decode,
+    ):
+        gw = await gateway(pd_settings(prefill, decode))
+        async with httpx.AsyncClient() as c:
+            body = {"model": "m", "prompt": LONG, "max_tokens": 4, "stream": True}
+            async with c.stream("POST", gw.url + "/v1/completions", json=body) as r:
+                text = (await r.aread()).decode()
+        assert r.status_code == 200 and text.rstrip().endswith("data: [DONE]")
+        assert '"error"' not in text
+        (leg,) = await seen(decode)
+    assert leg["kv_transfer_params"]["remote_request_id"]  # one try, the hand-off's: recomputed there

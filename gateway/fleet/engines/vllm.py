@@ -130,11 +130,12 @@ class VLLMAdapter(EngineAdapter):
         return args
 
     def pd_args(self, spec: EngineSpec, slot: ReplicaSlot) -> list[str]:
-        connector = _CONNECTORS[spec.pd_transfer_backend]
-        return [
-            "--kv-transfer-config",
-            compact_json({"kv_connector": connector, "kv_role": _KV_ROLES[slot.role]}),
-        ]
+        transfer = {
+            "kv_connector": _CONNECTORS[spec.pd_transfer_backend],
+            "kv_role": _KV_ROLES[slot.role],
+            "kv_load_failure_policy": spec.pd_kv_load_failure,
+        }
+        return ["--kv-transfer-config", compact_json(transfer)]
 
     def memory_args(self, spec: EngineSpec, slot: ReplicaSlot) -> list[str]:
         args: list[str] = []

@@ -12,6 +12,7 @@ from gateway.fleet.engines import adapter_for_spec, get_adapter
 from gateway.fleet.engines.base import BOOTSTRAP_PORT, ReplicaSlot
 from gateway.fleet.launcher import plan_fleet
 from gateway.fleet.ports import release_ports
+from tests.fleet.engines.test_vllm_cmdline import PRODUCER_RECOMPUTE
 
 sim = get_adapter("sim")
 
@@ -40,7 +41,7 @@ def test_sim_argv_uses_vllm_flags_and_own_options() -> None:
         "--kv-cache-dtype", "fp8", "--enable-chunked-prefill", "--max-num-batched-tokens", "4096",
         "--enable-prefix-caching", "--max-num-seqs", "64", "--kv-cache-memory-bytes", "1000000000",
         "--gpu-memory-utilization", "0.46", "--gpu-share", "2",
-        "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}',
+        "--kv-transfer-config", PRODUCER_RECOMPUTE,
         "--scheduling-policy", "priority",
         "--profile", "h200-llama3.1-8b", "--speedup", "20", "--max-waiting", "50", "--seed", "1",
     ]  # fmt: skip

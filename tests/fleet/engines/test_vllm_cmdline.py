@@ -22,6 +22,11 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 vllm = get_adapter("vllm")
 
 
+PRODUCER_RECOMPUTE = (
+    '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_load_failure_policy":"recompute"}'
+)
+
+
 def spec(**kw: object) -> EngineSpec:
     return EngineSpec(kind="vllm", **kw)  # type: ignore[arg-type]
 
@@ -94,7 +99,7 @@ def test_pd_prefill_producer_with_nixl_side_channel() -> None:
     assert argv == [
         "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8100", "--kv-cache-dtype", "fp8",
         "--enable-chunked-prefill", "--enable-prefix-caching",
-        "--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_producer"}',
+        "--kv-transfer-config", PRODUCER_RECOMPUTE,
     ]  # fmt: skip
     assert env == {
         "CUDA_VISIBLE_DEVICES": "0",
@@ -109,7 +114,7 @@ def test_pd_decode_consumer_with_mooncake() -> None:
     argv, env = vllm.command(s, MODEL, slot(role="decode", gpu_ids=(1,)))
     assert argv[-2:] == [
         "--kv-transfer-config",
-        '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}',
+        '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_load_failure_policy":"recompute"}',
     ]
     assert env == {"CUDA_VISIBLE_DEVICES": "1"}
 
