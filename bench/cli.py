@@ -149,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the GPU each --endpoints engine runs on, one per URL ('-': a GPU of its own); engines "
         "naming the same device share it (the gateways' endpoints[].device)",
     )
+    fleet.add_argument(
+        "--roles",
+        nargs="+",
+        choices=["mixed", "prefill", "decode"],
+        help="what each --endpoints engine was launched as, one per URL: configurations with a "
+        "prefill/decode split take their legs from these (engines of both roles serve plain requests too)",
+    )
     fleet.add_argument("--engine-kind", choices=["vllm", "sglang", "sim"], default="vllm")
     fleet.add_argument("--model", help="the model name the engines serve (default: the scenario's)")
     return parser
@@ -264,9 +271,11 @@ def _scenario(args: argparse.Namespace) -> int:
     existing = None
     if args.endpoints:
         devices = [None if d == "-" else d for d in args.devices] if args.devices else None
-        existing = ExistingFleet(args.endpoints, args.kv_events, args.engine_kind, devices=devices)
-    elif args.kv_events or args.devices:
-        raise ValueError("--kv-events and --devices go with --endpoints")
+        existing = ExistingFleet(
+            args.endpoints, args.kv_events, args.engine_kind, devices=devices, roles=args.roles
+        )
+    elif args.kv_events or args.devices or args.roles:
+        raise ValueError("--kv-events, --devices and --roles go with --endpoints")
     out = args.out or DEFAULT_OUT / scenario.name
     started = time.monotonic()
     failures: list[str] = []

@@ -24,6 +24,15 @@ COUNTERS = {
     "vllm:num_preemptions": "preemptions",
 }
 LORA_COUNTERS = ("lora_swaps", "lora_disk_loads")
+# A decode replica's view of prefill/decode hand-offs (vLLM's NIXL connector; by sample name):
+# prompt tokens loaded from another replica rather than computed, and the transfers themselves.
+TRANSFER_SAMPLES = {
+    "vllm:external_prefix_cache_hits_total": "external_cache_hit_tokens",
+    "vllm:nixl_xfer_time_seconds_count": "kv_transfers",
+    "vllm:nixl_xfer_time_seconds_sum": "kv_transfer_s",
+    "vllm:nixl_bytes_transferred_sum": "kv_transfer_bytes",
+    "vllm:nixl_num_failed_transfers_total": "kv_transfers_failed",
+}
 
 
 def scrape(url: str, timeout_s: float = 2.0) -> dict[str, float]:
@@ -39,6 +48,7 @@ def scrape(url: str, timeout_s: float = 2.0) -> dict[str, float]:
     for family in text_string_to_metric_families(body):
         for sample in family.samples:
             key = COUNTERS.get(sample.name.removesuffix("_total")) if sample.name.endswith("_total") else None
+            key = key or TRANSFER_SAMPLES.get(sample.name)
             if key is not None:
                 out[key] = out.get(key, 0.0) + sample.value
     return out
@@ -61,7 +71,8 @@ def fleet_counters(urls: Sequence[str]) -> dict[str, Any]:
     per_engine = [scrape(u) | sim_lora(u) for u in urls]
     if not any(per_engine):
         return {}
-    return _with_hit_rate({key: sum(e.get(key, 0.0) for e in per_engine) for key in _keys(per_engine[0])})
+    keys = _keys({k: 0 for e in per_engine for k in e})
+    return _with_hit_rate({key: sum(e.get(key, 0.0) for e in per_engine) for key in keys})
 
 
 def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -73,10 +84,28 @@ def counter_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
 
 def _keys(counters: dict[str, Any]) -> list[str]:
     """The counters summed: vLLM's, and the simulator's LoRA figures where it reports them."""
-    return [*COUNTERS.values(), *(LORA_COUNTERS if "lora_swaps" in counters else ())]
+    transfers = [k for k in TRANSFER_SAMPLES.values() if k in counters]
+    return [*COUNTERS.values(), *transfers, *(LORA_COUNTERS if "lora_swaps" in counters else ())]
 
 
 def _with_hit_rate(total: dict[str, Any]) -> dict[str, Any]:
     queries = total["prefix_cache_queries"]
     total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else None
     return total
+
+
+def gateway_pd_paths(gateways: Sequence[str], timeout_s: float = 2.0) -> dict[str, float]:
+    """How the gateways ran a PD pool's requests (kvgate_pd_requests_total by path), summed."""
+    out: dict[str, float] = {}
+    for url in gateways:
+        try:
+            with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=timeout_s) as resp:
+                body = resp.read().decode()
+        except (urllib.error.URLError, OSError, ValueError):
+            continue
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if sample.name == "kvgate_pd_requests_total":
+                    path = sample.labels["path"]
+                    out[path] = out.get(path, 0.0) + sample.value
+    return out

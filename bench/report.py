@@ -127,6 +127,15 @@ def markdown(title: str, points: Sequence[RunPoint], baseline: str, meta: dict[s
             f"preemptions {e['preemptions']:.0f}, prompt tokens {e['prompt_tokens']:.0f}, "
             f"generated {e['generation_tokens']:.0f}"
             + (
+                f", KV loaded from other replicas {e['external_cache_hit_tokens']:.0f} tokens"
+                f" in {e.get('kv_transfers', 0):.0f} transfers"
+                f" ({e.get('kv_transfer_bytes', 0) / 2**20:.0f} MiB,"
+                f" {e.get('kv_transfers_failed', 0):.0f} failed)"
+                if "external_cache_hit_tokens" in e
+                else ""
+            )
+            + (f", PD hand-offs {p.summary['pd']}" if p.summary.get("pd") else "")
+            + (
                 f", LoRA swaps {e['lora_swaps']:.0f} ({e['lora_swaps_per_min']:.0f}/min), "
                 f"disk loads {e['lora_disk_loads']:.0f} ({e['lora_disk_loads_per_min']:.0f}/min)"
                 if "lora_swaps_per_min" in e

@@ -333,6 +333,9 @@ class ExistingFleet:
     kind: Literal["vllm", "sglang", "sim"] = "vllm"
     reset_timeout_s: float = 60.0
     devices: list[str | None] | None = None  # the GPU each engine shares with others (endpoints[].device)
+    # What each engine was launched as (prefill: a kv_producer, decode: a kv_consumer); a
+    # configuration with a PD split (fleet.groups) takes its prefill and decode replicas from these.
+    roles: list[Literal["mixed", "prefill", "decode"]] | None = None
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -342,22 +345,42 @@ class ExistingFleet:
             raise ValueError(f"{len(self.kv_events)} KV event endpoints for {len(self.urls)} engines")
         if self.devices is not None and len(self.devices) != len(self.urls):
             raise ValueError(f"{len(self.devices)} devices for {len(self.urls)} engines")
+        if self.roles is not None and len(self.roles) != len(self.urls):
+            raise ValueError(f"{len(self.roles)} roles for {len(self.urls)} engines")
 
     def attach(self, spec: FleetSpec) -> AttachedFleet:
-        if spec.groups is not None:
-            raise ValueError("a prefill/decode fleet (fleet.groups) cannot run on --endpoints")
         if spec.kv_events and not self.kv_events:
             raise ValueError("this configuration needs the engines' KV events: give --kv-events")
-        endpoints = [
-            {
-                "url": u,
-                "kind": self.kind,
-                **({"kv_events": self.kv_events[k]} if spec.kv_events else {}),  # type: ignore[index]
-                **({"device": d} if self.devices and (d := self.devices[k]) else {}),
-            }
-            for k, u in enumerate(self.urls)
-        ]
+        endpoints = []
+        for k, role in self._pick(spec):
+            endpoint = {"url": self.urls[k], "kind": self.kind}
+            if role != "mixed":
+                endpoint["role"] = role
+            if spec.kv_events:
+                endpoint["kv_events"] = self.kv_events[k]  # type: ignore[index]
+            if self.devices and (d := self.devices[k]):
+                endpoint["device"] = d
+            endpoints.append(endpoint)
         return AttachedFleet(self, endpoints)
+
+    def _pick(self, spec: FleetSpec) -> list[tuple[int, str]]:
+        """(engine index, the role it plays in this run): every engine for a plain fleet of as many
+        replicas or more, the first `replicas` for a smaller one; for a PD split, each group's
+        replicas from the engines launched in its role (a mixed group from any engine left)."""
+        if spec.groups is None:
+            return [(k, "mixed") for k in range(min(spec.replicas, len(self.urls)))]
+        if self.roles is None:
+            raise ValueError("a prefill/decode fleet (fleet.groups) on --endpoints needs --roles")
+        free = list(range(len(self.urls)))
+        picked: list[tuple[int, str]] = []
+        for group in spec.groups:
+            fits = [k for k in free if group.role == "mixed" or self.roles[k] == group.role]
+            if len(fits) < group.replicas:
+                raise ValueError(f"{group.replicas} {group.role} replicas wanted, {len(fits)} engines left")
+            for k in fits[: group.replicas]:
+                free.remove(k)
+                picked.append((k, group.role))
+        return picked
 
     def reset_prefix_caches(self) -> dict[str, str]:
         """POST the kind's reset to every engine; per URL "ok", "unsupported (HTTP 404)" or why not."""
@@ -453,6 +476,7 @@ def run_point(
     log_dir = out_dir / "logs"
     fleet_run = Fleet(fleet_spec, log_dir, tag) if existing is None else existing.attach(fleet_spec)
     with fleet_run.start() as fleet:
+        pd_paths: dict[str, float] = {}
         if config.mode == "direct":
             result = loadgen.run_sync(loadgen.run(requests, load, fleet.urls, opts, len(fleet.urls)))
         else:
@@ -477,6 +501,7 @@ def run_point(
                     )
                     urls.append(url)
                 result = loadgen.run_sync(loadgen.run(requests, load, urls, opts, len(fleet.urls)))
+                pd_paths = engine_metrics.gateway_pd_paths(urls)
         engine = fleet.counters()
     records_path = out_dir / "records" / f"{tag}.jsonl"
     records_path.parent.mkdir(parents=True, exist_ok=True)
@@ -491,6 +516,8 @@ def run_point(
             engine["lora_swaps_per_min"] = engine["lora_swaps"] / minutes
             engine["lora_disk_loads_per_min"] = engine["lora_disk_loads"] / minutes
         summary["engine"] = engine
+    if pd_paths:
+        summary["pd"] = pd_paths
     summary["fleet"] = {**fleet.describe(), "replicas": len(fleet.urls)}
     return point_from_result(config.name, result, summary)
 

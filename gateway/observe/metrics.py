@@ -254,6 +254,12 @@ class GatewayMetrics:
             ["pool", "priority"],
             buckets=QUEUE_BUCKETS,
         )
+        self.pd = LoopFamily(
+            "kvgate_pd_requests",
+            "Requests of prefill/decode pools by how they ran: handoff, skipped (the decode replica "
+            "held enough of the prompt) or decode_only (no prefill leg could be used)",
+            ["pool", "path"],
+        )
         self.decisions = LoopFamily(
             "kvgate_routing_decisions",
             "Routing decisions by pool, policy and the policy's reason (cache hit, spill, cold...)",
@@ -282,6 +288,7 @@ class GatewayMetrics:
                     self.ttft,
                     self.queue,
                     self.decisions,
+                    self.pd,
                     self.prompt_tokens,
                     self.matched_tokens,
                     self.retries,
@@ -323,6 +330,8 @@ class GatewayMetrics:
             bound = self._bound[key] = self._bind(rec)
         bound.requests.inc()
         bound.duration.observe(rec.duration_s)
+        if rec.pd is not None:
+            self.pd.labels(rec.pool or NONE, rec.pd).inc()
         if bound.ttft is not None:
             ttft = rec.ttft_s
             if ttft is not None:

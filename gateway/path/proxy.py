@@ -174,7 +174,9 @@ class Proxy:
         # all, a stale keep-alive connection's silent resend included.
         deliveries = 0
         try:
-            if prefills and self.pd.wanted(pool, features, ranked[0]):
+            if prefills and not self.pd.wanted(pool, features, ranked[0]):
+                rec.pd = "skipped"
+            elif prefills:
                 try:
                     plan = await self.pd.prepare(
                         router, features, prefills, req.body, raw, request.path, headers
@@ -183,6 +185,7 @@ class Proxy:
                     track.error = "engine_error"  # the prefill leg's refusal is the client's answer
                     raise
                 track.prefill = plan.prefill.name if plan.prefill is not None else None
+                rec.pd = "decode_only" if plan.body is plan.alone else "handoff"
             body = plan.body
             for attempt, candidate in enumerate(_tries(ranked, max_attempts)):
                 if deliveries >= max_attempts:
@@ -246,6 +249,7 @@ class Proxy:
                                 replica.name,
                             )
                             body = plan.alone
+                            rec.pd = "decode_only"
                             continue
                         if resp.status in retry_cfg.retry_statuses:
                             error = normalize_error_body(await self._read_error(resp), resp.status)

@@ -33,6 +33,10 @@ class RequestRecord:
     engine_output_tokens: int | None = None  # usage.completion_tokens, when it gave them
     matched_tokens: int = 0  # prompt tokens the chosen replica was believed to hold
     route_reason: str | None = None  # why the policy chose the replica (e.g. "cache_hit", "spill")
+    # A PD pool's hand-off: "handoff" (prefilled elsewhere), "skipped" (the decode replica held
+    # enough of the prompt), "decode_only" (no prefill replica free, the prefill leg or the
+    # transferred KV failed: the decode replica prefilled it all).
+    pd: str | None = None
     status: int = 0
     error_code: str | None = None
     shed_reason: str | None = None

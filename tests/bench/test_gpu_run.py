@@ -20,7 +20,7 @@ from bench import procs
 from bench.cli import main
 from bench.gpu import compare, host
 from bench.report import write_reports
-from bench.scenario import ExistingFleet, Fleet, FleetSpec, run_scenario, scenario_from_dict
+from bench.scenario import ExistingFleet, Fleet, FleetGroup, FleetSpec, run_scenario, scenario_from_dict
 from gateway.config import load_config
 from gateway.fleet.launcher import dry_run
 
@@ -118,7 +118,7 @@ def test_cli_endpoints_run_through_gateways_even_where_caches_cannot_be_reset(
     assert [e["url"] for e in gw["pools"][0]["endpoints"]] == fleet.urls
     assert [e.get("device") for e in gw["pools"][0]["endpoints"]] == ["gpu:0", None]
     assert main(["scenario", str(path), "--quick", "--kv-events", "tcp://127.0.0.1:1"]) == 2
-    assert "--kv-events and --devices go with --endpoints" in capsys.readouterr().err
+    assert "--kv-events, --devices and --roles go with --endpoints" in capsys.readouterr().err
 
 
 def render_fleet(
@@ -231,3 +231,19 @@ def test_kill_test_a_launched_replica_is_restarted_and_rejoins(tmp_path: Path) -
     assert result["ok"] + result["in_flight_at_kill_failed"] == result["requests"], result
     assert (kg / "res" / "kill_restart" / "timeline.jsonl").stat().st_size > 0
     shutil.rmtree(tmp_path / "kg" / "engines", ignore_errors=True)
+
+
+def test_existing_engines_play_the_roles_they_were_launched_in() -> None:
+    urls = [f"http://127.0.0.1:{p}" for p in (1, 2, 3, 4)]
+    fleet = ExistingFleet(urls, roles=["prefill", "decode", "prefill", "decode"])
+    split = FleetSpec(groups=[FleetGroup(1, "prefill"), FleetGroup(1, "decode")])
+    assert fleet.attach(split).endpoints == [
+        {"url": urls[0], "kind": "vllm", "role": "prefill"},
+        {"url": urls[1], "kind": "vllm", "role": "decode"},
+    ]
+    assert [e["url"] for e in fleet.attach(FleetSpec(replicas=2)).endpoints] == urls[:2]
+    assert all("role" not in e for e in fleet.attach(FleetSpec(replicas=4)).endpoints)
+    with pytest.raises(ValueError, match="3 decode replicas wanted, 2 engines left"):
+        fleet.attach(FleetSpec(groups=[FleetGroup(3, "decode")]))
+    with pytest.raises(ValueError, match="needs --roles"):
+        ExistingFleet(urls).attach(split)
