@@ -98,6 +98,26 @@ peers() {  # sglang-router for bench.overhead's side-by-side on the host's quiet
     -d "$OUTD/peers" sglang-router==0.3.2 setproctitle
 }
 
+nixl() {  # NIXL for vLLM's NixlConnector (QUEUE=pd): nixl-cu13 and its `nixl` import shim, trimmed to
+  # the UCX backend (single host: no other plugin, no InfiniBand transport, no expert-parallel
+  # kernels), so that it travels in 8 MB beside the tree: .gpu/nixl/nixl.tar.xz, unpacked into $SITE
+  step "nixl: nixl-cu13 1.5.1, UCX backend only"
+  local dl="$WORK/dl/nixl" site="$WORK/nixl-site"
+  mkdir -p "$dl"; rm -rf "$site" "$OUTD/nixl"; mkdir -p "$site" "$OUTD/nixl"
+  # shellcheck disable=SC2086
+  "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
+    -d "$dl" nixl==1.5.1 nixl-cu13==1.5.1
+  for w in "$dl"/nixl*.whl; do (cd "$site" && unzip -q -o "$w"); done
+  (cd "$site" && rm -rf nixl_cu13-*.data nixl_cu13.scripts nixl_ep_cu13/*.so \
+     nixl_cu13.libs/ucx/libuct_ib* nixl_cu13.libs/ucx/libucx_perftest* nixl_cu13.libs/ucx/*.la \
+     nixl_cu13.libs/libibverbs-* nixl_cu13.libs/libmlx5-* nixl_cu13.libs/libnl-*
+   find .nixl_cu13.mesonpy.libs/plugins nixl_cu13.libs/nixl -name '*.so' ! -name '*UCX*' -delete)
+  # Then every shared library that nothing kept still needs (the object stores' SDKs, curl, xml...).
+  "$WORK/v312/bin/python" "$HERE/prune_libs.py" "$site"
+  tar -C "$site" -cf - . | xz -9e -T2 > "$OUTD/nixl/nixl.tar.xz"
+  ls -la "$OUTD/nixl"
+}
+
 split() {  # B.part.00 fills call 1 up to CALL_MIB with the tree, A and the wheels; the rest -> call 2
   step "split into calls"
   tree=$(cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
@@ -126,7 +146,8 @@ split() {  # B.part.00 fills call 1 up to CALL_MIB with the tree, A and the whee
 case "${1:-all}" in
   wheels) wheels; split ;;
   peers) peers ;;
-  all) payload; wheels; data; split; peers ;;
-  *) echo "usage: $0 [all|wheels|peers]"; exit 2 ;;
+  nixl) nixl ;;
+  all) payload; wheels; data; split; peers; nixl ;;
+  *) echo "usage: $0 [all|wheels|peers|nixl]"; exit 2 ;;
 esac
 step done

@@ -69,7 +69,7 @@ rate() { grep "^$1=" "$KG/rates.env" 2>/dev/null | tail -1 | cut -d= -f2; }
 setrate() { echo "$1=$2" >> "$KG/rates.env"; echo "    $1=$2"; }
 
 # ---- payload and kvgate ---------------------------------------------------------------------------------
-for d in c1 c2 wheels data peers; do [ -d "$GPU_SRC/$d" ] && mkdir -p "$STAGE/$d" && cp -rfL "$GPU_SRC/$d"/. "$STAGE/$d/"; done
+for d in c1 c2 wheels data peers nixl; do [ -d "$GPU_SRC/$d" ] && mkdir -p "$STAGE/$d" && cp -rfL "$GPU_SRC/$d"/. "$STAGE/$d/"; done
 unpack_a() {
   [ -f "$STAGE/c1/A.tar.xz" ] || { echo "A.tar.xz not carried yet (call 1 carries .gpu/c1; a fresh machine starts again there)"; return 3; }
   untar "$STAGE/c1/A.tar.xz"
@@ -111,11 +111,11 @@ step unpack_b 30 unpack_b
 need unpack_a kvgate unpack_b
 
 # ---- the managed fleet ------------------------------------------------------------------------------
-fleet_start() {  # TAG KV_DTYPE BASE_PORT: render the config, record the command lines, start kvgate in its own session
+fleet_start() {  # TAG KV_DTYPE BASE_PORT [FILE]: render the config, record the command lines, start kvgate in its own session
   # A restarted fleet takes new ports: the old ones linger in TIME_WAIT, which the launcher counts as taken.
-  local tag=$1 dtype=$2 port=$3 cfg=$KG/fleet_$1.yaml
-  sed -e "s#@ROOT@#$ROOT#g" -e "s#kv_cache_dtype: fp8#kv_cache_dtype: $dtype#" \
-      -e "s#base_port: 8001#base_port: $port#" "$HERE/fleet.yaml" > "$cfg"
+  local tag=$1 dtype=$2 port=$3 src=${4:-$HERE/fleet.yaml} cfg=$KG/fleet_$1.yaml
+  sed -e "s#@ROOT@#$ROOT#g" -e "s#@CUDART@#$(cat "$KG/cudart" 2>/dev/null)#g" \
+      -e "s#kv_cache_dtype: fp8#kv_cache_dtype: $dtype#" -e "s#base_port: 8001#base_port: $port#" "$src" > "$cfg"
   (cd "$KG" && $PY -m gateway check-config "$cfg") || return 1
   (cd "$KG" && $PY -m gateway launch --dry-run "$cfg") > "$KG/launch_dryrun_$tag.txt" || return 1
   cat "$KG/launch_dryrun_$tag.txt"
@@ -138,6 +138,60 @@ fleet_stop() {  # TAG: SIGTERM the managing gateway; it stops its engines (SIGKI
 fleet_wait() { host wait-fleet "$KG" "$CTL" --tag "$1" --deadline $(( T0 + LIMIT - 10 )); }
 gpu_mem() { [ "${KG_DRY:-0}" = 1 ] || nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$KG/nvidia-smi.txt"; }
 dtype() { if [ -f "$KG/fleet_fallback" ]; then echo auto; else echo fp8; fi; }
+
+# QUEUE=pd (issue 25): prefill/decode disaggregation on the one GPU. NIXL travels in a third call
+# (.gpu/nixl): the tree and the payload leave no room for it in the first two.
+if [ "${QUEUE:-all}" = pd ]; then
+  nixl_install() {
+    [ -f "$STAGE/nixl/nixl.tar.xz" ] || { echo "nixl not carried yet (.gpu/nixl)"; return 3; }
+    tar -C "$SITE" -xJf "$STAGE/nixl/nixl.tar.xz" || return 1
+    # UCX's CUDA transport loads the CUDA runtime by name: the one torch ships, found once here.
+    $PY -c "import glob, os, sys; hits = glob.glob(os.path.join(sys.prefix, 'lib/python3*/site-packages/nvidia/*/lib/libcudart.so.1*')) + glob.glob('/usr/local/cuda*/lib64/libcudart.so.1*'); print(os.path.dirname(hits[0]) if hits else '')" > "$KG/cudart"
+    echo "CUDA runtime for UCX: $(cat "$KG/cudart")"
+    [ "${KG_DRY:-0}" = 1 ] && return 0
+    $PY -c "
+from nixl._api import nixl_agent, nixl_agent_config
+agent = nixl_agent('kvgate-check', nixl_agent_config(backends=['UCX']))
+print('nixl', agent)"
+  }
+  pd_ref() { $PY -c "import json; e = json.load(open('$KG/endpoints.json')); print(e['urls'][0])"; }
+  step nixl 20 nixl_install
+  need nixl
+  step pd_start 10 fleet_start pd fp8 8001 "$HERE/fleet_pd.yaml"
+  step pd_wait 30 fleet_wait pd
+  if [ -f "$KG/failed/pd_wait" ] && [ ! -f "$KG/pd_fallback" ]; then
+    echo "=== the FP8 PD fleet does not start: again with the BF16 KV cache (same bytes)"
+    fleet_stop pd; touch "$KG/pd_fallback"; rm -f "$KG/failed/pd_wait" "$KG/done/pd_start"
+    step pd_start 10 fleet_start pd auto 8201 "$HERE/fleet_pd.yaml"
+    step pd_wait 30 fleet_wait pd
+  fi
+  need pd_start pd_wait
+  step pd_calib 40 calib calib_pd.json
+  # Correctness first: 200 greedy requests through the PD pool against a co-located engine.
+  step pd_check 150 bash -c "cd '$KG' && $PY -m bench.gpu.pd check '$KG' '$GW' '$(pd_ref)' --requests 200"
+  for cfg in colo2 pd_1p1d; do
+    step "pd_$cfg" 75 host scenario "$KG" "pd_$cfg" "pd-h200/$cfg" -- pd-h200 --size h200 --only $cfg --rate 2
+  done
+  for cfg in colo4 pd_2p2d; do
+    step "pd_$cfg" 75 host scenario "$KG" "pd_$cfg" "pd-h200/$cfg" -- pd-h200 --size h200 --only $cfg --rate 4
+  done
+  for cfg in always conditional; do
+    step "skip_$cfg" 75 host scenario "$KG" "skip_$cfg" "pd-skip/$cfg" -- pd-skip --size h200 --only $cfg
+  done
+  # Faults: a prefill leg's KV lost with its replica, then replicas killed under load.
+  step pd_gone_kill 60 bash -c "cd '$KG' && $PY -m bench.gpu.pd gone '$KG' h200pd-0 h200pd-2 --how kill"
+  fleet_back() {  # until the supervisor has every replica back in the pool (fleet_pd.json keeps the start-up)
+    date +%s.%N > "$KG/fleet_$1_started"; cp "$KG/gateway_pd.pid" "$KG/gateway_$1.pid"
+    ln -sf gateway_pd.log "$KG/gateway_$1.log"; fleet_wait "$1"; }
+  step pd_wait_back 30 fleet_back pd_back1
+  kill_pd() { host kill-test "$KG" "$GW" --control "$CTL" --rate 4 --victim "$1" --tag pd --name "$2" \
+                --warm-s 10 --after-s 5 --max-s 150 "${@:3}"; }
+  step pd_kill_prefill 190 kill_pd h200pd-1 pd_kill_prefill
+  step pd_kill_decode 190 kill_pd h200pd-3 pd_kill_decode --output-tokens 256
+  step pd_wait_back2 30 fleet_back pd_back2
+  step pd_gone_stop 90 bash -c "cd '$KG' && $PY -m bench.gpu.pd gone '$KG' h200pd-1 h200pd-2 --how stop --timeout-s 60"
+  finish
+fi
 step fleet_start 10 fleet_start fp8 "$(dtype)" 8001
 step fleet_wait 30 fleet_wait fp8
 if [ -f "$KG/failed/fleet_wait" ] && [ ! -f "$KG/fleet_fallback" ]; then

@@ -16,7 +16,8 @@ REPO=$(cd "$HERE/../.." && pwd)
 WORK=${GPU_BUILD:-/tmp/kvgate-gpu-build}
 DRY=${DRY_ROOT:-/tmp/kvgate-dry}
 read -r -a LIMITS <<< "${DRY_LIMITS:-570 570 570 400 300}"
-CARRY=("" "c1 wheels" "c2 data" "" "" "")   # by call number, as in README.md
+# By call number, as in README.md; QUEUE=pd carries NIXL in call 3 instead of the Mooncake data in 2.
+if [ "${QUEUE:-all}" = pd ]; then CARRY=("" "c1 wheels" "c2" "nixl" "" ""); else CARRY=("" "c1 wheels" "c2 data" "" "" ""); fi
 [ -d "$REPO/.gpu/c1" ] || { echo "build the payload first: bench/gpu/build_payload.sh"; exit 2; }
 
 if [ ! -x "$WORK/hostvenv/bin/python3" ]; then  # the GPU host's image holds these (device KINDS.md)

@@ -78,11 +78,12 @@ def _endpoints(kg: Path) -> dict[str, Any]:
 
 # ---- endpoints ----------------------------------------------------------------------------------------
 def endpoints(dryrun: Path, out: Path) -> int:
-    names, urls, events, devices = [], [], [], []
+    names, roles, urls, events, devices = [], [], [], [], []
     for line in dryrun.read_text().splitlines():
         m = _DRYRUN_REPLICA.match(line)
         if m:
             names.append(m.group(1))
+            roles.append(m.group(2))
             urls.append(m.group(3))
             events.append(m.group(4))
             devices.append(m.group(5))
@@ -92,6 +93,8 @@ def endpoints(dryrun: Path, out: Path) -> int:
     doc = {
         "names": names,
         "urls": urls,
+        # A PD fleet's roles: the benchmark's PD configurations take their legs from these.
+        "roles": roles if any(r != "mixed" for r in roles) else None,
         "kv_events": events if all(events) else None,
         # The GPUs replicas share (the launcher's gpu_ids): the benchmark gateways are told too.
         "devices": devices if any(devices) else None,
@@ -321,6 +324,8 @@ def scenario(kg: Path, step: str, out: str, args: list[str]) -> int:
         argv += ["--kv-events", *eps["kv_events"]]
     if eps.get("devices"):
         argv += ["--devices", *(d or "-" for d in eps["devices"])]
+    if eps.get("roles"):
+        argv += ["--roles", *eps["roles"]]
     started = time.time()
     rc = subprocess.call(argv, cwd=kg)
     entry = {
@@ -398,8 +403,8 @@ async def _kill_test(
     # Each pass has new system prompts (another seed), so prefixes nobody has cached keep arriving
     # after the restart: with the first pass's prefixes alone, prefix_affinity rightly keeps them on
     # the warm replicas and the restarted one serves nothing to measure (2026-12-01 run).
-    shape = {"groups": 96, "prompts_per_group": 16, "system_tokens": 2048}
-    shape |= {"question_tokens": 128, "output_tokens": 32}
+    shape = {"groups": 96, "prompts_per_group": 16, "system_tokens": opts.system_tokens}
+    shape |= {"question_tokens": 128, "output_tokens": opts.output_tokens}
     requests = [r for seed in range(7, 11) for r in make_workload("shared-prefix", shape).build(seed)]
     copts = ClientOptions(model=MODEL, timeout_s=120)
     records: list[RequestRecord] = []
@@ -439,7 +444,7 @@ async def _kill_test(
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         tasks = [asyncio.create_task(sender(session)), asyncio.create_task(monitor())]
         await asyncio.sleep(opts.warm_s)
-        pids = _STARTED.findall((kg / "gateway_fp8.log").read_text())
+        pids = _STARTED.findall((kg / f"gateway_{opts.tag}.log").read_text())
         pid = int([p for name, p in pids if name == victim][-1])
         result["pid"] = pid
         result["t_kill"] = rel()
@@ -482,7 +487,7 @@ async def _kill_test(
         in_flight_at_kill_failed=sum(1 for r in in_flight if not r.ok),
         failed_after_traffic_off=sum(1 for r in sent_after if not r.ok and off is not None and r.sent > off),
     )
-    out = kg / "res" / "kill_restart"
+    out = kg / "res" / opts.name
     out.mkdir(parents=True, exist_ok=True)
     (out / "records.jsonl").write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records))
     (out / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in timeline))
@@ -588,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--max-s", type=float, default=240.0, help="give up waiting for the restart after this")
     k.add_argument("--after-s", type=float, default=10.0, help="load kept on after the replica is back")
     k.add_argument("--system-tokens", type=int, default=2048, help="shared-prefix groups' system prompts")
+    k.add_argument("--output-tokens", type=int, default=32, help="tokens each answer streams")
+    k.add_argument("--tag", default="fp8", help="the fleet whose gateway log names the victim's pid")
+    k.add_argument("--name", default="kill_restart", help="the results' folder under res/")
     pk = sub.add_parser("pack")
     pk.add_argument("kg", type=Path)
     pk.add_argument("out", type=Path)
