@@ -17,18 +17,21 @@ def _needed(path: Path) -> list[str]:
     return [line.split("[", 1)[1].split("]", 1)[0] for line in out.splitlines() if "(NEEDED)" in line]
 
 
+def _root(lib: Path) -> bool:
+    """An extension module, NIXL's core, a kept plugin or a UCX transport."""
+    if lib.parent.name == "ucx":
+        return True
+    return lib.suffix == ".so" and (
+        lib.parent.name in ("nixl_cu13", "plugins", "nixl") or lib.name == "libnixl.so"
+    )
+
+
 def prune(root: Path) -> list[Path]:
     libs = [Path(d) / f for d, _, files in os.walk(root) for f in files if ".so" in f]
     by_name: dict[str, list[Path]] = {}
     for lib in libs:
         by_name.setdefault(lib.name, []).append(lib)
-    todo = [
-        p
-        for p in libs
-        if p.suffix == ".so"
-        and (p.parent.name in ("nixl_cu13", "plugins", "nixl") or p.name == "libnixl.so")
-        or p.parent.name == "ucx"
-    ]
+    todo = [p for p in libs if _root(p)]
     seen: set[Path] = set()
     while todo:
         lib = todo.pop()
