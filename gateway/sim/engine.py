@@ -269,6 +269,8 @@ class Engine:
                 heapq.heappush(pend, (self._link_free_at, next(self._seq), req))
                 continue
             req.remote_kv_loaded = req.state == TRANSFER
+            if req.remote_kv_loaded:
+                self.metrics.kv_transfer_time.observe(req.transfer_s)
             req.state = WAITING
             self._pending_live -= 1
             self.waiting.push(req)
@@ -397,9 +399,13 @@ class Engine:
                 m = self.metrics
                 m.prefix_cache_queries += req.prompt_len
                 m.prefix_cache_hits += len(hit) * bs
+                external = start - len(hit) * bs  # loaded from the prefill replica, not computed
+                if req.remote_kv:
+                    m.external_prefix_cache_queries += req.prompt_len - len(hit) * bs
+                    m.external_prefix_cache_hits += external
                 if req.scheduled_at is None:
                     req.scheduled_at = self.now
-                    req.num_cached = len(hit) * bs
+                    req.num_cached = start  # vLLM counts transferred tokens as cached too
                     m.queue_time.observe(self.now - req.ready_at)
                     admitted_tokens += req.prompt_len
                 running.append(req)

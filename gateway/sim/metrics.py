@@ -45,8 +45,11 @@ class EngineMetrics:
     __slots__ = (
         "decode_time",
         "e2e",
+        "external_prefix_cache_hits",
+        "external_prefix_cache_queries",
         "generation_tokens",
         "itl",
+        "kv_transfer_time",
         "num_preemptions",
         "prefill_time",
         "prefix_cache_hits",
@@ -60,6 +63,9 @@ class EngineMetrics:
     def __init__(self) -> None:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.external_prefix_cache_queries = 0  # decode legs' prompt tokens (vLLM's KV connector)
+        self.external_prefix_cache_hits = 0  # of them, loaded from a prefill replica
+        self.kv_transfer_time = Histogram()  # per transfer, as vllm:nixl_xfer_time_seconds
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_preemptions = 0

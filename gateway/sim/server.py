@@ -939,6 +939,10 @@ class Replica:
         one("vllm:kv_cache_usage_perc", "gauge", e.pool.usage)
         one("vllm:prefix_cache_queries_total", "counter", m.prefix_cache_queries)
         one("vllm:prefix_cache_hits_total", "counter", m.prefix_cache_hits)
+        if self.opts.kv_role is not None:
+            one("vllm:external_prefix_cache_queries_total", "counter", m.external_prefix_cache_queries)
+            one("vllm:external_prefix_cache_hits_total", "counter", m.external_prefix_cache_hits)
+            lines += m.kv_transfer_time.render("vllm:nixl_xfer_time_seconds", lbl)
         one("vllm:prompt_tokens_total", "counter", m.prompt_tokens)
         one("vllm:generation_tokens_total", "counter", m.generation_tokens)
         one("vllm:num_preemptions_total", "counter", m.num_preemptions)

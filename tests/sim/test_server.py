@@ -222,6 +222,13 @@ async def test_vllm_nixl_pd_legs() -> None:
                 await c.post(f"{url(d)}/v1/chat/completions", json=leg2, headers={"x-request-id": "pd1"})
             ).json()
             assert dec["usage"]["completion_tokens"] == 5
+            # As vLLM: the transferred tokens count as cached, all but the one the decode computes.
+            prompt = dec["usage"]["prompt_tokens"]
+            assert dec["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
+            text = (await c.get(f"{url(d)}/metrics")).text
+            assert "vllm:external_prefix_cache_hits_total{" in text
+            assert d.engine.metrics.external_prefix_cache_hits == prompt - 1
+            assert d.engine.metrics.kv_transfer_time.count == 1
             seen = (await state(c, d))["recent"][-1]
             assert seen["kv_transfer_params"]["remote_block_ids"] == ktp["remote_block_ids"]
             await wait_until(lambda: _field(c, p, "leased_requests", 0), 10)  # the decode side released them
