@@ -138,6 +138,7 @@ fleet_stop() {  # TAG: SIGTERM the managing gateway; it stops its engines (SIGKI
 fleet_wait() { host wait-fleet "$KG" "$CTL" --tag "$1" --deadline $(( T0 + LIMIT - 10 )); }
 gpu_mem() { [ "${KG_DRY:-0}" = 1 ] || nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$KG/nvidia-smi.txt"; }
 dtype() { if [ -f "$KG/fleet_fallback" ]; then echo auto; else echo fp8; fi; }
+calib() { host calib "$KG" --gateway "$GW" --out "$1" && gpu_mem; }
 
 # QUEUE=pd (issue 25): prefill/decode disaggregation on the one GPU. NIXL travels in a third call
 # (.gpu/nixl): the tree and the payload leave no room for it in the first two.
@@ -146,7 +147,7 @@ if [ "${QUEUE:-all}" = pd ]; then
     [ -f "$STAGE/nixl/nixl.tar.xz" ] || { echo "nixl not carried yet (.gpu/nixl)"; return 3; }
     tar -C "$SITE" -xJf "$STAGE/nixl/nixl.tar.xz" || return 1
     # UCX's CUDA transport loads the CUDA runtime by name: the one torch ships, found once here.
-    $PY -c "import glob, os, sys; hits = glob.glob(os.path.join(sys.prefix, 'lib/python3*/site-packages/nvidia/*/lib/libcudart.so.1*')) + glob.glob('/usr/local/cuda*/lib64/libcudart.so.1*'); print(os.path.dirname(hits[0]) if hits else '')" > "$KG/cudart"
+    $PY -c "import glob, os, sys; hits = glob.glob(os.path.join(sys.prefix, 'lib/python3*/site-packages/nvidia/*/lib/libcudart.so.1*')); print(os.path.dirname(hits[0]) if hits else '')" > "$KG/cudart"
     echo "CUDA runtime for UCX: $(cat "$KG/cudart")"
     [ "${KG_DRY:-0}" = 1 ] && return 0
     $PY -c "
@@ -203,7 +204,6 @@ if [ -f "$KG/failed/fleet_wait" ] && [ ! -f "$KG/fleet_fallback" ]; then
   step fleet_wait 30 fleet_wait fp8
 fi
 need fleet_start fleet_wait
-calib() { host calib "$KG" --gateway "$GW" --out "$1" && gpu_mem; }
 step calib 40 calib calib.json
 
 # QUEUE=hot: the short session after the device fix (a fresh machine, what little device time was
