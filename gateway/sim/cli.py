@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--fault-seed", type=int, default=0)
     sim.add_argument("--default-max-tokens", type=int, default=64, help="output length without max_tokens")
     sim.add_argument("--kv-lease-timeout", type=float, default=30.0, help="PD prefill: hold blocks this long")
+    sim.add_argument(
+        "--kv-transfer-bw",
+        type=float,
+        default=None,
+        help="PD decode: KV bytes/s from the prefill replica (default: the profile's RDMA link; two vLLM "
+        "processes on one H200 measured 4e8 through NIXL's UCX, bench/results/gpu/2026-12-02-pd)",
+    )
     sim.add_argument("--log-level", default="info")
     return p
 
@@ -107,7 +114,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
-    profile = get_profile(args.profile)
+    profile = get_profile(
+        args.profile, **({} if args.kv_transfer_bw is None else {"transfer_bw": args.kv_transfer_bw})
+    )
     model = args.model or args.model_pos or "sim-model"
     chunked = args.enable_chunked_prefill
     budget = args.max_num_batched_tokens or (8192 if chunked else max(args.max_model_len, 2048))
