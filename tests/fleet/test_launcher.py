@@ -20,6 +20,7 @@ from gateway.config import EngineSpec, Settings
 from gateway.fleet.engines import adapter_for_spec, get_adapter
 from gateway.fleet.launcher import FleetLauncher, LaunchedReplica, LaunchError, dry_run
 from gateway.fleet.load_scraper import LoadScraper
+from gateway.logs import TextFormatter
 from tests.conftest import REPO, wait_until
 
 
@@ -144,7 +145,11 @@ async def test_failed_start_reports_log_tail(tmp_path: Path, caplog: pytest.LogC
     message = str(err.value)
     assert "bad-0" in message and "exited with code 2 while starting" in message
     assert "invalid choice: 'no-such-gpu'" in message  # the engine's own words, from its log
-    assert "invalid choice: 'no-such-gpu'" in caplog.text  # and in the gateway log
+    # And in the gateway log, line by line (not one line with its newlines escaped as `\n`).
+    (failed,) = [r for r in caplog.records if "exited with code 2" in r.getMessage()]
+    logged = TextFormatter().format(failed).splitlines()
+    assert len(logged) > 2 and all(line.startswith("    | ") for line in logged[1:])
+    assert any("invalid choice: 'no-such-gpu'" in line for line in logged[1:])
     assert rec.ready == [] and rec.down == []
 
 
