@@ -32,6 +32,19 @@ def test_bad_config_exits_nonzero_naming_the_key(tmp_path):
     assert check.returncode == 2 and "pools.0.engines.replicas" in check.stderr
 
 
+def test_bench_without_its_extra_says_what_to_install() -> None:
+    """`kvgate bench` on an install without matplotlib (a plain `pip install kvgate`, the Docker
+    image): one line naming the extra, not a traceback, for `--help` too."""
+    hide = "import sys; sys.modules['matplotlib'] = None; from gateway.cli import main; sys.exit(main())"
+    for args in (["bench", "--help"], ["bench", "list"]):
+        out = subprocess.run(
+            [PYTHON, "-c", hide, *args], capture_output=True, text=True, env=subprocess_env(), timeout=60
+        )
+        assert out.returncode == 2 and out.stderr.splitlines() == [
+            "kvgate bench needs matplotlib: pip install 'kvgate[bench]'"
+        ]
+
+
 async def wait_ready(client: httpx.AsyncClient, url: str) -> None:
     """Until the gateway process answers /ready with 200 (it starts listening after a moment)."""
 
