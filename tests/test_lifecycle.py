@@ -11,7 +11,7 @@ import httpx
 import yaml
 
 from gateway.server import GC_YOUNG_THRESHOLD, settle_gc
-from tests.conftest import PYTHON, free_port, subprocess_env, wait_until
+from tests.conftest import PYTHON, STARTUP_S, free_port, subprocess_env, wait_until
 
 
 def kvgate(*args: str) -> subprocess.CompletedProcess[str]:
@@ -54,7 +54,7 @@ async def wait_ready(client: httpx.AsyncClient, url: str) -> None:
         except httpx.TransportError:
             return False
 
-    await wait_until(ready, 20, "the gateway to be ready", 0.05)
+    await wait_until(ready, STARTUP_S, "the gateway to be ready", 0.05)
 
 
 async def test_sigterm_lets_inflight_stream_finish_then_exits_zero(upstreams, tmp_path):
