@@ -49,8 +49,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return sim_main(argv[1:])
     if argv and argv[0] == "bench":
-        from bench.cli import main as bench_main
-
+        try:
+            from bench.cli import main as bench_main
+        except ModuleNotFoundError as exc:  # an install without the bench extra (the Docker image's)
+            if exc.name is None or exc.name.startswith(("bench", "gateway")):
+                raise
+            print(f"kvgate bench needs {exc.name}: pip install 'kvgate[bench]'", file=sys.stderr)
+            return 2
         return bench_main(argv[1:])
     if argv and argv[0] == "rollout":
         from gateway.control.rollout_cli import main as rollout_main

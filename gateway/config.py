@@ -821,6 +821,7 @@ class Settings(BaseSettings):
             if unknown or not self.server.ready:
                 what = unknown or "an empty list"
                 raise ValueError(f"server.ready: {what}: expected names of pools {pool_names}")
+        _check_ports(self)
         classes = {c.name for c in self.scheduler.classes}
         for t in self.tenants:
             if t.max_priority is not None and t.max_priority not in classes:
@@ -832,6 +833,51 @@ class Settings(BaseSettings):
             if p.name == name:
                 return p
         raise KeyError(name)
+
+
+_WILDCARDS = frozenset({"0.0.0.0", "::", ""})
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def _same_socket(a: tuple[str, int], b: tuple[str, int], *, listeners: bool) -> bool:
+    """Are `a` (a listener) and `b` (another listener, else an engine's address) one port of this
+    host? A wildcard listener takes the port on every address; an engine's address is this host's
+    only when it is a loopback or wildcard one, or the listener's own."""
+    (host_a, port_a), (host_b, port_b) = a, b
+    if port_a != port_b:
+        return False
+    local = _LOOPBACK | _WILDCARDS
+    if host_a == host_b or (host_a in local and host_b in local):
+        return True
+    return listeners and (host_a in _WILDCARDS or host_b in _WILDCARDS)
+
+
+def _check_ports(settings: Settings) -> None:
+    """No two of the gateway's listeners, its launched engines (with a `base_port`) and the engines it
+    is told to reach share a port of this host: a control port that is also an engine's address
+    would send the engine's requests to the admin API."""
+    listeners: list[tuple[str, tuple[str, int]]] = []
+    if settings.server.port:
+        listeners.append(("server.port", (settings.server.host, settings.server.port)))
+    if settings.control.admin_key and settings.control.port:
+        listeners.append(("control.port", (settings.control.host, settings.control.port)))
+    for i, pool in enumerate(settings.pools):
+        spec = pool.engines
+        if spec is not None and spec.base_port:
+            for n in range(spec.replicas):
+                listeners.append((f"pools.{i}.engines.base_port", (spec.host, spec.base_port + n)))
+    targets: list[tuple[str, tuple[str, int]]] = []
+    for i, pool in enumerate(settings.pools):
+        for j, ep in enumerate(pool.endpoints):
+            target = parse_target(ep.url)
+            targets.append((f"pools.{i}.endpoints.{j} ({ep.url})", (target.host, target.port)))
+    for k, (name, address) in enumerate(listeners):
+        clashes = [o for o, there in listeners[k + 1 :] if _same_socket(address, there, listeners=True)]
+        clashes += [o for o, there in targets if _same_socket(address, there, listeners=False)]
+        if clashes:
+            raise ValueError(
+                f"{name} {address[1]} is also {clashes[0]}'s port: each listener and engine needs its own"
+            )
 
 
 def _format_error(err: ValidationError) -> str:

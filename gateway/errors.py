@@ -67,6 +67,17 @@ _ENGINE_CODES = {
     "notimplementederror": "not_implemented",
     "internalservererror": "internal_error",
 }
+# What engines say of a prompt longer than the model's context. vLLM since its renderer (0.26):
+# "You passed N input tokens [characters] and requested M output tokens. However, the model's context
+# length is only L tokens, ..." (vllm/renderers/params.py); before it: "This model's maximum context
+# length is L tokens. However, you requested ...". SGLang (tokenizer_manager._validate_one_request):
+# "The input (N tokens) is longer than the model's context length (L tokens)." and "Requested token
+# count exceeds the model's maximum context length of L tokens. ...".
+_CONTEXT_LENGTH_TEXTS = (
+    "the model's context length is only",
+    "maximum context length",
+    "is longer than the model's context length",
+)
 _MAX_MESSAGE = 4000
 _MAX_CODE = 64
 
@@ -142,7 +153,7 @@ def _code(status: int, message: str, engine_type: str | None, param: str | None,
         return code[:_MAX_CODE]  # already a name (an OpenAI-compatible server's, or the gateway's)
     if status == 404 and param == "model":
         return "model_not_found"
-    if status == 400 and "maximum context length" in message:  # vLLM's and SGLang's prompt-length text
+    if status == 400 and any(text in message for text in _CONTEXT_LENGTH_TEXTS):
         return "context_length_exceeded"
     if engine_type is not None:
         key = engine_type.strip().lower()

@@ -5,7 +5,9 @@ the fields at the top level of the object, the text formatter appends them as `k
 
 Messages and fields may carry client strings (a model name, a header value): the text formatter
 escapes control characters in them, so no client can start a forged log line, and both formatters
-cut a message or field at `MAX_FIELD_CHARS`. Tracebacks keep their lines.
+cut a message or field at `MAX_FIELD_CHARS`. Tracebacks keep their lines, as does a block of text
+passed as `extra={"block": text}` (a crashed engine's log tail): the text formatter writes each of
+its lines after the message, indented behind `| ` and escaped, so none can pass for a log line.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import orjson
 from aiohttp.http_exceptions import HttpProcessingError
 
 MAX_FIELD_CHARS = 4096
+BLOCK_CHARS = 64 * 1024
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
@@ -37,6 +40,11 @@ def _fields(record: logging.LogRecord) -> dict[str, object] | None:
     return extra if isinstance(extra, dict) else None
 
 
+def _block(record: logging.LogRecord) -> str | None:
+    block = getattr(record, "block", None)
+    return block if isinstance(block, str) else None
+
+
 def _cut(value: str) -> str:
     return value if len(value) <= MAX_FIELD_CHARS else f"{value[:MAX_FIELD_CHARS]}...({len(value)} chars)"
 
@@ -52,6 +60,9 @@ class JsonFormatter(logging.Formatter):
         extra = _fields(record)
         if extra:
             doc.update({k: _cut(v) if isinstance(v, str) else v for k, v in extra.items()})
+        block = _block(record)
+        if block is not None:
+            doc["block"] = block[-BLOCK_CHARS:]
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(doc, default=str).decode()
@@ -75,6 +86,10 @@ class TextFormatter(logging.Formatter):
         # The message alone (the traceback is appended after this): one line, whatever it holds.
         record.message = clip(record.message, MAX_FIELD_CHARS)
         line = super().formatMessage(record)
+        block = _block(record)
+        if block is not None:
+            lines = block[-BLOCK_CHARS:].splitlines()
+            line += "".join(f"\n    | {clip(text, MAX_FIELD_CHARS)}" for text in lines)
         extra = _fields(record)
         if not extra:
             return line

@@ -159,6 +159,19 @@ async def _reload(runtime: Runtime) -> None:
         log.warning("SIGHUP: config reload rejected: %s", exc)
 
 
+async def _announce_ready(gateway: RunningGateway) -> None:
+    """Say once when the gateway is ready (`server.ready`): managed engines take a while to start,
+    and until one is healthy requests get 503 `no_healthy_replica`."""
+    plane = gateway.runtime.data_plane
+    if not plane.is_ready(plane.pools_ready()):
+        log.info("waiting for engines to become healthy: /ready answers 503 until then")
+        # Health is a flag the checks and the launcher set, with nothing to await: polled.
+        while not plane.is_ready(plane.pools_ready()):  # noqa: ASYNC110
+            await asyncio.sleep(READY_POLL_S)
+    healthy = sum(r.healthy for pool in gateway.runtime.pools.values() for r in pool.replicas.values())
+    log.info("kvgate ready on %s: %d healthy replica(s)", gateway.url, healthy)
+
+
 async def serve(
     settings: Settings, config_path: str | None = None, server_overrides: dict[str, Any] | None = None
 ) -> int:
@@ -168,6 +181,7 @@ async def serve(
         loop.add_signal_handler(sig, stop.set)
     gateway = await start_gateway(settings, config_path, server_overrides)
     settle_gc()
+    announcing = asyncio.create_task(_announce_ready(gateway))
     reloads: set[asyncio.Task[None]] = set()  # held so a running reload is not garbage-collected
 
     def on_sighup() -> None:
@@ -180,10 +194,13 @@ async def serve(
         await stop.wait()
         log.info("stop signal: draining (grace %.0f s)", settings.server.grace_period_s)
     finally:
+        announcing.cancel()
         await gateway.stop()
     log.info("kvgate stopped")
     return 0
 
+
+READY_POLL_S = 0.2
 
 # Container allocations between two young-generation collections (CPython's default: 700).
 GC_YOUNG_THRESHOLD = 10_000

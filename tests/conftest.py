@@ -21,6 +21,11 @@ from tests.upstream_app import Upstream
 REPO = Path(__file__).resolve().parent.parent
 
 
+# How long a test waits for a process or server to start: CI's machine is a loaded 2-core one, where a
+# Python process with several replicas takes seconds; a wait ends as soon as the start is seen.
+STARTUP_S = 90.0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,7 +44,9 @@ def gateway_settings(endpoints: list[str], **overrides: Any) -> Settings:
     data: dict[str, Any] = {
         "server": {"port": 0, "grace_period_s": 5},
         "control": {"port": 0},  # listens only with an admin key (`control={"admin_key": ...}`)
-        "health": {"interval_s": 0.1, "timeout_s": 0.5, "failure_threshold": 1, "success_threshold": 1},
+        # A check times out only well past a loaded machine's pauses: tests eject replicas by their
+        # answers (503, a refused connection), never by a slow one.
+        "health": {"interval_s": 0.1, "timeout_s": 5.0, "failure_threshold": 1, "success_threshold": 1},
         "retry": {"backoff_initial_s": 0.001, "backoff_max_s": 0.01},
         "pools": [pool],
     }

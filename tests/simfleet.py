@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from tests.conftest import PYTHON, subprocess_env
+from tests.conftest import PYTHON, STARTUP_S, subprocess_env
 
 _LISTENING = re.compile(r"kvgate-sim listening on (\S+)")
 
@@ -51,7 +51,7 @@ def sim_fleet(
 
 @contextmanager
 def sim_command(
-    argv: list[str], replicas: int, env: dict[str, str] | None = None, timeout: float = 20.0
+    argv: list[str], replicas: int, env: dict[str, str] | None = None, timeout: float = STARTUP_S
 ) -> Iterator[SimFleet]:
     """A command line that starts the simulator (with `--port 0`: it picks its ports), as a
     process of its own; yielded once its `replicas` replicas listen, stopped at the end."""

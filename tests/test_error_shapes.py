@@ -21,6 +21,45 @@ VLLM_LENGTH = _vllm(
     "input_tokens",
     400,
 )
+# vLLM 0.26+ (vllm/renderers/params.py), by token count and by character count.
+VLLM_TOKENS = _vllm(
+    "You passed 10 input tokens and requested 4090 output tokens. However, the model's context length "
+    "is only 4096 tokens, resulting in a maximum input length of 6 tokens. Please reduce the length of "
+    "the input prompt. (parameter=input_tokens, value=10)",
+    "BadRequestError",
+    "input_tokens",
+    400,
+)
+VLLM_CHARS = _vllm(
+    "You passed 90000 input characters and requested 0 output tokens. However, the model's context "
+    "length is only 4096 tokens, resulting in a maximum input length of 4096 tokens (at most 81920 "
+    "characters). Please reduce the length of the input prompt. (parameter=input_text, value=90000)",
+    "BadRequestError",
+    "input_text",
+    400,
+)
+# SGLang (tokenizer_manager._validate_one_request), in its flat form: the prompt alone, and with max_tokens.
+SGLANG_INPUT = orjson.dumps(
+    {
+        "object": "error",
+        "message": "The input (5000 tokens) is longer than the model's context length (4096 tokens).",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+)
+SGLANG_TOTAL = orjson.dumps(
+    {
+        "object": "error",
+        "message": "Requested token count exceeds the model's maximum context length of 4096 tokens. You "
+        "requested a total of 5000 tokens: 4000 tokens from the input messages and 1000 tokens for the "
+        "completion. Please reduce the number of tokens in the input messages or the completion to fit "
+        "within the limit.",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+)
 LORA_INPUT = _vllm("The lora adapter 'sql' has already been loaded.", "InvalidUserInput", None, 400)
 SGLANG_FLAT = orjson.dumps(
     {
@@ -61,6 +100,10 @@ NAMED = orjson.dumps({"error": {"message": "slow down", "type": "rate_limit", "c
             "model_not_found",
         ),
         (VLLM_LENGTH, 400, None, "invalid_request_error", "input_tokens", "context_length_exceeded"),
+        (VLLM_TOKENS, 400, None, "invalid_request_error", "input_tokens", "context_length_exceeded"),
+        (VLLM_CHARS, 400, None, "invalid_request_error", "input_text", "context_length_exceeded"),
+        (SGLANG_INPUT, 400, None, "invalid_request_error", None, "context_length_exceeded"),
+        (SGLANG_TOTAL, 400, None, "invalid_request_error", None, "context_length_exceeded"),
         (SGLANG_FLAT, 400, "bad sampling params", "invalid_request_error", None, "bad_request"),
         (FASTAPI_404, 404, "Not Found", "invalid_request_error", None, "not_found"),
         (
@@ -92,7 +135,7 @@ def test_engine_error_shapes(
     assert list(err) == ["message", "type", "param", "code"]
     if message is None:  # the engine's own text, whole
         doc = orjson.loads(raw) if raw.startswith(b"{") else None
-        expected = doc["error"]["message"] if doc else raw.decode()
+        expected = (doc.get("error") or doc)["message"] if doc else raw.decode()
         assert err["message"] == expected
     else:
         assert err["message"] == message

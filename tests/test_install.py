@@ -149,3 +149,10 @@ def test_a_fresh_install_with_runtime_dependencies_serves_a_completion(tmp_path:
         finally:
             if serve.poll() is None:
                 serve.kill()
+    if "bench" not in extras.split(","):  # the image has no bench extra: one line says what to install
+        bench = subprocess.run(
+            [str(venv / "bin" / "kvgate"), "bench", "--help"], env=env, capture_output=True, text=True
+        )
+        assert bench.returncode == 2 and bench.stderr.strip().splitlines() == [
+            "kvgate bench needs matplotlib: pip install 'kvgate[bench]'"
+        ]

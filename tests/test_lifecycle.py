@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import gc
+import json
 import signal
 import subprocess
 import time
 
 import httpx
+import openai
 import yaml
 
 from gateway.server import GC_YOUNG_THRESHOLD, settle_gc
-from tests.conftest import PYTHON, free_port, subprocess_env, wait_until
+from tests.conftest import PYTHON, STARTUP_S, free_port, subprocess_env, wait_until, wait_until_sync
 
 
 def kvgate(*args: str) -> subprocess.CompletedProcess[str]:
@@ -32,6 +34,19 @@ def test_bad_config_exits_nonzero_naming_the_key(tmp_path):
     assert check.returncode == 2 and "pools.0.engines.replicas" in check.stderr
 
 
+def test_bench_without_its_extra_says_what_to_install() -> None:
+    """`kvgate bench` on an install without matplotlib (a plain `pip install kvgate`, the Docker
+    image): one line naming the extra, not a traceback, for `--help` too."""
+    hide = "import sys; sys.modules['matplotlib'] = None; from gateway.cli import main; sys.exit(main())"
+    for args in (["bench", "--help"], ["bench", "list"]):
+        out = subprocess.run(
+            [PYTHON, "-c", hide, *args], capture_output=True, text=True, env=subprocess_env(), timeout=60
+        )
+        assert out.returncode == 2 and out.stderr.splitlines() == [
+            "kvgate bench needs matplotlib: pip install 'kvgate[bench]'"
+        ]
+
+
 async def wait_ready(client: httpx.AsyncClient, url: str) -> None:
     """Until the gateway process answers /ready with 200 (it starts listening after a moment)."""
 
@@ -41,7 +56,7 @@ async def wait_ready(client: httpx.AsyncClient, url: str) -> None:
         except httpx.TransportError:
             return False
 
-    await wait_until(ready, 20, "the gateway to be ready", 0.05)
+    await wait_until(ready, STARTUP_S, "the gateway to be ready", 0.05)
 
 
 async def test_sigterm_lets_inflight_stream_finish_then_exits_zero(upstreams, tmp_path):
@@ -178,3 +193,51 @@ def test_settle_gc_freezes_what_exists_and_collects_young_objects_less_often() -
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_the_embedded_default_says_when_ready_then_serves_tool_calls(tmp_path) -> None:
+    """`make run`'s `kvgate serve` without a config: the line it logs when the simulated fleet is
+    ready, after which the first request is answered (not 503), and tool calls as a vLLM launched
+    for them makes them: auto (when the user names a tool), required, named."""
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            [PYTHON, "-m", "gateway", "serve", "--port", str(port)],
+            env=subprocess_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            cwd=tmp_path,  # the engines' logs land here
+        )
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            return f"kvgate ready on http://127.0.0.1:{port}: " in log.read_text()
+
+        wait_until_sync(ready, STARTUP_S, "the ready line", 0.1)
+        assert "waiting for engines to become healthy" in log.read_text()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        hi = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "Hi"}])
+        assert hi.choices[0].message.content
+        weather = {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+        ask = [{"role": "user", "content": "Please call get_weather for Oslo."}]
+        for choice in ("auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+            r = client.chat.completions.create(
+                model="llama", messages=ask, tools=[weather], tool_choice=choice, max_tokens=200
+            )
+            (call,) = r.choices[0].message.tool_calls or []
+            assert call.function.name == "get_weather" and json.loads(call.function.arguments) is not None
+        plain = client.chat.completions.create(
+            model="llama", messages=[{"role": "user", "content": "Hi"}], tools=[weather], max_tokens=4
+        )
+        assert plain.choices[0].message.tool_calls is None  # auto: no tool named, no call
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0

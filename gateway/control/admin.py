@@ -527,6 +527,8 @@ class AdminGuard:
         except GatewayError as exc:
             await _error_response(exc)(scope, receive, send)
             return
+        if body:
+            scope = _as_json(scope)
         replayed = False
 
         async def replay() -> Message:
@@ -537,6 +539,13 @@ class AdminGuard:
             return await receive()  # after the body: the disconnect, when it comes
 
         await self.app(scope, replay, send)
+
+
+def _as_json(scope: Scope) -> Scope:
+    """Every admin body is JSON: one sent without `Content-Type: application/json` (curl's `-d` says
+    form-urlencoded) is read as JSON all the same, where FastAPI would take it for a string."""
+    kept = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    return {**scope, "headers": [*kept, (b"content-type", b"application/json")]}
 
 
 def _with_headers(send: Send) -> Send:

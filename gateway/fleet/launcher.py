@@ -410,11 +410,10 @@ class FleetLauncher:
                 status.failures = 0  # it ran for a good while: this crash starts a new series
             status.ready_since = None
             status.failures += 1
-            status.last_error = (
-                f"replica {name} {error}; last {LOG_TAIL_LINES} lines of {replica.plan.log_path}:\n"
-                + read_log_tail(replica.plan.log_path)
-            )
-            log.error("%s", status.last_error)
+            headline = f"replica {name} {error}; last {LOG_TAIL_LINES} lines of {replica.plan.log_path}:"
+            tail = read_log_tail(replica.plan.log_path)
+            status.last_error = f"{headline}\n{tail}"
+            log.error("%s", headline, extra={"block": tail})
             delay = min(
                 self.spec.restart_backoff_max_s, self.spec.restart_backoff_s * 2 ** (status.failures - 1)
             )

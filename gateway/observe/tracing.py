@@ -8,6 +8,9 @@ the headers sent to the engine. Export follows the standard variables: `OTEL_TRA
 (otlp | console | none; default otlp over HTTP/protobuf), `OTEL_EXPORTER_OTLP_ENDPOINT`,
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_EXPORTER_OTLP_HEADERS`, `OTEL_SERVICE_NAME`,
 `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER[_ARG]`, `OTEL_PROPAGATORS`, `OTEL_SDK_DISABLED`.
+A local view without a collector: `OTEL_TRACES_EXPORTER=console` prints each span to stdout. An
+exporter that fails (no collector listening) is one warning while it fails, and one line when it
+works again, not the OTLP exporter's error per batch.
 """
 
 from __future__ import annotations
@@ -16,15 +19,20 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+    SpanExportResult,
+)
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from gateway.config import TelemetryConfig
@@ -48,12 +56,48 @@ def _exporters() -> list[SpanExporter]:
                 log.warning("OTLP over gRPC is not installed; exporting traces over HTTP/protobuf")
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            out.append(OTLPSpanExporter())  # reads OTEL_EXPORTER_OTLP_* itself
+            # It logs an error per failed batch (and a warning per retry); _Reported says it once.
+            logging.getLogger("opentelemetry.exporter.otlp.proto.http").setLevel(logging.CRITICAL)
+            otlp = OTLPSpanExporter()  # reads OTEL_EXPORTER_OTLP_* itself
+            out.append(_Reported(otlp, f"OTLP to {getattr(otlp, '_endpoint', 'the collector')}"))
         elif name == "console":
             out.append(ConsoleSpanExporter())
         elif name != "none":
             log.warning("OTEL_TRACES_EXPORTER=%s is not supported (otlp, console, none); ignored", name)
     return out
+
+
+class _Reported(SpanExporter):
+    """An exporter whose failures are logged once while they last, and its recovery once."""
+
+    def __init__(self, inner: SpanExporter, what: str) -> None:
+        self.inner = inner
+        self.what = what
+        self.failing = False
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self.inner.export(spans)
+        except Exception as exc:  # the batch processor would log it with a traceback, per batch
+            log.debug("trace export (%s) raised: %s", self.what, exc)
+            result = SpanExportResult.FAILURE
+        if result is SpanExportResult.FAILURE and not self.failing:
+            self.failing = True
+            log.warning(
+                "traces are not exported (%s fails; spans are dropped until it answers): start a "
+                "collector, or set OTEL_TRACES_EXPORTER=console to print spans, none to drop them",
+                self.what,
+            )
+        elif result is SpanExportResult.SUCCESS and self.failing:
+            self.failing = False
+            log.info("trace export (%s) works again", self.what)
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
 
 
 class Tracing:

@@ -192,17 +192,23 @@ def fit_prompt(req: InferenceRequest, classes: PriorityClasses) -> None:
 
 def forward_priority(req: InferenceRequest, classes: PriorityClasses) -> None:
     """Set body `priority` in the engine's own direction when the pool's engines schedule by
-    priority and the client did not choose an engine priority.
+    priority and the client did not choose an engine priority; drop a client's integer when they
+    do not.
 
     A client's own integer is the engine's priority, so a tenant with `max_priority` may not use it
     to outrank its cap: it is lowered to the engine value of that class (and must be an integer:
     engines would coerce a string or float)."""
     pool = req.router.pool
     given = req.body.get("priority")
+    adapter = pool.priority_adapter()
     if given is None:
-        adapter = pool.priority_adapter()
         if adapter is not None:
             req.set("priority", adapter.engine_priority(req.features.priority))
+        return
+    if adapter is None and isinstance(given, int) and not isinstance(given, bool):
+        # Engines that do not schedule by priority refuse a nonzero one (vLLM: "Got priority N but
+        # Priority scheduling is not enabled."); the gateway's own scheduling still orders it.
+        req.drop("priority")
         return
     ceiling = classes.ceiling(req.tenant)
     if ceiling is None:

@@ -169,7 +169,7 @@ class Proxy:
         raw = req.payload()
         plan = DecodePlan(raw, raw)
         refused: GatewayError | None = None  # the last retryable answer, relayed if every try fails
-        failure: UpstreamError | None = None  # the last retryable transport failure
+        failure: GatewayError | None = None  # the last retryable transport failure
         # A generation is not idempotent: it may reach engines at most max_attempts times in
         # all, a stale keep-alive connection's silent resend included.
         deliveries = 0
@@ -228,8 +228,8 @@ class Proxy:
                             log.warning("request %s: replica %s failed: %s", request_id, replica.name, exc)
                             if not exc.retryable:
                                 track.error = "upstream_error"
-                                raise exc.gateway_error() from None
-                            failure = exc
+                                raise exc.gateway_error(replica.name) from None
+                            failure = exc.gateway_error(replica.name)
                             continue
                         deliveries += resp.sent
                         claim.answered()  # any well-formed answer: the engine is up
@@ -285,7 +285,7 @@ class Proxy:
             raise refused
         if failure is not None:
             track.error = "upstream_error"
-            raise failure.gateway_error()
+            raise failure
         track.error = "no_replica"
         raise self._no_replica(f"no replica of pool `{pool.name}` accepted the request")
 
@@ -337,7 +337,7 @@ class Proxy:
             except UpstreamError as exc:
                 if exc.replica_fault:
                     claim.failed()
-                raise exc.gateway_error() from None
+                raise exc.gateway_error(claim.replica.name) from None
             finally:
                 resp.release()
             rec.first_byte_at = time.perf_counter()
@@ -386,7 +386,8 @@ class Proxy:
                 # Never truncate silently: the client learns the stream broke.
                 log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
                 rec.error_code = "upstream_stream_error"
-                await out.write(sse_error_event(str(exc), "upstream_stream_error"))
+                message = exc.client_message(claim.replica.name)
+                await out.write(sse_error_event(message, "upstream_stream_error"))
             await out.write_eof()
             finished = True
         except ConnectionResetError:
@@ -481,6 +482,7 @@ async def _beside_prefill(opening: Coroutine[Any, Any, Response], guard: asyncio
                 f"prefill leg failed: {guard.exception()}",
                 code="upstream_prefill_failed",
                 replica_fault=False,
+                public="its prefill leg failed",
             )
         return await decode
     except BaseException:

@@ -64,7 +64,7 @@ class Tokenize:
                 resp.release()
             except UpstreamError as exc:
                 log.warning("%s on replica %s failed: %s", path, replica.name, exc)
-                failure = str(exc)
+                failure = exc.client_message(replica.name)
                 continue
             if resp.status >= 400:
                 answer = normalize_error_body(answer, resp.status)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import AsyncIterator, Mapping
 
-from gateway.config import UpstreamConfig, parse_target
+from gateway.config import Target, UpstreamConfig, parse_target
 from gateway.errors import GatewayError
 from gateway.path.deadlines import SharedTimeout
 from gateway.path.transports import make_transport
@@ -37,7 +37,8 @@ class UpstreamError(Exception):
     (on this or another replica) may succeed. `replica_fault`: a transport failure, held
     against the replica by its circuit breaker (see gateway/path/claim.py for the rule). `sent`:
     how many times the request reached an engine in this attempt (a generation may reach
-    engines at most `retry.max_attempts` times in all)."""
+    engines at most `retry.max_attempts` times in all). The message, for the logs, may name the
+    engine's address; `public`, what clients read with the replica's name, never does."""
 
     def __init__(
         self,
@@ -49,8 +50,10 @@ class UpstreamError(Exception):
         replica_fault: bool = True,
         sent: int = 1,
         error_type: str = "upstream_error",
+        public: str | None = None,
     ) -> None:
         super().__init__(message)
+        self.public = public or message
         self.status = status
         self.code = code
         self.retryable = retryable
@@ -58,19 +61,32 @@ class UpstreamError(Exception):
         self.sent = sent
         self.error_type = error_type
 
-    def gateway_error(self) -> GatewayError:
-        return GatewayError(self.status, str(self), self.error_type, self.code)
+    def client_message(self, replica: str) -> str:
+        return f"replica {replica}: {self.public}"
+
+    def gateway_error(self, replica: str) -> GatewayError:
+        return GatewayError(self.status, self.client_message(replica), self.error_type, self.code)
 
 
-def _classify(exc: TransportError, *, head: bool) -> UpstreamError:
-    """A transport failure; `head`: before the answer's head (nothing relayed, may be retried)."""
+def _classify(exc: TransportError, *, head: bool, target: Target | None = None) -> UpstreamError:
+    """A transport failure; `head`: before the answer's head (nothing relayed, may be retried).
+    `target`: the engine's address, which a connect failure's text names and a client must not read."""
+    public = None
     if isinstance(exc, ConnectError):
         code = "upstream_unreachable"
+        public = _unnamed(str(exc), target) if target is not None else "cannot connect to the engine"
     elif isinstance(exc, DisconnectedError):
         code = "upstream_disconnected"
     else:
         code = "upstream_bad_response"
-    return UpstreamError(str(exc), code=code, retryable=head, sent=exc.sent)
+    return UpstreamError(str(exc), code=code, retryable=head, sent=exc.sent, public=public)
+
+
+def _unnamed(text: str, target: Target) -> str:
+    """`text` with the engine's address replaced by "the engine", or a plain phrase if the address
+    shows in another form too."""
+    text = text.replace(target.host_header, "the engine")
+    return "cannot connect to the engine" if target.host in text else text
 
 
 def _ready(resp: Response) -> bytes | None:
@@ -134,6 +150,8 @@ class Upstream:
                     raise UpstreamError(
                         f"all {self.cfg.max_connections} connections to {target.host_header} stayed busy"
                         f" for {fbt:g} s (upstream.max_connections)",
+                        public=f"all {self.cfg.max_connections} connections to the engine stayed busy"
+                        f" for {fbt:g} s (upstream.max_connections)",
                         status=503,
                         code="upstream_busy",
                         replica_fault=False,
@@ -147,7 +165,7 @@ class Upstream:
                     f"no response from the engine within {fbt:g} s", status=504, code="upstream_timeout"
                 ) from None
             if isinstance(exc, TransportError):
-                raise _classify(exc, head=True) from None
+                raise _classify(exc, head=True, target=target) from None
             if isinstance(exc, InvalidHeaderError):
                 raise UpstreamError(
                     str(exc),

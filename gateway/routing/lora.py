@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 MAX_MODELS_BODY = 1 << 20
 MAX_CARDS = 4096
 MAX_NAME = 256
+LENGTH_POLL_S = 1.0  # how often a pool without a context length yet asks a replica for it, at first
+LENGTH_POLL_MAX_S = 60.0
 
 
 def parse_models(body: bytes) -> tuple[list[str], list[str], int | None]:
@@ -252,7 +254,7 @@ class LoraWatch:
     """The HTTP side of the pools' LoRA facts: `/v1/models` discovery and on-demand loads."""
 
     def __init__(self, loras: Iterable[PoolLora], tls: ssl.SSLContext | None = None) -> None:
-        self.loras = [lora for lora in loras if lora.enabled]
+        self.loras = list(loras)
         self._tls = tls  # the upstream TLS settings, when they are not the defaults
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -268,6 +270,9 @@ class LoraWatch:
         for lora in self.loras:
             if lora.cfg.discover:
                 self._tasks.append(asyncio.create_task(self._discover(lora), name=f"lora {lora.pool.name}"))
+            elif lora.max_model_len is None:
+                task = asyncio.create_task(self._context_length(lora), name=f"length {lora.pool.name}")
+                self._tasks.append(task)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -284,8 +289,20 @@ class LoraWatch:
             await asyncio.gather(*(self.read_models(lora, r) for r in replicas))
             await asyncio.sleep(lora.cfg.discover_interval_s)
 
-    async def read_models(self, lora: PoolLora, replica: Replica) -> bool:
-        """Read one replica's `/v1/models` into its pool's facts; False when that failed."""
+    async def _context_length(self, lora: PoolLora) -> None:
+        """A pool that does not discover adapters still learns its engines' `max_model_len` (for the
+        model list) from the first healthy replica's `/v1/models` that states it; then it stops."""
+        delay = LENGTH_POLL_S
+        while lora.max_model_len is None:
+            for replica in [r for r in lora.pool.replicas.values() if r.healthy]:
+                if await self.read_models(lora, replica, adapters=False) and lora.max_model_len is not None:
+                    return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, LENGTH_POLL_MAX_S)  # engines that never state it are asked less
+
+    async def read_models(self, lora: PoolLora, replica: Replica, adapters: bool = True) -> bool:
+        """Read one replica's `/v1/models` into its pool's facts (with `adapters` false: its context
+        length alone); False when that failed."""
         pool = lora.pool
         try:
             async with asyncio.timeout(min(5.0, lora.cfg.discover_interval_s)):
@@ -293,12 +310,16 @@ class LoraWatch:
                     if resp.status != 200:
                         raise ValueError(f"status {resp.status}")
                     body = await _read_bounded(resp, MAX_MODELS_BODY)
-            bases, adapters, max_len = parse_models(body)
+            bases, names, max_len = parse_models(body)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             log.debug("pool %s: reading /v1/models of %s failed: %s", pool.name, replica.name, exc)
             return False
-        if pool.replicas.get(replica.name) is replica:  # not replaced while we read
-            lora.learn(replica.name, bases, adapters, max_len)
+        if pool.replicas.get(replica.name) is not replica:  # replaced while we read
+            return True
+        if adapters:
+            lora.learn(replica.name, bases, names, max_len)
+        elif max_len is not None:
+            lora.max_model_len = max_len
         return True
 
 

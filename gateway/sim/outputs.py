@@ -10,10 +10,17 @@ named tool call's message has `content: ""` and `tool_calls`, its finish_reason 
 or "length" when cut), while `tool_choice: "required"` ends with "tool_calls"; streamed, the first delta of
 a call carries id, type, function.name and the first argument text, later deltas only argument text, with
 the tool call `index` set to the choice index (as vLLM does for named calls).
+
+`tool_choice: "auto"` (with `--enable-auto-tool-choice`): the simulated model calls a tool when the
+conversation's last message is the user's and names one of the tools (the first named, in `tools`
+order); its output is then what vLLM's hermes parser (vllm/tool_parsers/hermes_tool_parser.py) turns
+into a call: `content: null` (nothing before `<tool_call>`), the call at `index` 0 of the message's
+calls, and finish_reason "tool_calls" (vLLM's `auto_tools_called`).
 """
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,6 +46,7 @@ class Plan:
     logprobs: int | None = None  # chat: top_logprobs (logprobs on); completions: `logprobs`; None: off
     tool: str | None = None  # the forced function's name
     tool_required: bool = False  # tool_choice "required" (else a named function)
+    tool_auto: bool = False  # tool_choice "auto", and the model called the tool
     tool_ids: list[str] = field(default_factory=list)
     prompt_tokens: int = 0  # summed over prompts
 
@@ -61,7 +69,10 @@ class Plan:
         return s.pieces[start:end] if s is not None else proto.output_words(self.seeds[i], start, end)
 
     def finish(self, reason: str | None) -> str | None:
-        """The finish_reason a choice reports: "required" tool calls that ended end with "tool_calls"."""
+        """The finish_reason a choice reports: "required" tool calls that ended end with "tool_calls",
+        as does every call the model chose to make."""
+        if reason is not None and self.tool_auto:
+            return "tool_calls"
         return "tool_calls" if reason == "stop" and self.tool_required else reason
 
     def chat_logprobs(self, i: int, start: int, end: int) -> dict[str, Any] | None:
@@ -82,11 +93,29 @@ class Plan:
         }
 
 
+def called_tool(messages: list[Any], tools: list[Any]) -> Any | None:
+    """The tool the simulated model calls under `tool_choice: "auto"`: the first of `tools` whose name
+    the last message names, when that message is the user's (after a tool's answer it answers in text)."""
+    last = messages[-1] if messages else None
+    if not isinstance(last, dict) or last.get("role") != "user":
+        return None
+    content = last.get("content")
+    if isinstance(content, list):
+        content = " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, str):
+        return None
+    for tool in tools:
+        if re.search(rf"(?<![\w-]){re.escape(tool.function.name)}(?![\w-])", content, re.IGNORECASE):
+            return tool
+    return None
+
+
 def chat_message(plan: Plan, i: int, n_out: int) -> dict[str, Any]:
     text = plan.text(i, 0, n_out)
     msg: dict[str, Any] = {"role": "assistant", "content": text}
     if plan.tool is not None:
-        msg = {"role": "assistant", "content": "", "tool_calls": [plan.tool_call(i, text)]}
+        content = None if plan.tool_auto else ""
+        msg = {"role": "assistant", "content": content, "tool_calls": [plan.tool_call(i, text)]}
     msg.update(refusal=None, annotations=None, audio=None, function_call=None, reasoning=None)
     return msg
 
@@ -121,9 +150,10 @@ class RichChunks:
             )
         delta: dict[str, Any] = {"role": "assistant"} if start == 0 else {}
         if plan.tool is not None:
-            call: dict[str, Any] = {"index": i, "function": {"arguments": text}}
+            index = 0 if plan.tool_auto else i  # hermes numbers a message's calls; named ones the choice
+            call: dict[str, Any] = {"index": index, "function": {"arguments": text}}
             if start == 0:
-                call = {"id": plan.tool_ids[i], "type": "function", "index": i}
+                call = {"id": plan.tool_ids[i], "type": "function", "index": index}
                 call["function"] = {"name": plan.tool, "arguments": text}
             delta["tool_calls"] = [call]
         else:

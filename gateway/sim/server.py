@@ -37,6 +37,7 @@ from gateway.sim.outputs import (
     ResponseEvents,
     ResponseMeta,
     RichChunks,
+    called_tool,
     chat_message,
     response_object,
     responses_usage,
@@ -570,6 +571,11 @@ class Replica:
                 tool = next(t for t in req.tools if t.function.name == name)
                 plan.tool, plan.tool_required = name, choice == "required"
                 return plan, ("schema", tool.function.parameters or {"type": "object"})
+            if req.tools and choice == "auto" and not self.sglang:
+                called = called_tool(req.messages, req.tools)
+                if called is not None:
+                    plan.tool, plan.tool_auto = called.function.name, True
+                    return plan, ("schema", called.function.parameters or {"type": "object"})
         elif kind == "completion" and req.logprobs is not None:
             plan.logprobs = req.logprobs
         rf = getattr(req, "response_format", None)

@@ -126,6 +126,24 @@ async def test_weight_change_rollback_stats_and_status_cli(upstreams, gateway, c
     assert "HTTP 404" in (err := capsys.readouterr().err) and "control.host:control.port" in err
 
 
+async def test_a_json_body_needs_no_content_type(upstreams, gateway) -> None:
+    """curl's `-d` says form-urlencoded, and some clients send no type at all: the body is JSON
+    either way; a body that is not JSON is named so."""
+    s, c = await upstreams(2)
+    gw = await gateway(rollout_settings(s.url, c.url, 50, 50, control={"admin_key": KEY}))
+    url = gw.control_url + "/admin/routes/llama/weights"
+    body = b'{"weights": {"canary": 0}}'
+    async with httpx.AsyncClient() as client:
+        form = {**AUTH, "content-type": "application/x-www-form-urlencoded"}
+        r = await client.put(url, content=body, headers=form)
+        assert r.status_code == 200, r.text
+        assert r.json()["weights"] == {"stable": 50.0, "canary": 0.0}
+        r = await client.put(url, content=b'{"weights": {"canary": 5}}', headers=AUTH)  # no type at all
+        assert r.status_code == 200 and r.json()["weights"]["canary"] == 5.0
+        r = await client.put(url, content=b"weights=canary:0", headers=form)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
 async def test_add_and_remove_endpoint(upstreams, gateway) -> None:
     u0, u1 = await upstreams(2)
     gw = await gateway(gateway_settings([u0.url], control={"admin_key": KEY}))

@@ -91,3 +91,46 @@ def test_serve_refuses_an_unknown_policy_in_one_line_as_check_config_does(tmp_pa
     assert out.returncode == 2, out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown policy 'prefix_afinity'" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        (  # the issue's canary.yaml: the control plane on its first engine's port
+            {"control": {"admin_key": "k", "port": 9001}, "endpoints": ["http://127.0.0.1:9001"]},
+            "control.port 9001 is also pools.0.endpoints.0 (http://127.0.0.1:9001)'s port",
+        ),
+        (
+            {"server": {"host": "0.0.0.0", "port": 8000}, "endpoints": ["http://localhost:8000"]},
+            "server.port 8000 is also pools.0.endpoints.0",
+        ),
+        (
+            {"control": {"admin_key": "k", "port": 8000}, "endpoints": ["http://127.0.0.1:9"]},
+            "server.port 8000 is also control.port's port",
+        ),
+        (
+            {"engines": {"kind": "sim", "replicas": 2, "base_port": 7999}, "endpoints": []},
+            "server.port 8000 is also pools.0.engines.base_port's port",
+        ),
+    ],
+)
+def test_port_collisions_are_refused(tmp_path: Path, settings: dict[str, Any], expected: str) -> None:
+    pool: dict[str, Any] = {"name": "p", "model": "m"}
+    if settings.get("endpoints"):
+        pool["endpoints"] = [{"url": url} for url in settings["endpoints"]]
+    if "engines" in settings:
+        pool["engines"] = settings["engines"]
+    doc = {k: v for k, v in settings.items() if k in ("server", "control")} | {"pools": [pool]}
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    out = kvgate("check-config", str(path))
+    assert out.returncode == 2 and expected in out.stderr, out.stderr
+
+
+def test_ports_apart_or_on_other_hosts_pass(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.yaml"
+    pools = [{"name": "p", "model": "m", "endpoints": [{"url": "http://vllm-0:8000"}]}]
+    doc = {"server": {"host": "0.0.0.0"}, "control": {"admin_key": "k", "port": 9001}, "pools": pools}
+    path.write_text(yaml.safe_dump(doc))
+    out = kvgate("check-config", str(path))
+    assert out.returncode == 0, out.stderr

@@ -20,7 +20,8 @@ from gateway.config import EngineSpec, Settings
 from gateway.fleet.engines import adapter_for_spec, get_adapter
 from gateway.fleet.launcher import FleetLauncher, LaunchedReplica, LaunchError, dry_run
 from gateway.fleet.load_scraper import LoadScraper
-from tests.conftest import REPO, wait_until
+from gateway.logs import TextFormatter
+from tests.conftest import REPO, STARTUP_S, wait_until
 
 
 def alive(pid: int) -> bool:
@@ -47,7 +48,7 @@ class Recorder:
 def fast_spec(tmp_path: Path, **kw: object) -> EngineSpec:
     base: dict[str, object] = {
         "kind": "sim",
-        "startup_timeout_s": 20,
+        "startup_timeout_s": STARTUP_S,
         "restart_backoff_s": 0.1,
         "restart_backoff_max_s": 0.4,
         "stop_grace_s": 3,
@@ -70,7 +71,7 @@ async def test_three_simulators_crash_restart_and_clean_stop(
     caplog.set_level(logging.INFO, logger="kvgate.launcher")
     await launcher.start()
     try:
-        replicas = await launcher.wait_ready(timeout_s=30)
+        replicas = await launcher.wait_ready(timeout_s=STARTUP_S)
         assert sorted(r.name for r in replicas) == ["pool-0", "pool-1", "pool-2"]
         assert len({r.url for r in replicas}) == 3
         assert sorted(r.name for r in rec.ready) == ["pool-0", "pool-1", "pool-2"]
@@ -89,7 +90,7 @@ async def test_three_simulators_crash_restart_and_clean_stop(
 
         os.kill(first["pool-1"].pid, signal.SIGKILL)
         await wait_until(lambda: rec.down == ["pool-1"], timeout=15.0)
-        await wait_until(lambda: len(rec.ready) == 4, timeout=30)
+        await wait_until(lambda: len(rec.ready) == 4, timeout=STARTUP_S)
         back = rec.ready[-1]
         assert back.name == "pool-1" and back.url == first["pool-1"].url
         assert back.pid != first["pool-1"].pid
@@ -112,7 +113,7 @@ async def test_sglang_speaking_simulators_in_pd_roles(tmp_path: Path) -> None:
     launcher = FleetLauncher("sg", spec, "m", lambda r: None, lambda n: None)
     await launcher.start()
     try:
-        prefill, decode = sorted(await launcher.wait_ready(timeout_s=30), key=lambda r: r.name)
+        prefill, decode = sorted(await launcher.wait_ready(timeout_s=STARTUP_S), key=lambda r: r.name)
         assert (prefill.role, decode.role) == ("prefill", "decode")
         assert prefill.bootstrap_port is not None and decode.bootstrap_port is None
         # The prefill replica listens on its bootstrap port, as SGLang's does.
@@ -138,13 +139,17 @@ async def test_failed_start_reports_log_tail(tmp_path: Path, caplog: pytest.LogC
     await launcher.start()
     try:
         with pytest.raises(LaunchError) as err:
-            await launcher.wait_ready(timeout_s=15)
+            await launcher.wait_ready(timeout_s=STARTUP_S)
     finally:
         await launcher.stop()
     message = str(err.value)
     assert "bad-0" in message and "exited with code 2 while starting" in message
     assert "invalid choice: 'no-such-gpu'" in message  # the engine's own words, from its log
-    assert "invalid choice: 'no-such-gpu'" in caplog.text  # and in the gateway log
+    # And in the gateway log, line by line (not one line with its newlines escaped as `\n`).
+    (failed,) = [r for r in caplog.records if "exited with code 2" in r.getMessage()]
+    logged = TextFormatter().format(failed).splitlines()
+    assert len(logged) > 2 and all(line.startswith("    | ") for line in logged[1:])
+    assert any("invalid choice: 'no-such-gpu'" in line for line in logged[1:])
     assert rec.ready == [] and rec.down == []
 
 
@@ -158,7 +163,7 @@ async def test_readiness_timeout_kills_the_replica(tmp_path: Path) -> None:
     await launcher.start()
     try:
         with pytest.raises(LaunchError, match=r"not ready after 0.5 s[\s\S]*compiling graphs"):
-            await launcher.wait_ready(timeout_s=15)
+            await launcher.wait_ready(timeout_s=STARTUP_S)
         pid = launcher.status()["slow-0"].pid
         assert pid is not None and not alive(pid)  # killed before the restart backoff
     finally:

@@ -9,7 +9,7 @@ import signal
 
 import httpx
 
-from tests.conftest import gateway_settings, wait_until
+from tests.conftest import STARTUP_S, gateway_settings, wait_until
 
 
 def _alive(pid: int) -> bool:
@@ -29,7 +29,7 @@ async def test_killed_replica_restarts_rejoins_and_no_request_fails(gateway, tmp
     engines = {
         "kind": "sim",
         "replicas": 3,
-        "startup_timeout_s": 30,
+        "startup_timeout_s": STARTUP_S,
         "restart_backoff_s": 0.1,
         "log_dir": str(tmp_path / "logs"),
         "sim": {"profile": "tiny", "speedup": 20},
@@ -39,7 +39,7 @@ async def test_killed_replica_restarts_rejoins_and_no_request_fails(gateway, tmp
     )
     gw = await gateway(settings)
     pool = gw.runtime.pools["p"]
-    await wait_until(lambda: len(pool.replicas) == 3, timeout=30, what="three managed replicas")
+    await wait_until(lambda: len(pool.replicas) == 3, timeout=STARTUP_S, what="three managed replicas")
     launcher = gw.runtime.fleet.launchers[0]
     pids = {name: st.pid for name, st in launcher.status().items()}
     assert all(pid and _alive(pid) for pid in pids.values())
@@ -60,7 +60,7 @@ async def test_killed_replica_restarts_rejoins_and_no_request_fails(gateway, tmp
     victim = "p-1"
     os.kill(pids[victim], signal.SIGKILL)
     await wait_until(lambda: victim not in pool.replicas, timeout=10, what="the dead replica to leave")
-    await wait_until(lambda: victim in pool.replicas, timeout=20, what="the restarted replica to rejoin")
+    await wait_until(lambda: victim in pool.replicas, timeout=STARTUP_S, what="the restarted replica back")
     served_before = pool.replicas[victim].total_requests
     await wait_until(
         lambda: pool.replicas[victim].total_requests > served_before, timeout=10, what="it to serve"
@@ -84,7 +84,7 @@ async def test_replicas_launched_on_one_gpu_join_with_a_shared_device(gateway, t
         "replicas": 3,
         "gpu_ids": [[0], [0], [1]],
         "kv_cache_memory_bytes": 64 * 1024 * 1024,  # the tiny profile has no room to halve its memory
-        "startup_timeout_s": 30,
+        "startup_timeout_s": STARTUP_S,
         "log_dir": str(tmp_path / "logs"),
         "sim": {"profile": "tiny", "speedup": 20},
     }
@@ -98,7 +98,7 @@ async def test_replicas_launched_on_one_gpu_join_with_a_shared_device(gateway, t
     gw = await gateway(settings)
     pool = gw.runtime.pools["p"]
     await wait_until(
-        lambda: len(pool.replicas) == 4, timeout=30, what="three managed replicas and one endpoint"
+        lambda: len(pool.replicas) == 4, timeout=STARTUP_S, what="three managed replicas and one endpoint"
     )
     assert {name: r.device for name, r in pool.replicas.items()} == {
         "p-0": "gpu:0",

@@ -90,6 +90,28 @@ async def test_models_list_and_retrieve(client: openai.AsyncOpenAI) -> None:
     assert exc.value.body["code"] == "model_not_found"  # type: ignore[index]
 
 
+async def test_context_length_listed_without_lora_discovery(client: openai.AsyncOpenAI) -> None:
+    """Pool `embed` does not discover adapters; its engines' context length is read all the same."""
+
+    async def listed() -> object:
+        cards = {m.id: m.model_dump() for m in (await client.models.list()).data}
+        return cards["emb"]["max_model_len"]
+
+    assert await wait_until(listed, 15, "emb's max_model_len in /v1/models") == 131072
+
+
+async def test_an_over_long_prompt_is_context_length_exceeded(client: openai.AsyncOpenAI) -> None:
+    """vLLM's current text for it ("... the model's context length is only 4096 tokens ...") gets
+    OpenAI's code, streamed or not."""
+    long = [{"role": "user", "content": "word " * 5000}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as exc:
+            await client.chat.completions.create(model="llama", messages=long, max_tokens=8, stream=stream)
+        err = exc.value.body
+        assert err["code"] == "context_length_exceeded" and err["param"] == "input_tokens"  # type: ignore[index]
+        assert "context length is only 4096 tokens" in err["message"]  # type: ignore[index]
+
+
 async def test_generation_names_the_model_the_client_asked_for(client: openai.AsyncOpenAI) -> None:
     for model in ("m", "llama", "assistant", "sql"):
         chat = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=3)

@@ -106,6 +106,8 @@ async def test_renders_in_chromium(upstreams: MakeUpstreams, gateway: MakeGatewa
     assert replica_count(dom) == "2"
     assert 'data-replica="r0"' in dom and 'data-replica="r1"' in dom and 'class="live"' in dom
     assert ADMIN_KEY not in dom.split("<script>")[0]  # the key is not rendered into the page
+    # The figures are explained: a legend under each pool, the same text as the headers' tooltips.
+    assert '<dl class="legend dim"><dt>hit rate</dt>' in dom and 'title="the prompt tokens of those' in dom
 
     shot = tmp_path / "dashboard.png"
     await chromium(tmp_path, page, f"--screenshot={shot}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -16,7 +18,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from gateway.config import Settings, TelemetryConfig
 from gateway.observe.tracing import Tracing, _exporters
 from gateway.server import RunningGateway, start_gateway
-from tests.conftest import gateway_settings
+from tests.conftest import free_port, gateway_settings
 from tests.upstream_app import Upstream
 
 MakeUpstreams = Callable[[int], Awaitable[list[Upstream]]]
@@ -139,10 +141,8 @@ async def test_off_by_default_passes_client_context_through(
     assert "traceparent" not in without.headers
 
 
-async def test_otlp_export_follows_otel_variables(
-    upstreams: MakeUpstreams, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The standard OTEL_* variables point the OTLP/HTTP exporter at a (here: fake) collector."""
+async def collector(port: int = 0) -> tuple[web.AppRunner, int, list[ExportTraceServiceRequest]]:
+    """A fake OTLP/HTTP collector on `port` (0: any): its runner, its port, what it received."""
     received: list[ExportTraceServiceRequest] = []
 
     async def traces(request: web.Request) -> web.Response:
@@ -155,9 +155,16 @@ async def test_otlp_export_follows_otel_variables(
     app.router.add_post("/v1/traces", traces)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, site._server.sockets[0].getsockname()[1], received  # type: ignore[union-attr]
+
+
+async def test_otlp_export_follows_otel_variables(
+    upstreams: MakeUpstreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The standard OTEL_* variables point the OTLP/HTTP exporter at a (here: fake) collector."""
+    runner, port, received = await collector()
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("OTEL_SERVICE_NAME", "kvgate-under-test")
@@ -193,3 +200,34 @@ def test_exporter_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     assert Tracing.from_config(TelemetryConfig(tracing=True)) is None
     assert Tracing.from_config(TelemetryConfig(tracing=False)) is None
+
+
+async def test_no_collector_is_one_warning_not_one_per_batch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = free_port()  # no collector there yet
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+    caplog.set_level(logging.INFO)
+    tracing = Tracing("kvgate-under-test")
+
+    def batch() -> None:
+        with tracing.tracer.start_as_current_span("stage"):
+            pass
+        tracing.provider.force_flush()
+
+    try:
+        for _ in range(3):
+            await asyncio.to_thread(batch)
+        runner, _, received = await collector(port)
+        try:
+            await asyncio.to_thread(batch)
+        finally:
+            await runner.cleanup()
+    finally:
+        await asyncio.to_thread(tracing.provider.shutdown)
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "OTEL_TRACES_EXPORTER=console" in warned[0].getMessage()
+    assert warned[0].name == "gateway.observe.tracing"
+    assert "works again" in caplog.text and received

@@ -58,3 +58,15 @@ def test_managed_fleet_priority_direction(engines: dict[str, Any], expected: int
     forward_priority(req, PriorityClasses(SchedulerConfig()))
     assert req.dirty is (expected is not None)
     assert req.body.get("priority") == expected
+
+
+@pytest.mark.parametrize(
+    ("engines", "kept"),
+    [({"kind": "vllm"}, False), ({"kind": "vllm", "priority_scheduling": True}, True)],
+)
+def test_a_clients_integer_priority_reaches_only_engines_that_schedule_by_it(
+    engines: dict[str, Any], kept: bool
+) -> None:
+    req = request({"priority": 5}, engines)
+    forward_priority(req, PriorityClasses(SchedulerConfig()))
+    assert req.body.get("priority") == (5 if kept else None)

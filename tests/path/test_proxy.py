@@ -40,7 +40,8 @@ async def test_openai_sdk_chat_and_completions_stream_and_not(upstreams, gateway
 
 async def test_body_forwarded_byte_for_byte_with_unknown_fields(upstreams, gateway):
     (up,) = await upstreams(1)
-    gw = await gateway(gateway_settings([up.url]))
+    # Engines that schedule by priority: the client's integer `priority` is theirs, kept as sent.
+    gw = await gateway(gateway_settings([up.url], pool={"priority_scheduling": True}))
     raw = (
         b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "user": "u-7", "priority": -3,'
         b' "cache_salt": "s1", "vendor_extension": {"deep": null, "kv": [1, 2]}}'

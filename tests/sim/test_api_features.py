@@ -158,6 +158,42 @@ async def test_forced_tool_calls_named_and_required_streamed_and_not(strict_sim:
     assert auto.choices[0].message.tool_calls is None and auto.choices[0].message.content
 
 
+async def test_auto_tool_choice_calls_a_tool_the_user_names(strict_sim: str) -> None:
+    """As vLLM's hermes parser reports a model's `<tool_call>`: content null, the call at index 0,
+    finish_reason "tool_calls"; after the tool's answer the model answers in text."""
+    c = client(strict_sim)
+    asked = [{"role": "user", "content": "Call get_weather for Oslo, please."}]
+    r = await c.chat.completions.create(model="m", messages=asked, tools=[TOOL], max_tokens=300)  # type: ignore[arg-type]
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    (call,) = msg.tool_calls or []
+    assert call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")  # type: ignore[union-attr]
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)  # type: ignore[union-attr]
+
+    stream = await c.chat.completions.create(
+        model="m",
+        messages=asked,
+        tools=[TOOL],
+        tool_choice="auto",
+        max_tokens=300,
+        stream=True,  # type: ignore[arg-type]
+    )
+    deltas = [ch.choices[0] for ch in [x async for x in stream] if ch.choices]
+    calls = [d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls]
+    assert calls[0].function.name == "get_weather" and {d.index for d in calls} == {0}  # type: ignore[union-attr]
+    assert "".join(d.function.arguments or "" for d in calls) == call.function.arguments  # type: ignore[union-attr]
+    assert deltas[-1].finish_reason == "tool_calls"
+
+    answered = [
+        *asked,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12 C, rain"},
+    ]
+    after = await c.chat.completions.create(model="m", messages=answered, tools=[TOOL], max_tokens=4)  # type: ignore[arg-type]
+    assert after.choices[0].message.tool_calls is None and after.choices[0].message.content
+    assert after.choices[0].finish_reason == "length"
+
+
 async def test_batched_completion_prompts(strict_sim: str) -> None:
     c = client(strict_sim)
     single = [
