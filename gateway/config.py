@@ -179,6 +179,11 @@ class UpstreamConfig(_Strict):
         64 * 1024, ge=1024, description="Largest response head (status line, headers)"
     )
     max_headers: int = Field(100, ge=8, description="Most headers in one engine response")
+    reuse_unverified_connections: bool = Field(
+        False,
+        description="Reuse connections to engines that do not echo X-Request-Id (a late stray answer"
+        " from such an engine could then reach another request)",
+    )
     tls: UpstreamTLS = Field(default_factory=UpstreamTLS)
 
 

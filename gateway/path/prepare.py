@@ -31,6 +31,7 @@ from gateway.logs import clip
 from gateway.path.model_names import Renames
 from gateway.path.request import InferenceRequest, parse_json_body
 from gateway.path.request_record import RequestRecord
+from gateway.path.sanitize import new_request_id
 from gateway.path.trace import Tracer
 from gateway.path.upstream import Upstream, UpstreamError
 from gateway.routing.canonicalize import canonicalize
@@ -147,7 +148,10 @@ class Preparation:
             replica = precise.next_replica(replicas)
             try:
                 resp = await self.upstream.open(
-                    "POST", replica.url + "/tokenize", orjson.dumps(request), _JSON
+                    "POST",
+                    replica.url + "/tokenize",
+                    orjson.dumps(request),
+                    {**_JSON, "X-Request-Id": new_request_id()},  # what proves the answer is its own
                 )
                 try:
                     raw = await self.upstream.read_content(resp)
