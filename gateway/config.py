@@ -103,6 +103,11 @@ class ServerConfig(_Strict):
         64, ge=2, le=200, description="Deepest nesting of arrays and objects a request body may have"
     )
     body_timeout_s: float = Field(30.0, gt=0, description="Longest pause while a client sends its body")
+    max_n: int = Field(128, ge=1, description="Most choices (`n`) one request may ask for")
+    max_prompts: int = Field(256, ge=1, description="Most prompts in one completions batch")
+    max_inputs: int = Field(
+        2048, ge=1, description="Most inputs of one embeddings/pooling/classify request (documents: rerank)"
+    )
     offload_body_bytes: int = Field(
         128 * 1024, ge=0, description="Larger bodies are canonicalized and hashed in a worker thread"
     )
