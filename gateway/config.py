@@ -89,6 +89,9 @@ class TenantConfig(_Strict):
     tokens_per_min: int | None = Field(None, gt=0)
     max_prompt_tokens: int | None = Field(None, gt=0)
     prompt_overflow: Literal["reject", "window"] = "reject"
+    max_concurrent_requests: int | None = Field(
+        None, gt=0, description="Requests being sent or prepared at once (server.max_requests_per_tenant)"
+    )
 
 
 class ServerConfig(_Strict):
@@ -103,6 +106,13 @@ class ServerConfig(_Strict):
         64, ge=2, le=200, description="Deepest nesting of arrays and objects a request body may have"
     )
     body_timeout_s: float = Field(30.0, gt=0, description="Longest pause while a client sends its body")
+    body_deadline_s: float = Field(120.0, gt=0, description="Longest time a client may take to send its body")
+    max_requests_per_tenant: int = Field(
+        1000,
+        gt=0,
+        description="A tenant's requests from head to answer at once (bodies being sent, queued); keep it"
+        " below max_connections so that one key cannot hold every connection",
+    )
     max_n: int = Field(128, ge=1, description="Most choices (`n`) one request may ask for")
     max_prompts: int = Field(256, ge=1, description="Most prompts in one completions batch")
     max_inputs: int = Field(

@@ -18,7 +18,7 @@ import pytest
 from gateway.logs import MalformedRequests
 from gateway.server import RunningGateway
 from tests.conftest import SERVER_IMPLS, gateway_settings, wait_until
-from tests.rawhttp import closed_within, exchange, post, read_response
+from tests.rawhttp import RawResponse, closed_within, exchange, post, read_response
 
 BODY = orjson.dumps({"model": "m", "prompt": "x"})  # 26 bytes
 CHUNKED = b"1a\r\n" + BODY + b"\r\n0\r\n\r\n"
@@ -66,7 +66,12 @@ def server_impl(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 async def gw(upstreams, gateway) -> AsyncIterator[RunningGateway]:
     (up,) = await upstreams(1)
-    server = {"header_timeout_s": 1.0, "keepalive_timeout_s": 2.0, "body_timeout_s": 1.0}
+    server = {
+        "header_timeout_s": 1.0,
+        "keepalive_timeout_s": 2.0,
+        "body_timeout_s": 1.0,
+        "body_deadline_s": 2.0,
+    }
     server |= {"max_connections": 20, "reserved_connections": 2}
     running = await gateway(gateway_settings([up.url], server=server))
     quiet = MalformedRequests()  # as `kvgate serve` sets it up: no traceback per bad request
@@ -185,3 +190,72 @@ async def test_at_the_cap_probes_are_answered_and_the_rest_refused(gw, caplog):
     for _, writer in busy + held:
         writer.transport.abort()
     await assert_serving_and_settled(gw)
+
+
+async def _trickle(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, data: bytes, every_s: float
+) -> RawResponse | None:
+    """Send `data` a byte every `every_s` (each pause well within the idle timeouts) until the
+    gateway answers (the answer) or closes the connection (None)."""
+    answer = asyncio.ensure_future(read_response(reader))
+    try:
+        for i in range(len(data)):
+            writer.write(data[i : i + 1])
+            done, _ = await asyncio.wait({answer}, timeout=every_s)
+            if done:
+                return None if answer.exception() is not None else answer.result()
+        raise AssertionError("all of it went out, and nothing came back")
+    finally:
+        answer.cancel()
+
+
+async def test_a_body_trickled_within_every_pause_is_cut_off_at_the_body_deadline(gw):
+    """Issue 26: a byte every 2-5 s (under body_timeout_s) kept a body, and its slot, forever."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    body = BODY[:-1] + b" " * 200 + b"}"  # ~80 s at this pace
+    writer.write(HEAD + b"Content-Length: %d\r\n\r\n" % len(body))
+    answer = await _trickle(reader, writer, body, 0.4)
+    writer.close()
+    assert answer is not None and answer.status == 408
+    err = answer.json()["error"]  # type: ignore[index]
+    assert err["code"] == "request_timeout" and "server.body_deadline_s" in err["message"]
+    await assert_serving_and_settled(gw)
+
+
+async def test_a_trickled_head_on_a_keep_alive_connection_gets_the_head_deadline(gw):
+    """Issue 26: only a connection's first head had the header timeout; a next one was held until
+    the (longer) keep-alive timeout."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    writer.write(post("/v1/completions", BODY))
+    assert (await asyncio.wait_for(read_response(reader), 5)).status == 200
+    assert await _trickle(reader, writer, post("/v1/completions", BODY), 0.2) is None  # closed, unanswered
+    writer.close()
+    guard = gw.runtime.connections
+    assert guard is not None and guard.closed["header_timeout"] == 1 and guard.closed["idle_timeout"] == 0
+    await assert_serving_and_settled(gw)
+
+
+async def test_one_key_cannot_hold_every_connection_with_pending_bodies(upstreams, gateway):
+    """Issue 26: 200 slow-body connections of one valid key made every other client's request 503."""
+    (up,) = await upstreams(1)
+    tenants = [
+        {"name": "slow", "api_key": "k-slow", "max_concurrent_requests": 3},
+        {"name": "b", "api_key": "k-b"},
+    ]
+    gw = await gateway(gateway_settings([up.url], tenants=tenants, server={"max_connections": 8}))
+    pending = []
+    for _ in range(3):  # heads sent, bodies never: each holds a busy connection
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(HEAD + b"Authorization: Bearer k-slow\r\nContent-Length: 26\r\n\r\n")
+        pending.append((reader, writer))
+    await wait_until(lambda: gw.runtime.connections.open == 3, what="three busy connections")  # type: ignore[union-attr]
+    refused = await exchange(gw.port, post("/v1/completions", BODY, "Authorization: Bearer k-slow"))
+    assert refused.status == 429 and refused.header("retry-after") == "1"
+    assert refused.json()["error"]["code"] == "too_many_concurrent_requests"  # type: ignore[index]
+    ok = await exchange(gw.port, post("/v1/completions", BODY, "Authorization: Bearer k-b"))
+    assert ok.status == 200
+    for _, writer in pending:
+        writer.transport.abort()
+    await wait_until(lambda: gw.runtime.connections.open == 0, what="pending connections gone")  # type: ignore[union-attr]
+    again = await exchange(gw.port, post("/v1/completions", BODY, "Authorization: Bearer k-slow"))
+    assert again.status == 200  # the count went back down with the requests that left
