@@ -166,6 +166,12 @@ class ControlConfig(_Strict):
     idle_timeout_s: float = Field(
         5.0, gt=0, description="A connection silent this long is closed, before its first request too"
     )
+    header_timeout_s: float = Field(
+        5.0, gt=0, description="A request head must be whole this long after its connection or first byte"
+    )
+    max_connections_per_address: int = Field(
+        8, gt=0, description="Connections from one peer address (its longest waiting one gives way)"
+    )
 
 
 class UpstreamTLS(_Strict):
