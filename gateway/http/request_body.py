@@ -51,6 +51,7 @@ async def read_body(request: Exchange, server: ServerConfig) -> bytes:
     if declared is not None and declared > limit:
         raise _too_large(limit)
     decoder = _decoder(request)
+    await request.send_continue()
     content = request.content
     parts: list[bytes] = []
     size = 0
