@@ -8,7 +8,7 @@ client that leaves after the first chunk, a model that does not exist (a new nam
 body that is not JSON. The gateway's RSS (VmRSS) is read every `--sample-s` seconds.
 
 The bound reported is max - min RSS after `--warmup-min` minutes. Run:
-`python -m bench.soak --minutes 30` (`--minutes 3 --sample-s 10` for a smoke run).
+`python -m bench.soak --minutes 30 [--server aiohttp]` (`--minutes 3 --sample-s 10` for a smoke run).
 """
 
 from __future__ import annotations
@@ -43,12 +43,12 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def gateway_config(fleet_base: int, replicas: int, port: int) -> dict[str, Any]:
+def gateway_config(fleet_base: int, replicas: int, port: int, server: str = "httptools") -> dict[str, Any]:
     endpoints = [
         {"url": f"http://{HOST}:{fleet_base + i}", "name": f"r{i}", "kind": "sim"} for i in range(replicas)
     ]
     return {
-        "server": {"host": HOST, "port": port, "access_log": True, "log_level": "info"},
+        "server": {"host": HOST, "port": port, "access_log": True, "log_level": "info", "impl": server},
         "pools": [
             {"name": "soak", "model": MODEL, "policy": {"type": "prefix_affinity"}, "endpoints": endpoints}
         ],
@@ -144,9 +144,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fleet_argv = python_module(
         "gateway.sim", "--model", MODEL, "--port", str(base), "--replicas", str(args.replicas),
         "--profile", "h200-llama3.1-8b", "--speedup", str(args.speedup),
+        "--enable-request-id-headers",  # as the launcher starts engines: connections to them are kept
     )  # fmt: skip
     cfg = workdir / "gateway.yaml"
-    cfg.write_text(yaml.safe_dump(gateway_config(base, args.replicas, port)))
+    cfg.write_text(yaml.safe_dump(gateway_config(base, args.replicas, port, args.server)))
     fleet = Child("fleet", fleet_argv, workdir / "fleet.log")
     gateway = Child(
         "gateway", python_module("gateway", "serve", "--config", str(cfg)), workdir / "gateway.log"
@@ -170,7 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
-        f"# kvgate soak: {args.minutes:g} min, {args.concurrency} clients, RSS every {args.sample_s:g} s",
+        f"# kvgate soak ({args.server} server): {args.minutes:g} min, {args.concurrency} clients,"
+        f" RSS every {args.sample_s:g} s",
         "",
         "| minute | requests so far | gateway RSS (MB) | prefix index entries | token-count cache entries |",
         "| ---: | ---: | ---: | ---: | ---: |",
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speedup", type=float, default=4.0, help="simulator speedup")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--groups", type=int, default=64, help="shared system prompts")
+    parser.add_argument("--server", choices=["httptools", "aiohttp"], default="httptools", help="server.impl")
     parser.add_argument("--out", default="bench/out/soak")
     args = parser.parse_args(argv)
     result = run(args)

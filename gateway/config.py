@@ -474,6 +474,9 @@ class PrefixConfig(_Strict):
         None, gt=0, description="Index bound; unset: sized from the engine's KV capacity"
     )
     default_blocks_per_replica: int = Field(65536, gt=0)
+    token_cache_entries: int = Field(
+        200_000, gt=0, description="Token counts of prompt blocks kept per pool (about 200 bytes each)"
+    )
     speculative_ttl_s: float = Field(2.0, gt=0)
     max_learn_blocks: int = Field(
         8192,
