@@ -4,7 +4,8 @@ busy connections are never evicted to make room).
 
 A request counts from its authenticated head until its answer starts (its body read, its queueing
 and dispatch); past the cap it is a 429 `too_many_concurrent_requests` with Retry-After, answered
-before its body is read, so the connection is free again (idle, hence evictable) at once.
+before its body is read, after which the connection closes (the servers drop an unread body for a
+few seconds at most, then close), so surplus connections do not stay busy.
 `tenants[].max_concurrent_requests`, else `server.max_requests_per_tenant`; requests without a
 tenant (no keys, or an untenanted key) are bounded by the connection cap only.
 """
