@@ -208,6 +208,9 @@ class AnswerProof:
                 self._echoes.discard(origin)
             return
         if got is not None or not self._unverified:
+            # Its other connections are as suspect: none is reused until a fresh one's answer
+            # carries its id again (so the resend, too, goes out on a fresh connection).
+            self._echoes.discard(origin)
             raise StrayAnswerError(
                 "the engine's answer on a reused connection is not provably this request's"
                 f" (X-Request-Id {'missing' if got is None else 'of another request'})"
