@@ -182,7 +182,8 @@ class AnswerProof:
     answers must carry the id that was sent, else they are refused. An origin is known to echo
     once an answer carried the id sent; the first answer on a fresh connection is always its
     request's own (nothing came before it), so one without the id there means the engine does
-    not echo, and it is forgotten. Connections to an origin not known to echo are not reused
+    not echo, and it is forgotten; so it is after a stray answer, until a fresh connection's
+    answer carries its id again. Connections to an origin not known to echo are not reused
     (the request says `Connection: close`, so the engine keeps the TIME_WAIT) unless
     `upstream.reuse_unverified_connections` allows it.
     """
