@@ -2,7 +2,9 @@
 
 It answers instantly (a tiny JSON completion, or a short SSE stream), so any latency the
 overhead benchmark sees on top of it is the gateway's (or the client's). Run:
-`python -m bench.echo_upstream --port P`.
+`python -m bench.echo_upstream --port P [--enable-request-id-headers]`; with the flag, as vLLM
+with it, every answer carries the request's X-Request-Id, which is what lets the gateway keep
+connections to it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["X-Request-Id"] = request.headers.get("X-Request-Id", "")
+
+
 async def health(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
@@ -43,10 +49,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--enable-request-id-headers", action="store_true")
     args = parser.parse_args()
     app = web.Application(client_max_size=64 * 1024 * 1024)  # large prompts too (bench.loop_block)
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_get("/health", health)
+    if args.enable_request_id_headers:
+        app.on_response_prepare.append(echo_request_id)
     try:
         import uvloop
     except ImportError:

@@ -16,8 +16,10 @@ them, so the transports are compared side by side in one run.
 `--server both` does the same for the data plane's HTTP server (`server.impl`: httptools, aiohttp),
 and `--peers sglang-router` adds SGLang's Rust router (`pip install -e ".[bench-peers]"`) in front of
 the same upstream, with a table of kvgate's figures over the router's.
+`--no-request-id-echo` starts the upstream without echoing X-Request-Id, as SGLang's: the gateway
+then opens a connection per request (answers on reused connections must carry the request's id).
 Run: `python -m bench.overhead [--quick] [--server httptools|aiohttp|both]
-[--transport http1|aiohttp|both] [--peers sglang-router]`.
+[--transport http1|aiohttp|both] [--peers sglang-router] [--no-request-id-echo]`.
 """
 
 from __future__ import annotations
@@ -254,6 +256,12 @@ def gateway_sides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     return sides
 
 
+def echo_flag(args: argparse.Namespace) -> list[str]:
+    # An upstream that echoes X-Request-Id (vLLM as the launcher starts it) gets kept connections;
+    # one that does not (SGLang) gets a connection per request: `--no-request-id-echo` measures that.
+    return [] if args.no_request_id_echo else ["--enable-request-id-headers"]
+
+
 def pinned(argv: list[str], core: int | None) -> list[str]:
     return argv if core is None else ["taskset", "-c", str(core), *argv]
 
@@ -279,7 +287,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     cores: list[int | None] = list(pin_plan(processes)) if args.pin else [None] * processes
     upstream = Child(
         "upstream",
-        pinned(python_module("bench.echo_upstream", "--port", str(base)), cores.pop(0)),
+        pinned(python_module("bench.echo_upstream", "--port", str(base), *echo_flag(args)), cores.pop(0)),
         workdir / "up.log",
     )
     # label -> (base URL, readiness path, process)
@@ -428,6 +436,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"other routers measured beside kvgate in one run ({SGLANG_ROUTER}: {SGLANG_ROUTER_INSTALL})",
     )
     parser.add_argument("--no-rename", action="store_true", help="skip the model-rename pairs")
+    parser.add_argument(
+        "--no-request-id-echo",
+        action="store_true",
+        help="an upstream that does not echo X-Request-Id (like SGLang): no connection is reused",
+    )
     parser.add_argument(
         "--pin",
         action="store_true",

@@ -8,7 +8,9 @@ client that leaves after the first chunk, a model that does not exist (a new nam
 body that is not JSON. The gateway's RSS (VmRSS) is read every `--sample-s` seconds.
 
 The bound reported is max - min RSS after `--warmup-min` minutes. Run:
-`python -m bench.soak --minutes 30` (`--minutes 3 --sample-s 10` for a smoke run).
+`python -m bench.soak --minutes 30 [--server aiohttp] [--small-caches]` (`--minutes 3 --sample-s 10`
+for a smoke run; `--small-caches` bounds the caches low enough to fill in a minute or two, so that a
+short run shows whether anything else grows).
 """
 
 from __future__ import annotations
@@ -43,15 +45,23 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def gateway_config(fleet_base: int, replicas: int, port: int) -> dict[str, Any]:
+# `--small-caches`: bounds the two caches reach within a minute or two of this load, so that what
+# the RSS does after that is not their filling.
+SMALL_CACHES = {"max_blocks_per_replica": 2048, "token_cache_entries": 4096}
+
+
+def gateway_config(
+    fleet_base: int, replicas: int, port: int, server: str = "httptools", small_caches: bool = False
+) -> dict[str, Any]:
     endpoints = [
         {"url": f"http://{HOST}:{fleet_base + i}", "name": f"r{i}", "kind": "sim"} for i in range(replicas)
     ]
+    pool: dict[str, Any] = {"name": "soak", "model": MODEL, "policy": {"type": "prefix_affinity"}}
+    if small_caches:
+        pool["prefix"] = SMALL_CACHES
     return {
-        "server": {"host": HOST, "port": port, "access_log": True, "log_level": "info"},
-        "pools": [
-            {"name": "soak", "model": MODEL, "policy": {"type": "prefix_affinity"}, "endpoints": endpoints}
-        ],
+        "server": {"host": HOST, "port": port, "access_log": True, "log_level": "info", "impl": server},
+        "pools": [{**pool, "endpoints": endpoints}],
     }
 
 
@@ -144,9 +154,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fleet_argv = python_module(
         "gateway.sim", "--model", MODEL, "--port", str(base), "--replicas", str(args.replicas),
         "--profile", "h200-llama3.1-8b", "--speedup", str(args.speedup),
+        "--enable-request-id-headers",  # as the launcher starts engines: connections to them are kept
     )  # fmt: skip
     cfg = workdir / "gateway.yaml"
-    cfg.write_text(yaml.safe_dump(gateway_config(base, args.replicas, port)))
+    cfg.write_text(yaml.safe_dump(gateway_config(base, args.replicas, port, args.server, args.small_caches)))
     fleet = Child("fleet", fleet_argv, workdir / "fleet.log")
     gateway = Child(
         "gateway", python_module("gateway", "serve", "--config", str(cfg)), workdir / "gateway.log"
@@ -170,7 +181,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
-        f"# kvgate soak: {args.minutes:g} min, {args.concurrency} clients, RSS every {args.sample_s:g} s",
+        f"# kvgate soak ({args.server} server{', small caches' if args.small_caches else ''}):"
+        f" {args.minutes:g} min, {args.concurrency} clients, RSS every {args.sample_s:g} s",
         "",
         "| minute | requests so far | gateway RSS (MB) | prefix index entries | token-count cache entries |",
         "| ---: | ---: | ---: | ---: | ---: |",
@@ -200,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speedup", type=float, default=4.0, help="simulator speedup")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--groups", type=int, default=64, help="shared system prompts")
+    parser.add_argument("--server", choices=["httptools", "aiohttp"], default="httptools", help="server.impl")
+    parser.add_argument(
+        "--small-caches", action="store_true", help=f"prefix: {SMALL_CACHES}: caches full within minutes"
+    )
     parser.add_argument("--out", default="bench/out/soak")
     args = parser.parse_args(argv)
     result = run(args)

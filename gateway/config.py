@@ -89,6 +89,9 @@ class TenantConfig(_Strict):
     tokens_per_min: int | None = Field(None, gt=0)
     max_prompt_tokens: int | None = Field(None, gt=0)
     prompt_overflow: Literal["reject", "window"] = "reject"
+    max_concurrent_requests: int | None = Field(
+        None, gt=0, description="Requests being sent or prepared at once (server.max_requests_per_tenant)"
+    )
 
 
 class ServerConfig(_Strict):
@@ -103,6 +106,18 @@ class ServerConfig(_Strict):
         64, ge=2, le=200, description="Deepest nesting of arrays and objects a request body may have"
     )
     body_timeout_s: float = Field(30.0, gt=0, description="Longest pause while a client sends its body")
+    body_deadline_s: float = Field(120.0, gt=0, description="Longest time a client may take to send its body")
+    max_requests_per_tenant: int = Field(
+        1000,
+        gt=0,
+        description="A tenant's requests from head to answer at once (bodies being sent, queued); keep it"
+        " below max_connections so that one key cannot hold every connection",
+    )
+    max_n: int = Field(128, ge=1, description="Most choices (`n`) one request may ask for")
+    max_prompts: int = Field(256, ge=1, description="Most prompts in one completions batch")
+    max_inputs: int = Field(
+        2048, ge=1, description="Most inputs of one embeddings/pooling/classify request (documents: rerank)"
+    )
     offload_body_bytes: int = Field(
         128 * 1024, ge=0, description="Larger bodies are canonicalized and hashed in a worker thread"
     )
@@ -151,6 +166,12 @@ class ControlConfig(_Strict):
     idle_timeout_s: float = Field(
         5.0, gt=0, description="A connection silent this long is closed, before its first request too"
     )
+    header_timeout_s: float = Field(
+        5.0, gt=0, description="A request head must be whole this long after its connection or first byte"
+    )
+    max_connections_per_address: int = Field(
+        8, gt=0, description="Connections from one peer address (its longest waiting one gives way)"
+    )
 
 
 class UpstreamTLS(_Strict):
@@ -179,6 +200,11 @@ class UpstreamConfig(_Strict):
         64 * 1024, ge=1024, description="Largest response head (status line, headers)"
     )
     max_headers: int = Field(100, ge=8, description="Most headers in one engine response")
+    reuse_unverified_connections: bool = Field(
+        False,
+        description="Reuse connections to engines that do not echo X-Request-Id (a late stray answer"
+        " from such an engine could then reach another request)",
+    )
     tls: UpstreamTLS = Field(default_factory=UpstreamTLS)
 
 
@@ -453,6 +479,9 @@ class PrefixConfig(_Strict):
         None, gt=0, description="Index bound; unset: sized from the engine's KV capacity"
     )
     default_blocks_per_replica: int = Field(65536, gt=0)
+    token_cache_entries: int = Field(
+        200_000, gt=0, description="Token counts of prompt blocks kept per pool (about 200 bytes each)"
+    )
     speculative_ttl_s: float = Field(2.0, gt=0)
     max_learn_blocks: int = Field(
         8192,

@@ -25,6 +25,7 @@ from gateway.http.api_routes import ApiRoutes
 from gateway.http.app import DataPlane
 from gateway.http.auth import Auth
 from gateway.http.conn_guard import ConnectionGuard
+from gateway.http.tenant_caps import TenantCaps
 from gateway.observe.access_log import access_log
 from gateway.observe.dashboard import Dashboard
 from gateway.observe.metrics import GatewayMetrics
@@ -147,6 +148,7 @@ class Runtime:
             self.router,
             self.pools,
             lambda: self.draining,
+            TenantCaps(settings),
         )
 
     def routes(self) -> list[Route]:

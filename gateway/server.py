@@ -142,7 +142,14 @@ def _control_listener(runtime: Runtime, settings: Settings) -> ControlListener |
     cfg = settings.control
     try:
         control = ControlListener(
-            app, cfg.host, cfg.port, settings.server.grace_period_s, cfg.max_connections, cfg.idle_timeout_s
+            app,
+            cfg.host,
+            cfg.port,
+            settings.server.grace_period_s,
+            cfg.max_connections,
+            cfg.idle_timeout_s,
+            cfg.header_timeout_s,
+            cfg.max_connections_per_address,
         )
     except OSError as exc:
         raise ListenError(

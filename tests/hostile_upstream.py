@@ -12,6 +12,7 @@ body's `prompt`), then answered as `mode` says. Modes, one per misbehaviour:
   close-mid-stream     two SSE events, then close (no terminating chunk)
   extra-response       the answer and, in the same write, a second answer nobody asked for
   extra-response-later the answer, then a second one as soon as the first is flushed
+  stray-before-answer  on a reused connection, the previous request's answer again, then this one's
   informational        100 Continue and 103 Early Hints before the answer
   huge-head            a 256 KiB header value          many-headers  500 headers
   huge-body-declared   Content-Length of 1 GiB, data until the peer leaves
@@ -61,6 +62,7 @@ class Delivery:
     body: bytes
     connection: int
     index: int  # the request's position on its connection, from 0
+    echo: tuple[str, ...] = ()  # the X-Request-Id header line its answers carry, if the engine echoes
 
 
 def completion(marker: str) -> bytes:
@@ -96,11 +98,20 @@ def sse_event(marker: str, i: int) -> bytes:
     return b"data: " + orjson.dumps(doc) + b"\n\n"
 
 
+def echoed(raw: bytes, d: Delivery) -> bytes:
+    """`raw`, an answer's bytes from its status line on, with the request id after the status line."""
+    status, sep, rest = raw.partition(b"\r\n")
+    return b"".join([status, sep, *(line.encode("latin-1") + b"\r\n" for line in d.echo), rest])
+
+
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
-SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+def sse_head(d: Delivery) -> bytes:
+    lines = ["HTTP/1.1 200 OK", "Content-Type: text/event-stream", "Transfer-Encoding: chunked", *d.echo]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
 
 Reader = asyncio.StreamReader
 Writer = asyncio.StreamWriter
@@ -119,9 +130,9 @@ def mode(name: str) -> Callable[[Mode], Mode]:
 async def _answer(d: Delivery, writer: asyncio.StreamWriter, stream: bool) -> None:
     if stream:
         events = b"".join(chunk(sse_event(d.marker, i)) for i in range(3))
-        writer.write(SSE_HEAD + events + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        writer.write(sse_head(d) + events + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
     else:
-        writer.write(response(200, completion(d.marker)))
+        writer.write(response(200, completion(d.marker), *d.echo))
 
 
 def _streams(d: Delivery) -> bool:
@@ -175,33 +186,47 @@ async def _mid_head(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> 
 @mode("close-mid-body")
 async def _mid_body(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
     body = completion(d.marker)
-    w.write(response(200, body)[: -len(body) // 2])
+    w.write(response(200, body, *d.echo)[: -len(body) // 2])
     return False
 
 
 @mode("close-mid-stream")
 async def _mid_stream(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-    w.write(SSE_HEAD + chunk(sse_event(d.marker, 0)) + chunk(sse_event(d.marker, 1)))
+    w.write(sse_head(d) + chunk(sse_event(d.marker, 0)) + chunk(sse_event(d.marker, 1)))
     return False
 
 
 def _intruder(srv: HostileUpstream, d: Delivery) -> bytes:
-    # Another client's marker if there is one: an answer that would reach the wrong client.
-    others = [x.marker for x in srv.deliveries[-8:] if x.marker != d.marker]
-    return response(200, completion(others[-1] if others else "intruder"))
+    # Another client's answer if there is one (with its request id, as a second answer to that
+    # request would have): an answer that would reach the wrong client.
+    others = [x for x in srv.deliveries[-8:] if x.marker != d.marker]
+    if not others:
+        return response(200, completion("intruder"))
+    return response(200, completion(others[-1].marker), *others[-1].echo)
 
 
 @mode("extra-response")
 async def _extra(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-    w.write(response(200, completion(d.marker)) + _intruder(srv, d))
+    w.write(response(200, completion(d.marker), *d.echo) + _intruder(srv, d))
     return True
 
 
 @mode("extra-response-later")
 async def _extra_later(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-    w.write(response(200, completion(d.marker)))
+    w.write(response(200, completion(d.marker), *d.echo))
     await w.drain()
     w.write(_intruder(srv, d))
+    return True
+
+
+@mode("stray-before-answer")
+async def _stray_before(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    # On a reused connection, the previous request's answer once more before this one's: a stray
+    # answer that arrived just after this request went out, where no check of the socket sees it.
+    previous = [x for x in srv.deliveries if x.connection == d.connection and x.index == d.index - 1]
+    if previous:
+        w.write(response(200, completion(previous[0].marker), *previous[0].echo))
+    await _answer(d, w, _streams(d))
     return True
 
 
@@ -217,7 +242,7 @@ async def _informational(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer
 
 @mode("huge-head")
 async def _huge_head(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-    w.write(b"HTTP/1.1 200 OK\r\nX-Big: ")
+    w.write(echoed(b"HTTP/1.1 200 OK\r\nX-Big: ", d))
     for _ in range(64):
         w.write(b"a" * 4096)
         await w.drain()
@@ -233,13 +258,17 @@ async def _many(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool
 
 @mode("huge-body-declared")
 async def _huge_declared(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-    w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1073741824\r\n\r\n")
+    w.write(
+        echoed(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1073741824\r\n\r\n", d)
+    )
     return await _flood(w, lambda data: data)
 
 
 @mode("huge-body-chunked")
 async def _huge_chunked(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-    w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    w.write(
+        echoed(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n", d)
+    )
     return await _flood(w, chunk)
 
 
@@ -256,7 +285,7 @@ async def _flood(w: asyncio.StreamWriter, frame: Callable[[bytes], bytes]) -> bo
 
 def _fixed(raw: bytes, keep: bool = False) -> Mode:
     async def send(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-        w.write(raw)
+        w.write(echoed(raw, d))
         return keep
 
     return send
@@ -285,15 +314,15 @@ async def _stall_head(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -
 @mode("stall-body")
 async def _stall_body(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
     if _streams(d):
-        w.write(SSE_HEAD + chunk(sse_event(d.marker, 0)))
+        w.write(sse_head(d) + chunk(sse_event(d.marker, 0)))
     else:
-        w.write(response(200, completion(d.marker))[:-5])
+        w.write(response(200, completion(d.marker), *d.echo)[:-5])
     return await _until_peer_leaves(r)
 
 
 @mode("slow-drip")
 async def _drip(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-    raw = response(200, completion(d.marker))
+    raw = response(200, completion(d.marker), *d.echo)
     for i in range(0, len(raw), 16):
         w.write(raw[i : i + 16])
         await w.drain()
@@ -303,28 +332,28 @@ async def _drip(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool
 
 @mode("gzip")
 async def _gzip(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-    w.write(response(200, gzip.compress(completion(d.marker)), "Content-Encoding: gzip"))
+    w.write(response(200, gzip.compress(completion(d.marker)), "Content-Encoding: gzip", *d.echo))
     return True
 
 
 @mode("gzip-error")
 async def _gzip_error(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
     body = gzip.compress(error_json(f"bad request {d.marker}", 400))
-    w.write(response(400, body, "Content-Encoding: gzip", reason="Bad Request"))
+    w.write(response(400, body, "Content-Encoding: gzip", *d.echo, reason="Bad Request"))
     return True
 
 
 @mode("poison-500")
 async def _poison(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
     if "boom" in d.marker:
-        w.write(response(500, error_json("generation crashed", 500), reason="Internal Server Error"))
+        w.write(response(500, error_json("generation crashed", 500), *d.echo, reason="Internal Server Error"))
         return True
     return await _ok(srv, d, r, w)
 
 
 @mode("status-503")
 async def _503(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-    w.write(response(503, error_json("overloaded", 503), reason="Service Unavailable"))
+    w.write(response(503, error_json("overloaded", 503), *d.echo, reason="Service Unavailable"))
     return True
 
 
@@ -343,7 +372,7 @@ async def _close_after(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) 
 
 @mode("http10")
 async def _http10(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-    w.write(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n" + completion(d.marker))
+    w.write(echoed(b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\n\r\n", d) + completion(d.marker))
     return False
 
 
@@ -358,6 +387,7 @@ async def _canary(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bo
 @dataclass
 class HostileUpstream:
     mode: str = "ok"
+    echo: bool = True  # answers carry the request's X-Request-Id, as vLLM's with --enable-request-id-headers
     tls: ssl.SSLContext | None = None
     port: int = 0  # 0: an ephemeral port; set it to come back on the same one after `stop`
     deliveries: list[Delivery] = field(default_factory=list)
@@ -408,15 +438,17 @@ class HostileUpstream:
         try:
             while (request := await _read_request(reader)) is not None:
                 method, path, headers, body = request
+                rid = headers.get("x-request-id")
+                echo = (f"X-Request-Id: {rid}",) if self.echo and rid else ()
                 if method == "GET":  # health checks, metrics scrapes: always fine, never a delivery
                     self.gets.append(path)
-                    writer.write(response(200, b"{}"))
+                    writer.write(response(200, b"{}", *echo))
                     continue
                 try:
                     marker = str(orjson.loads(body).get("prompt", ""))
                 except (orjson.JSONDecodeError, AttributeError):
                     marker = ""
-                d = Delivery(marker, path, headers, body, conn, index)
+                d = Delivery(marker, path, headers, body, conn, index, echo)
                 index += 1
                 self.deliveries.append(d)
                 keep = await MODES[self.mode](self, d, reader, writer)

@@ -43,8 +43,10 @@ def sim_fleet(
     env: dict[str, str] | None = None,
 ) -> Iterator[SimFleet]:
     """`replicas` simulated replicas in one process, yielded once each listens; `args` are the
-    simulator's own flags (`vllm serve` ones), `env` adds environment variables."""
+    simulator's own flags (`vllm serve` ones), `env` adds environment variables. The replicas echo
+    X-Request-Id, as the launcher has them do, so that the gateway keeps connections to them."""
     argv = [PYTHON, "-m", "gateway.sim", "--model", model, "--port", "0", "--replicas", str(replicas)]
+    argv.append("--enable-request-id-headers")
     with sim_command([*argv, "--profile", profile, "--speedup", str(speedup), *args], replicas, env) as fleet:
         yield fleet
 

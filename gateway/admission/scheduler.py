@@ -325,9 +325,10 @@ class Scheduler:
         self._closing: str | None = None  # set at shutdown: nothing queues any more
 
     def _expected_output(self, features: RequestFeatures) -> int:
-        return min(
-            features.max_tokens or self.cfg.expected_output_tokens, self.cfg.max_expected_output_tokens
-        )
+        """Output tokens to expect, for each of the request's sequences (n x prompts)."""
+        cfg = self.cfg
+        each = min(features.max_tokens or cfg.expected_output_tokens, cfg.max_expected_output_tokens)
+        return each * features.sequences
 
     # -- admission ---------------------------------------------------------------------------------------
     async def admit(self, router: PoolRouter, features: RequestFeatures) -> Ticket:

@@ -4,9 +4,18 @@
 uvicorn runs as a task of the gateway's loop (`Server.serve`) with lifespan off, no websockets and
 no signal handlers of its own: the gateway keeps SIGTERM, SIGINT and SIGHUP. The socket is bound
 here, before the task starts, so a taken port fails the gateway's start before any engine is
-launched, and a port 0 is known at once. h11 parses requests: it bounds request heads (16 KiB);
-connections are capped (`control.max_connections`) and closed after `control.idle_timeout_s` of
-silence, before their first request too.
+launched, and a port 0 is known at once. h11 parses requests.
+
+An operator's port, but still reached by peers that may misbehave; what bounds them
+(`_BoundedH11`): a request head of at most 16 KiB (431 beyond, however it arrives: h11 only
+bounds a head still incomplete); a head must be whole within `control.header_timeout_s` of the
+connection's start, or of its first byte for a keep-alive connection's next request (uvicorn's
+idle timer restarts on every byte, so a head sent a byte at a time was never cut off); a connection
+silent for `control.idle_timeout_s` is closed, before its first request too; at most
+`control.max_connections` connections (uvicorn answers 503 beyond) and
+`control.max_connections_per_address` from one address. A newcomer at either cap first closes the
+connection (of that address, at its cap) that has waited longest for a head: a slowloris flood
+displaces its own members, not the operator's next call.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from gateway.errors import error_body
+
 log = logging.getLogger(__name__)
 # uvicorn's lines about its own start and stop repeat the gateway's; its errors still show.
 logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
@@ -35,16 +46,118 @@ class _Server(uvicorn.Server):
         yield
 
 
+MAX_HEAD_BYTES = 16 * 1024
+_HEAD_TOO_LARGE = error_body(
+    f"request head exceeds {MAX_HEAD_BYTES} bytes", "invalid_request_error", "request_header_too_large"
+)
+HEAD_TOO_LARGE_RESPONSE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(_HEAD_TOO_LARGE)
+) + _HEAD_TOO_LARGE
+
+
+class _Slots:
+    """One listener's connections that wait for a request head (oldest first), and its
+    connections per peer address."""
+
+    def __init__(self, max_connections: int, per_address: int, header_timeout_s: float) -> None:
+        self.max_connections = max_connections
+        self.per_address = per_address
+        self.header_timeout_s = header_timeout_s
+        self.waiting: dict[_BoundedH11, None] = {}  # insertion order: longest waiting first
+        self.by_address: dict[str, int] = {}
+
+    def oldest_waiting(self, address: str | None = None) -> _BoundedH11 | None:
+        return next((c for c in self.waiting if address is None or c.address == address), None)
+
+
 class _BoundedH11(H11Protocol):
-    """uvicorn's h11 protocol, with its keep-alive timer armed from the connection's first moment:
-    uvicorn starts it only after a response, so a connection that never sends a request would hold
-    a slot (and a descriptor) for ever."""
+    """uvicorn's h11 protocol with the bounds of the module docstring. uvicorn starts its
+    keep-alive timer only after a response, so it is armed here from the connection's first moment
+    too: a connection that never sends a request would otherwise hold a slot for ever."""
+
+    slots: _Slots  # set on the listener's own subclass
+    address: str | None = None
+    _head: bytearray | None = None  # the next head's bytes so far, while waiting for one
+    _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        slots = self.slots
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if peer else ""
+        if slots.by_address.get(address, 0) >= slots.per_address:
+            victim = slots.oldest_waiting(address)
+            if victim is None:  # every connection of the address is busy: this one cannot be served
+                transport.abort()
+                return
+            victim.evict()
+        elif len(self.connections) >= slots.max_connections - 1:
+            # uvicorn answers 503 when a request finds `limit_concurrency` connections, itself included.
+            victim = slots.oldest_waiting()
+            if victim is not None:
+                victim.evict()
         super().connection_made(transport)
+        self.address = address
+        slots.by_address[address] = slots.by_address.get(address, 0) + 1
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
         )
+        self._wait_for_head()
+        self._head_timer = self.loop.call_later(slots.header_timeout_s, self._head_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.address is None:  # refused in connection_made: uvicorn never knew it
+            return
+        slots = self.slots
+        left = slots.by_address[self.address] - 1
+        if left:
+            slots.by_address[self.address] = left
+        else:
+            del slots.by_address[self.address]
+        self.address = None
+        self._head_done()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        head = self._head
+        if head is not None:
+            if self._head_timer is None:  # a keep-alive connection's next head: its clock starts now
+                self._head_timer = self.loop.call_later(self.slots.header_timeout_s, self._head_timeout)
+            head += data
+            end = head.find(b"\r\n\r\n")
+            if (end < 0 and len(head) > MAX_HEAD_BYTES) or end + 4 > MAX_HEAD_BYTES:
+                self._head_done()
+                self.transport.write(HEAD_TOO_LARGE_RESPONSE)
+                self.transport.close()
+                return
+            if end >= 0:
+                self._head_done()
+        super().data_received(data)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.address is not None and not self.transport.is_closing():
+            self._wait_for_head()  # its clock starts at its first byte; silence is the idle timer's
+
+    def _wait_for_head(self) -> None:
+        self._head = bytearray()
+        self.slots.waiting[self] = None
+
+    def _head_done(self) -> None:
+        self._head = None
+        self.slots.waiting.pop(self, None)
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        self.evict()
+
+    def evict(self) -> None:
+        self._head_done()
+        self.connections.discard(self)  # at once: the newcomer is counted against the cap next
+        self.transport.close()
 
 
 class ControlListener:
@@ -58,14 +171,18 @@ class ControlListener:
         grace_period_s: float,
         max_connections: int = 32,
         idle_timeout_s: float = 5.0,
+        header_timeout_s: float = 5.0,
+        max_connections_per_address: int = 8,
     ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.create_server((host, port), family=family, backlog=128)
         self.host = host
         self.port: int = self.sock.getsockname()[1]
+        self.slots = slots = _Slots(max_connections, max_connections_per_address, header_timeout_s)
+        protocol = type("ControlH11", (_BoundedH11,), {"slots": slots})
         config = uvicorn.Config(
             app,
-            http=_BoundedH11,
+            http=protocol,
             # An operator's port, but still a peer that may misbehave: bounded in connections
             # (503 beyond) and in how long a silent connection is kept.
             limit_concurrency=max_connections,

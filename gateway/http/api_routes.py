@@ -59,7 +59,7 @@ class ApiRoutes:
         try:
             rec.tenant = self.auth.client(request)
             server = self.server
-            raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
+            raw = await read_body(request, server)
             body = parse_json_body(raw, server.max_json_depth)
             reply = await self.tokenize.handle(request.path, request.headers, raw, body, rec)
             rec.status = reply.status

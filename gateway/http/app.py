@@ -15,6 +15,7 @@ from gateway.http.api_routes import ApiRoutes
 from gateway.http.auth import Auth
 from gateway.http.handling import error_response, new_record
 from gateway.http.request_body import read_body
+from gateway.http.tenant_caps import TenantCaps
 from gateway.logs import clip
 from gateway.path.exchange import Exchange, Reply, Route, StreamOut, json_reply
 from gateway.path.proxy import Proxy
@@ -47,8 +48,10 @@ class DataPlane:
         routes: Router,
         pools: Mapping[str, Pool],
         draining: Callable[[], bool],
+        caps: TenantCaps,
     ) -> None:
         self.server = server
+        self.caps = caps
         self.proxy = proxy
         self.api = api
         self.auth = auth
@@ -84,8 +87,9 @@ class DataPlane:
             tenant = self.auth.client(request)
             rec.tenant = tenant
             server = self.server
-            raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
-            response = await self.proxy.handle(request, raw, tenant, rec)
+            with self.caps.hold(tenant):
+                raw = await read_body(request, server)
+                response = await self.proxy.handle(request, raw, tenant, rec)
         except GatewayError as exc:
             response = error_response(exc, rec)
         except asyncio.CancelledError:

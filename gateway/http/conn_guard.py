@@ -6,9 +6,10 @@ the guard when a request starts and ends (`request_started` / `request_finished`
 needs to know about HTTP.
 
 * A new connection must have sent a complete request head (its handler started) within
-  `server.header_timeout_s`; a connection between requests is closed after
-  `server.keepalive_timeout_s` of idleness. A request's body is bounded separately
-  (`server.body_timeout_s`, in `request_body`).
+  `server.header_timeout_s`, and so must a keep-alive connection from the first byte of its next
+  request; a connection between requests is closed after `server.keepalive_timeout_s` of
+  idleness. A request's body is bounded separately (`server.body_timeout_s` and
+  `server.body_deadline_s`, in `request_body`).
 * At most `server.max_connections` client connections are open. A connection that arrives when
   all are taken first makes room by closing the connection that has been waiting longest without
   a request in progress (one that never sent a request first): a flood of idle or half-open
@@ -86,6 +87,8 @@ class GuardedConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.inner is not None:
+            if self.state is State.IDLE:
+                self.guard.head_begun(self)
             self.inner.data_received(data)
         elif self.state is State.OVERFLOW:
             self._probe(data)
@@ -198,6 +201,14 @@ class ConnectionGuard:
             return  # an overflow probe, or a connection already being closed
         conn.state = State.BUSY
         conn.busy += 1
+
+    def head_begun(self, conn: GuardedConnection) -> None:
+        """A next request's first bytes on a connection between requests: its head, like a first
+        one's, must be whole within the head timeout (a trickled head would keep the idle one)."""
+        del self._idle[conn]
+        conn.state = State.NEW
+        self._new[conn] = time.monotonic() + self.header_timeout_s
+        self._arm()
 
     def request_finished(self, conn: GuardedConnection) -> None:
         if conn.state is not State.BUSY:

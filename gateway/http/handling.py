@@ -57,3 +57,11 @@ def route_error(status: int, reason: str, method: str, path: str) -> Reply:
     code = {404: "not_found", 405: "method_not_allowed"}.get(status, "http_error")
     body = error_body(f"{method} {clip(path)}: {reason}", "invalid_request_error", code)
     return Reply(status, body, {"Content-Type": _JSON})
+
+
+def unsupported_coding(transfer_encoding: str) -> bool:
+    """A Transfer-Encoding that ends in chunked with another coding before it (`gzip, chunked`):
+    one the body would need undone and nothing here undoes (RFC 9112 6.1: 501). One that does not
+    end in chunked is the parsers' to refuse (400: the body's length is unknown)."""
+    codings = [c.strip().lower() for c in transfer_encoding.split(",")]
+    return len(codings) > 1 and codings[-1] == "chunked"

@@ -29,7 +29,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from gateway.config import ServerConfig
 from gateway.errors import error_body
 from gateway.http.conn_guard import GuardedConnection
-from gateway.http.handling import failure_reply, route_error
+from gateway.http.handling import failure_reply, route_error, unsupported_coding
 from gateway.path.exchange import BodyError, Handler, Reply, Route, StreamOut
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,7 @@ class Request:
         "conn",
         "content",
         "content_length",
+        "expects_continue",
         "head",
         "headers",
         "keep_alive",
@@ -159,9 +160,15 @@ class Request:
         self.content = Body(conn)
         length = headers.get("content-length")  # llhttp has checked it is digits, and only one
         self.content_length = int(length) if length is not None else None
+        self.expects_continue = headers.get("expect", "").lower() == "100-continue"
 
     async def stream(self, status: int, headers: dict[str, str]) -> StreamOut:
         return self.conn.open_stream(self, status, headers)
+
+    async def send_continue(self) -> None:
+        if self.expects_continue and not self.content.eof and not self.conn.lost:
+            self.expects_continue = False
+            self.conn.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
 
 class Stream:
@@ -348,9 +355,10 @@ class Connection(asyncio.Protocol):
             path = unquote(path, errors="surrogateescape")
         # HTTP/1.0 answers are not chunked: the connection's end ends them.
         keep_alive = parser.should_keep_alive() and version == "1.1"
+        coding = headers.get("transfer-encoding")
+        if coding is not None and unsupported_coding(coding):
+            raise _Refusal(501, f"unsupported Transfer-Encoding {coding[:40]!r}; only chunked")
         request = Request(self, parser.get_method().decode("ascii"), path, headers, keep_alive)
-        if headers.get("expect", "").lower() == "100-continue":
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.parsing = request
         self._enqueue(request)
 
@@ -407,7 +415,7 @@ class Connection(asyncio.Protocol):
                 if not item.content.eof and self.parser is not None and not self.closing:
                     self._linger(item)
                     return
-                if not keep or self.closing:
+                if not keep or self.closing or (self.parser is None and not self.queue):
                     self.transport.close()
                     return
                 if self.read_paused and len(self.queue) <= MAX_PIPELINED:
@@ -425,8 +433,9 @@ class Connection(asyncio.Protocol):
                 result = await handler(request)
             except Exception as exc:
                 result = failure_reply(exc, request)
-        # An unread body (a refusal before reading it) leaves the connection's framing unknown.
-        keep = request.keep_alive and request.content.eof and self.parser is not None and not self.closing
+        # An unread body (a refusal before reading it) leaves the connection's framing unknown; a
+        # request refused after this one (no parser any more) is answered next, then it closes.
+        keep = request.keep_alive and request.content.eof and not self.closing
         if isinstance(result, Stream):
             return keep and result.done
         assert isinstance(result, Reply)

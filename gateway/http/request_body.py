@@ -1,4 +1,4 @@
-"""A client's request body, read within bounds: size, time between reads, content coding. Every
+"""A client's request body, read within bounds: size, time between reads and in all, content coding. Every
 violation is the client's: a 4xx in the OpenAI error form. (Parsing it, within a JSON nesting
 bound, is the request object's: gateway.path.request.)
 
@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.config import ServerConfig
 from gateway.errors import GatewayError, client_error
 from gateway.path.exchange import BodyError, BodySource, Exchange
 
@@ -41,16 +42,21 @@ def _decoder(request: Exchange) -> Any:
     )
 
 
-async def read_body(request: Exchange, limit: int, idle_timeout_s: float) -> bytes:
-    """The body, decoded, at most `limit` bytes; the client may pause at most `idle_timeout_s`
-    between two pieces of it."""
+async def read_body(request: Exchange, server: ServerConfig) -> bytes:
+    """The body, decoded, at most `server.max_body_bytes`; the client may pause at most
+    `body_timeout_s` between two pieces of it and take `body_deadline_s` in all (a byte every few
+    seconds makes no pause long, and would hold a connection forever)."""
+    limit, idle_timeout_s, deadline_s = server.max_body_bytes, server.body_timeout_s, server.body_deadline_s
     declared = request.content_length
     if declared is not None and declared > limit:
         raise _too_large(limit)
     decoder = _decoder(request)
+    await request.send_continue()
     content = request.content
     parts: list[bytes] = []
     size = 0
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
     try:
         while True:
             # What has arrived already (all of a small body, as a rule) costs no timer.
@@ -58,7 +64,7 @@ async def read_body(request: Exchange, limit: int, idle_timeout_s: float) -> byt
             if not chunk:
                 if content.at_eof():
                     break
-                chunk = await _next_piece(content, idle_timeout_s)
+                chunk = await _next_piece(content, idle_timeout_s, end - loop.time(), deadline_s)
                 if not chunk:
                     break
             if decoder is not None:
@@ -75,13 +81,16 @@ async def read_body(request: Exchange, limit: int, idle_timeout_s: float) -> byt
     return b"".join(parts)
 
 
-async def _next_piece(content: BodySource, idle_timeout_s: float) -> bytes:
+async def _next_piece(content: BodySource, idle_timeout_s: float, left_s: float, deadline_s: float) -> bytes:
     try:
-        async with asyncio.timeout(idle_timeout_s):
+        async with asyncio.timeout(min(idle_timeout_s, left_s)):
             piece: bytes = await content.readany()
             return piece
     except TimeoutError:
-        message = f"request body not received: nothing arrived for {idle_timeout_s:g} s"
+        if left_s <= idle_timeout_s:
+            message = f"request body not received within {deadline_s:g} s (server.body_deadline_s)"
+        else:
+            message = f"request body not received: nothing arrived for {idle_timeout_s:g} s"
         raise client_error(message, "request_timeout", status=408) from None
 
 

@@ -62,6 +62,12 @@ class Exchange(Protocol):
         """Send the status and headers now; the body follows through the returned writer."""
         ...
 
+    async def send_continue(self) -> None:
+        """`100 Continue`, once, to a client that sent `Expect: 100-continue`: only when its body
+        is about to be read, so that a request refused before (auth, size, a cap) gets its final
+        status instead of an invitation to send a body nobody reads."""
+        ...
+
 
 Handler = Callable[[Exchange], Awaitable["Reply | StreamOut"]]
 

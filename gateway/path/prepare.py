@@ -31,8 +31,10 @@ from gateway.logs import clip
 from gateway.path.model_names import Renames
 from gateway.path.request import InferenceRequest, parse_json_body
 from gateway.path.request_record import RequestRecord
+from gateway.path.sanitize import new_request_id
 from gateway.path.trace import Tracer
 from gateway.path.upstream import Upstream, UpstreamError
+from gateway.path.work_bounds import sequences
 from gateway.routing.canonicalize import canonicalize
 from gateway.routing.model_catalog import ModelCatalog, Target
 from gateway.routing.prefix_hash import PrefixHasher
@@ -72,6 +74,7 @@ class Preparation:
         else:
             body = parse_json_body(raw, server.max_json_depth)
         target = self._resolve(body, headers, rec)
+        answers = sequences(body, rec.endpoint, server)  # before the prompt is measured: 400s are cheap
         router = target.router
         req = InferenceRequest(path, headers, raw, body, tenant, rec, router)
         req.rename = self.renames.get(target.engine_names, body["model"])
@@ -87,6 +90,7 @@ class Preparation:
             router.learn_token_size(len(req.features.text), req.features.prompt_tokens)
         else:
             self._measure(req)
+        req.features.sequences = answers
         classify(req, self.classes)
         fit_prompt(req, self.classes)
         forward_priority(req, self.classes)
@@ -147,7 +151,10 @@ class Preparation:
             replica = precise.next_replica(replicas)
             try:
                 resp = await self.upstream.open(
-                    "POST", replica.url + "/tokenize", orjson.dumps(request), _JSON
+                    "POST",
+                    replica.url + "/tokenize",
+                    orjson.dumps(request),
+                    {**_JSON, "X-Request-Id": new_request_id()},  # what proves the answer is its own
                 )
                 try:
                     raw = await self.upstream.read_content(resp)
@@ -185,6 +192,7 @@ def fit_prompt(req: InferenceRequest, classes: PriorityClasses) -> None:
         trimmed.tenant = features.tenant
         trimmed.priority_class = features.priority_class
         trimmed.priority = features.priority
+        trimmed.sequences = features.sequences
         req.features = trimmed
         return
     raise classes.prompt_too_large(features.priority_class, features.prompt_tokens, limit)

@@ -83,6 +83,7 @@ class RequestFeatures:
     endpoint: str  # "chat" | "completions" | "responses" | "embeddings" | "pooling" | ... (ENDPOINTS)
     prompt_tokens: int
     max_tokens: int | None = None
+    sequences: int = 1  # answers generated: n x prompts (what the expected output is charged per)
     block_hashes: Sequence[int] = ()
     block_tokens: Sequence[int] = ()
     priority: int = 1  # level: higher is more important

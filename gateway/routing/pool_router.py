@@ -114,7 +114,10 @@ class PoolRouter:
             )
         self.tokenizer = pool_tokenizer(cfg)
         self._count = (self.tokenizer or get_tokenizer()).count
-        self.hasher = PrefixHasher(block_chars=cfg.prefix.block_chars, count=self._count)
+        prefix = cfg.prefix
+        self.hasher = PrefixHasher(
+            block_chars=prefix.block_chars, token_cache_size=prefix.token_cache_entries, count=self._count
+        )
         # Precise mode matches engine token blocks against the engines' KV events; its index
         # replaces the one learned from text blocks.
         self.precise = (

@@ -55,6 +55,12 @@ _JSON_ONLY = "Unsupported Media Type: Only 'application/json' is allowed"
 VOCAB_SIZE = 128_256  # Llama 3.1's, the model the default profile simulates (what top_logprobs=-1 asks for)
 
 
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """vLLM's `--enable-request-id-headers` (XRequestIdMiddleware): every answer, errors and GETs
+    included, carries the request's X-Request-Id, or a fresh uuid4 hex without one."""
+    response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+
 @dataclass
 class ReplicaOptions:
     engine: EngineConfig
@@ -241,6 +247,8 @@ class Replica:
             r.add_get("/health_generate", self.health)
             r.add_get("/server_info", self.sim_state)
         r.add_route("*", "/{tail:.*}", self.not_found)  # last: only what nothing else matched
+        if self.serving.request_id_headers:
+            app.on_response_prepare.append(_echo_request_id)
         return app
 
     async def start(self) -> None:
@@ -502,7 +510,6 @@ class Replica:
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         rid = request.headers.get("x-request-id") or ""
-        headers = {"x-request-id": rid} if rid else {}
         try:
             if self.crashed or self._starting():
                 raise HTTPError(503, "engine is starting up" if not self.crashed else "engine is dead")
@@ -520,12 +527,11 @@ class Replica:
             body = await self.read_json(request)
             rid = rid or str(body.get("request_id") or uuid.uuid4().hex)
             self._record(request, body, rid)
-            return await self._serve(request, body, kind, rid, spec, headers)
+            return await self._serve(request, body, kind, rid, spec)
         except FaultSyntaxError as exc:
             return self._error(400, str(exc), FAULT_HEADER)
         except HTTPError as exc:
             resp = self.error_response(exc)
-            resp.headers.update(headers)
             if exc.status in (429, 503):
                 resp.headers["Retry-After"] = "1"
             return resp
@@ -592,7 +598,6 @@ class Replica:
         kind: str,
         rid: str,
         spec: FaultSpec,
-        headers: dict[str, str],
     ) -> web.StreamResponse:
         o = self.opts
         if kind == "chat":
@@ -709,7 +714,7 @@ class Replica:
                 else:
                     out.fmt = proto.ChunkFormat(kind == "chat", resp_id, plan.model, created, plan.seeds)
                 resp = web.StreamResponse(
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
                 )
                 await resp.prepare(request)
                 if opening:
@@ -727,7 +732,7 @@ class Replica:
                 result = self._responses_body(out, req, resp_id, rid, created)
             else:
                 result = self._full_body(out, resp_id, created, kv_lease)
-            return self._json(result, headers=headers)
+            return self._json(result)
         finally:
             if any(c.state != FINISHED for c in out.children):
                 for c in out.children:

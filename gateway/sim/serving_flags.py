@@ -4,7 +4,8 @@ of cli.py so that the launcher-facing flags there stay small.
 vLLM's names and defaults: `--enable-auto-tool-choice` and `--tool-call-parser NAME` (without a parser,
 `tool_choice` "required" or a named function is a 400, and so is "auto" without both flags),
 `--max-logprobs` (20), `--enable-lora`, `--lora-modules`, `--max-loras` (1), `--max-lora-rank` (16),
-`--max-cpu-loras`, `--runner generate|pooling|auto` with `--convert embed` (and the older `--task embed`):
+`--max-cpu-loras`, `--enable-request-id-headers` (every answer echoes the request's X-Request-Id),
+`--runner generate|pooling|auto` with `--convert embed` (and the older `--task embed`):
 a pooling model serves embeddings/pooling/score/rerank and not generation, as vLLM registers routes by
 the model's tasks. Simulator only: `--embedding-dim` (1024), the length of the vectors it returns.
 """
@@ -28,6 +29,7 @@ class ServingOptions:
     runner: str = "generate"  # or "pooling" (embedding models)
     embedding_dim: int = 1024
     lora: LoraConfig = field(default_factory=LoraConfig)
+    request_id_headers: bool = False
 
 
 def add_serving_flags(p: argparse.ArgumentParser) -> None:
@@ -42,6 +44,7 @@ def add_serving_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=1)
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--max-cpu-loras", type=int, default=None)
+    p.add_argument("--enable-request-id-headers", action="store_true", help="echo X-Request-Id in answers")
     p.add_argument("--embedding-dim", type=int, default=1024, help="simulator: length of embedding vectors")
 
 
@@ -74,4 +77,5 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
         runner=runner,
         embedding_dim=args.embedding_dim,
         lora=lora,
+        request_id_headers=args.enable_request_id_headers,
     )

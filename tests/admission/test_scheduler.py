@@ -424,6 +424,27 @@ async def test_client_leaving_the_queue_is_removed_at_once(upstreams, gateway) -
     assert gw.runtime.scheduler.stats()["pools"]["p"]["outstanding"] == 0
 
 
+async def test_a_job_is_sized_by_all_the_answers_it_asks_for(upstreams, gateway) -> None:
+    """n x prompts: a request for 8 choices waits behind one for 1 of the same size (shortest job
+    first), and is charged 8 outputs against a tenant's tokens a minute."""
+    (up,) = await upstreams(1)
+    tenants = [{"name": "tpm", "api_key": "k-tpm", "tokens_per_min": 600}, {"name": "free", "api_key": "k"}]
+    gw = await gateway(gateway_settings([up.url], scheduler=_sched(), tenants=tenants))
+    async with httpx.AsyncClient(timeout=10, headers={"authorization": "Bearer k"}) as c:
+        async with _hold(c, gw):
+            many = asyncio.create_task(c.post(gw.url + CHAT, json=_body("many", n=8, max_tokens=100)))
+            await wait_until(lambda: _queued(gw) == 1, what="the n=8 request queued")
+            one = asyncio.create_task(c.post(gw.url + CHAT, json=_body("one", n=1, max_tokens=100)))
+            await wait_until(lambda: _queued(gw) == 2, what="the n=1 request queued")
+        assert (await one).status_code == 200 and (await many).status_code == 200
+        assert [s.body["messages"][0]["content"] for s in up.state.seen[1:]] == ["one", "many"]
+        tpm = {"authorization": "Bearer k-tpm"}
+        assert (await c.post(gw.url + CHAT, json=_body(n=8, max_tokens=100), headers=tpm)).status_code == 200
+        # That was 800 output tokens and more, past the 600 a minute (not 100): the next must wait.
+        r = await c.post(gw.url + CHAT, json=_body(max_tokens=100), headers=tpm)
+        _assert_shed(r, 429, "rate_limit_tokens")
+
+
 async def test_tenant_rate_limits_are_429_with_retry_after(upstreams, gateway) -> None:
     (up,) = await upstreams(1)
     tenants = [

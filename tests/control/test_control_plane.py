@@ -5,6 +5,7 @@ plane no longer answering /admin, and both listeners closing on shutdown."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import re
 import socket
@@ -21,7 +22,8 @@ from gateway.config import ConfigError
 from gateway.control.admin import MAX_BODY_BYTES
 from gateway.server import ListenError, RunningGateway, start_gateway
 from tests.browser import chromium, needs_chromium
-from tests.conftest import free_port, gateway_settings
+from tests.conftest import free_port, gateway_settings, wait_until
+from tests.rawhttp import read_response
 from tests.routing.test_rollout import rollout_settings
 
 KEY = "adm-7f3a-control-secret"
@@ -308,9 +310,9 @@ async def test_deprecated_server_admin_key_still_works(upstreams, gateway, caplo
 
 
 async def test_silent_connections_are_bounded_and_closed(upstreams, gateway) -> None:
-    """A flood of connections that never send a request cannot hold the control port: beyond
-    `max_connections` a request gets 503, and silent connections are closed after the idle timeout,
-    first request or not, after which the API answers again."""
+    """A flood of connections that never send a request cannot hold the control port: at
+    `max_connections` a newcomer closes the connection that has waited longest for a request, and
+    silent connections are closed after the idle timeout, first request or not."""
     s, c = await upstreams(2)
     control_cfg = {"admin_key": KEY, "max_connections": 4, "idle_timeout_s": 0.5}
     gw = await gateway(rollout_settings(s.url, c.url, 90, 10, control=control_cfg))
@@ -320,7 +322,7 @@ async def test_silent_connections_are_bounded_and_closed(upstreams, gateway) -> 
     try:
         async with httpx.AsyncClient(base_url=gw.control_url) as client:
             r = await client.get("/admin/routes", headers=AUTH)
-            assert r.status_code == 503  # every slot held by a silent connection
+            assert r.status_code == 200  # the flood displaced its own oldest, not the operator
             closed = await asyncio.wait_for(
                 asyncio.gather(*(reader.read() for reader, _ in silent)), timeout=10
             )
@@ -330,3 +332,80 @@ async def test_silent_connections_are_bounded_and_closed(upstreams, gateway) -> 
     finally:
         for _, writer in silent:
             writer.close()
+
+
+async def _control_gateway(upstreams, gateway, **control: Any) -> tuple[RunningGateway, str, int]:
+    s, c = await upstreams(2)
+    gw = await gateway(rollout_settings(s.url, c.url, 90, 10, control={"admin_key": KEY, **control}))
+    assert gw.control_url is not None
+    host, port = gw.control_url.removeprefix("http://").split(":")
+    return gw, host, int(port)
+
+
+async def test_slowloris_does_not_lock_the_operator_out(upstreams, gateway) -> None:
+    """Issue 26: 40 connections each sending a head byte every 2 s held every slot, so every admin
+    call got 503 for as long as they went on: each byte restarted the idle timer."""
+    gw, host, port = await _control_gateway(
+        upstreams, gateway, max_connections=8, idle_timeout_s=0.5, header_timeout_s=1.0
+    )
+    head = b"GET /admin/routes HTTP/1.1\r\nHost: c\r\nAuthorization: Bearer " + KEY.encode() + b"\r\n\r\n"
+    trickling = [await asyncio.open_connection(host, port) for _ in range(12)]
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+        for i in range(len(head) - 2):  # never the end of the head: a byte every 0.2 s
+            writer.write(head[i : i + 1])
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(reader.read(), 0.2)  # b"": closed by the gateway
+        return b"still open"
+
+    flood = [asyncio.create_task(trickle(r, w)) for r, w in trickling]
+    try:
+        async with httpx.AsyncClient(base_url=gw.control_url) as client:
+            for _ in range(3):
+                r = await client.get("/admin/routes", headers=AUTH)
+                assert r.status_code == 200, r.text
+        assert await asyncio.wait_for(asyncio.gather(*flood), 30) == [b""] * 12  # every one cut off
+    finally:
+        for task in flood:
+            task.cancel()
+        for _, writer in trickling:
+            writer.close()
+
+
+async def test_connections_per_address_are_capped(upstreams, gateway) -> None:
+    gw, host, port = await _control_gateway(upstreams, gateway, max_connections_per_address=3)
+    assert gw.control is not None
+    slots = gw.control.slots
+    busy = []
+    for _ in range(3):  # requests in progress: bodies promised and never sent
+        reader, writer = await asyncio.open_connection(host, port)
+        auth = b"Authorization: Bearer " + KEY.encode()
+        writer.write(b"POST /admin/reload HTTP/1.1\r\nHost: c\r\n" + auth + b"\r\nContent-Length: 10\r\n\r\n")
+        busy.append((reader, writer))
+    await wait_until(lambda: slots.by_address == {"127.0.0.1": 3} and not slots.waiting, what="3 busy")
+    try:
+        refused, _ = await asyncio.open_connection(host, port)
+        assert await asyncio.wait_for(refused.read(), 5) == b""  # closed at once: none of it waiting
+    finally:
+        for _, writer in busy:
+            writer.close()
+
+
+@pytest.mark.parametrize("pieces", [1, 8], ids=["whole", "in-pieces"])
+async def test_request_heads_are_bounded_to_16_kib(upstreams, gateway, pieces: int) -> None:
+    """Issue 26: a 20 kB head was accepted (h11 bounds only a head still incomplete)."""
+    gw, host, port = await _control_gateway(upstreams, gateway)
+    head = b"GET /admin/routes HTTP/1.1\r\nHost: c\r\nX-Pad: " + b"a" * 20_000 + b"\r\n\r\n"
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        size = -(-len(head) // pieces)
+        for i in range(0, len(head), size):
+            writer.write(head[i : i + size])
+            await writer.drain()
+        answer = await asyncio.wait_for(read_response(reader), 5)
+    finally:
+        writer.close()
+    assert answer.status == 431
+    assert answer.json()["error"]["code"] == "request_header_too_large"  # type: ignore[index]
+    async with httpx.AsyncClient(base_url=gw.control_url) as client:
+        assert (await client.get("/admin/routes", headers=AUTH)).status_code == 200

@@ -49,6 +49,52 @@ async def test_deeply_nested_json_is_a_400_in_every_field(upstreams, gateway):
     assert len(up.state.seen) == 1
 
 
+async def test_work_one_request_asks_for_is_bounded(upstreams, gateway):
+    """Issue 26: n 100000, a batch of 500,000 prompts, 100,000 embedding inputs were forwarded."""
+    (up,) = await upstreams(1)
+    gw = await gateway(gateway_settings([up.url], pool={"tasks": ["generate", "embed"]}))
+    many = [f"p{i}" for i in range(100_000)]
+    async with httpx.AsyncClient(timeout=30) as c:
+        chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        r = await c.post(gw.url + "/v1/chat/completions", json={**chat, "n": 100_000})
+        assert "server.max_n" in _error(r, 400, "too_many_choices") and r.json()["error"]["param"] == "n"
+        r = await c.post(gw.url + COMPLETIONS, json={"model": "m", "prompt": many, "n": 2})
+        _error(r, 400, "too_many_prompts")
+        assert r.json()["error"]["param"] == "prompt"
+        r = await c.post(gw.url + "/v1/embeddings", json={"model": "m", "input": many})
+        _error(r, 400, "too_many_inputs")
+        assert r.json()["error"]["param"] == "input"
+        r = await c.post(gw.url + "/v1/rerank", json={"model": "m", "query": "q", "documents": many})
+        _error(r, 400, "too_many_inputs")
+        assert not up.state.seen  # refused before anything reached an engine
+        # At the caps, and a list of token ids being one prompt, all pass.
+        assert (await c.post(gw.url + "/v1/chat/completions", json={**chat, "n": 128})).status_code == 200
+        batch = {"model": "m", "prompt": many[:256]}
+        assert (await c.post(gw.url + COMPLETIONS, json=batch)).status_code == 200
+        ids = {"model": "m", "prompt": list(range(5000))}
+        assert (await c.post(gw.url + COMPLETIONS, json=ids)).status_code == 200
+    assert len(up.state.seen) == 3
+
+
+async def test_work_caps_are_configurable(upstreams, gateway):
+    (up,) = await upstreams(1)
+    server = {"max_n": 2, "max_prompts": 3, "max_inputs": 4}
+    gw = await gateway(gateway_settings([up.url], server=server, pool={"tasks": ["generate", "embed"]}))
+    async with httpx.AsyncClient() as c:
+        _error(
+            await c.post(gw.url + COMPLETIONS, json={"model": "m", "prompt": "x", "n": 3}),
+            400,
+            "too_many_choices",
+        )
+        r = await c.post(gw.url + COMPLETIONS, json={"model": "m", "prompt": ["a", "b", "c", "d"]})
+        _error(r, 400, "too_many_prompts")
+        r = await c.post(gw.url + "/v1/embeddings", json={"model": "m", "input": ["a"] * 5})
+        _error(r, 400, "too_many_inputs")
+        ok = await c.post(gw.url + COMPLETIONS, json={"model": "m", "prompt": ["a", "b", "c"], "n": 2})
+        assert ok.status_code == 200
+    assert len(up.state.seen) == 1
+
+
 async def test_compressed_bodies_are_decoded_within_the_size_limit(upstreams, gateway):
     (up,) = await upstreams(1)
     gw = await gateway(gateway_settings([up.url], server={"max_body_bytes": 10_000}))

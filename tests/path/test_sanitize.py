@@ -52,8 +52,10 @@ async def test_engine_steering_fields_and_headers_never_reach_an_engine(upstream
     assert set(got.body) == {"model", "prompt", "user", "vendor"}
     assert got.body["vendor"] == {"x": 1} and got.body["user"] == "u-1"
     names = {k.lower() for k in got.headers}
-    dropped = {h.split(":")[0].lower() for h in ENGINE_HEADERS + HOP_BY_HOP} - {"x-request-id"}
+    dropped = {h.split(":")[0].lower() for h in ENGINE_HEADERS + HOP_BY_HOP} - {"x-request-id", "connection"}
     assert not names & dropped, names & dropped
+    # Only the gateway's own: this engine does not echo request ids, so its connection is not kept.
+    assert got.headers.getall("connection") == ["close"]
     assert got.headers["x-custom"] == "kept"
     assert got.headers.getall("x-request-id") != ["client-id-1"] and len(got.headers["x-request-id"]) == 32
     # The client still sees its own id; the access log keeps both.

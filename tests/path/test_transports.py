@@ -5,6 +5,7 @@ connects, request header validation, the per-host connection cap, and TLS."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -51,7 +52,8 @@ async def echo() -> AsyncIterator[str]:
 async def post(
     up: Upstream, url: str, body: bytes, headers: dict[str, str] | None = None
 ) -> tuple[int, bytes]:
-    resp = await up.open("POST", url, body, {**JSON, **(headers or {})})
+    sent = {**JSON, "X-Request-Id": os.urandom(8).hex(), **(headers or {})}  # as the proxy sends
+    resp = await up.open("POST", url, body, sent)
     try:
         return resp.status, await up.read(resp)
     finally:
@@ -67,6 +69,32 @@ async def test_keep_alive_connection_is_reused(upstream: Upstream):
         assert srv.connections_used() == 1
     finally:
         await srv.stop()
+
+
+async def test_engine_that_does_not_echo_the_request_id_gets_a_connection_per_request(upstream: Upstream):
+    srv = await HostileUpstream("ok", echo=False).start()
+    try:
+        for i in range(3):
+            status, body = await post(upstream, srv.url + "/v1/completions", b'{"prompt": "p%d"}' % i)
+            assert status == 200 and b'"text":"p%d"' % i in body
+        # Its answers cannot be proved to be their requests' on a reused connection: none is reused,
+        # and the engine is asked to close (so that its side keeps the TIME_WAIT).
+        assert srv.connections_used() == 3
+        assert {d.headers.get("connection") for d in srv.deliveries} == {"close"}
+    finally:
+        await srv.stop()
+
+
+async def test_unverified_reuse_only_when_configured():
+    up = Upstream(UpstreamConfig(first_byte_timeout_s=2, reuse_unverified_connections=True))
+    srv = await HostileUpstream("ok", echo=False).start()
+    try:
+        for i in range(3):
+            assert (await post(up, srv.url + "/v1/completions", b'{"prompt": "p%d"}' % i))[0] == 200
+        assert srv.connections_used() == 1
+    finally:
+        await srv.stop()
+        await up.close()
 
 
 async def test_connection_close_is_honoured(upstream: Upstream, echo: str):

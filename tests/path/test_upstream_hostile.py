@@ -41,8 +41,8 @@ def server_impl(request: pytest.FixtureRequest) -> str:
 async def hostile():
     servers: list[HostileUpstream] = []
 
-    async def make(mode: str = "ok") -> HostileUpstream:
-        srv = await HostileUpstream(mode).start()
+    async def make(mode: str = "ok", echo: bool = True) -> HostileUpstream:
+        srv = await HostileUpstream(mode, echo=echo).start()
         servers.append(srv)
         return srv
 
@@ -150,4 +150,26 @@ async def test_canary_no_answer_reaches_the_wrong_client(transport: str, hostile
             openai_error(r)
         assert srv.markers().count(mark) <= MAX_ATTEMPTS
     assert ok >= len(marks) * 0.95
+    await assert_settled(gw)
+
+
+@pytest.mark.parametrize("echo", [True, False], ids=["echoes-request-id", "no-echo"])
+async def test_stray_answer_after_the_request_went_out_never_reaches_it(
+    transport: str, echo: bool, hostile, gateway
+):
+    """Issue 26's first item: an engine's second answer that arrives on a reused connection once
+    the next request was written is that request's answer for every check of the socket; only the
+    request id it carries (or not reusing the connection) tells them apart."""
+    srv = await hostile("stray-before-answer", echo=echo)
+    gw = await gateway(hostile_settings([srv.url], transport, upstream={"first_byte_timeout_s": 5}))
+    marks = [marker() for _ in range(40)]
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=8), timeout=10) as c:
+        results = await asyncio.gather(*(ask(c, gw, m, stream=i % 2 == 0) for i, m in enumerate(marks)))
+    for i, (mark, r) in enumerate(zip(marks, results, strict=True)):
+        assert r.status_code == 200, r.text
+        assert answer_marker(r, i % 2 == 0) == mark, "an answer reached the wrong client"
+    if echo:  # connections were reused, and each stray answer cost its request a fresh one
+        assert any(d.index > 0 for d in srv.deliveries)
+    else:
+        assert all(d.index == 0 for d in srv.deliveries)
     await assert_settled(gw)

@@ -16,6 +16,7 @@ import zmq.asyncio
 from gateway.sim.engine import Request
 from gateway.sim.faults import FaultConfig
 from gateway.sim.kv_cache import block_hashes
+from gateway.sim.serving_flags import ServingOptions
 from tests.conftest import wait_until
 from tests.sim.conftest import MODEL, engine, replica, state, url
 
@@ -95,7 +96,10 @@ async def test_request_validation_and_error_forms() -> None:
 
 
 async def test_request_log_keeps_unknown_fields_and_echoes_request_id() -> None:
-    async with replica() as r, httpx.AsyncClient() as c:
+    async with replica() as plain, httpx.AsyncClient() as c:  # like vLLM: no echo unless asked
+        resp = await c.post(f"{url(plain)}/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "rid-0"})
+        assert resp.status_code == 200 and "x-request-id" not in resp.headers
+    async with replica(serving=ServingOptions(request_id_headers=True)) as r, httpx.AsyncClient() as c:
         body = {**CHAT, "user": "u1", "cache_salt": "s", "custom_field": {"a": 1}}
         resp = await c.post(f"{url(r)}/v1/chat/completions", json=body, headers={"X-Request-Id": "rid-1"})
         assert resp.status_code == 200 and resp.headers["x-request-id"] == "rid-1"
@@ -107,6 +111,10 @@ async def test_request_log_keeps_unknown_fields_and_echoes_request_id() -> None:
         unbounded = (await c.post(f"{url(r)}/v1/completions", json={"model": MODEL, "prompt": "hi"})).json()
         assert unbounded["choices"][0]["finish_reason"] == "stop"
         assert unbounded["usage"]["completion_tokens"] == 64  # --default-max-tokens
+        # Every answer, errors and GETs included (vLLM's middleware); a fresh id without one.
+        bad = await c.post(f"{url(r)}/v1/chat/completions", json={}, headers={"X-Request-Id": "rid-2"})
+        assert bad.status_code == 400 and bad.headers["x-request-id"] == "rid-2"
+        assert len((await c.get(f"{url(r)}/health")).headers["x-request-id"]) == 32
 
 
 async def test_429_beyond_max_waiting_and_disconnect_frees_blocks() -> None:

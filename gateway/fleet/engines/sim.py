@@ -68,6 +68,8 @@ class SimAdapter(VLLMAdapter):
                 "(it runs one process per replica); set engines.replicas instead"
             )
         argv, env = super().command(spec, model, slot, served_model_name)
+        if self.api == "sglang":
+            argv.remove("--enable-request-id-headers")  # vLLM's flag: SGLang echoes no request id
         argv += ["--profile", spec.sim.profile, "--speedup", f"{spec.sim.speedup:g}"]
         if spec.sim.max_waiting is not None:
             argv += ["--max-waiting", str(spec.sim.max_waiting)]

@@ -75,6 +75,9 @@ class VLLMAdapter(EngineAdapter):
         self, spec: EngineSpec, model: str, slot: ReplicaSlot, served_model_name: str | None = None
     ) -> tuple[list[str], dict[str, str]]:
         argv = [*self.executable(spec, model), "--host", slot.host, "--port", str(slot.port)]
+        # Every answer then carries the request's X-Request-Id: what lets the gateway reuse a
+        # connection to it, proving each answer is its request's (gateway/path/transports/base.py).
+        argv.append("--enable-request-id-headers")
         if served_model_name and served_model_name != model:
             argv += ["--served-model-name", served_model_name]
         if spec.tensor_parallel_size > 1:

@@ -8,6 +8,9 @@ reused (`_CleanConnector`), and nothing is decoded or added behind the gateway's
 (no automatic Accept-Encoding, User-Agent or decompression, no cookies, no proxies from the
 environment). A request that fails on a reused connection before any answer is resent once,
 as by the http1 transport, when the caller allows it: aiohttp itself never resends a POST.
+As with the http1 transport, an answer on a reused connection must carry the `X-Request-Id`
+sent, and connections to engines that do not echo it are closed after one answer
+(`AnswerProof`).
 """
 
 from __future__ import annotations
@@ -18,17 +21,20 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from gateway.path.transports.base import (
+    AnswerProof,
     ConnectError,
     DisconnectedError,
     HeaderLookup,
     ProtocolError,
     Slot,
+    StrayAnswerError,
     Target,
     TransportError,
     client_tls_context,
     describe,
     header_block,
     pending_bytes,
+    request_id,
     valid_response_header,
 )
 
@@ -37,14 +43,21 @@ if TYPE_CHECKING:
 
 
 class _CleanConnector(aiohttp.TCPConnector):
+    def __init__(self, proof: AnswerProof, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._proof = proof
+
     async def _get(self, key: Any, traces: Any) -> Any:
-        # aiohttp's own check is only "still connected"; ours is also "nothing arrived since".
+        # aiohttp's own check is only "still connected"; ours is also "nothing arrived since",
+        # and "the engine's answers on it can be proved" (aiohttp pools a connection as soon as
+        # its answer was read, before anyone could say otherwise).
         # Traces (which tell a request it got a reused connection) only for the one handed out.
+        reusable = self._proof.reusable(("https" if key.is_ssl else "http", key.host, key.port))
         while (conn := await super()._get(key, [])) is not None:
             proto = conn.protocol
             transport = proto.transport if proto is not None else None
             sock = transport.get_extra_info("socket") if transport is not None else None
-            if sock is not None and not proto.should_close and pending_bytes(sock.fileno()) == 0:
+            if reusable and sock is not None and not proto.should_close and pending_bytes(sock.fileno()) == 0:
                 for trace in traces:
                     await trace.send_connection_reuseconn()
                 return conn
@@ -108,11 +121,13 @@ class AiohttpTransport:
     def __init__(self, cfg: UpstreamConfig) -> None:
         self.cfg = cfg
         self._session: aiohttp.ClientSession | None = None
+        self.proof = AnswerProof(cfg.reuse_unverified_connections)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:  # inside the running loop, as aiohttp wants
             cfg = self.cfg
             connector = _CleanConnector(
+                self.proof,
                 limit=0,
                 limit_per_host=cfg.max_connections,
                 ssl=client_tls_context(cfg.tls.verify, cfg.tls.ca_file),
@@ -144,6 +159,8 @@ class AiohttpTransport:
         resend: bool,
     ) -> AiohttpResponse:
         header_block(headers)  # the same refusals as the http1 transport
+        if not (self.proof.reusable(target.origin) and request_id(headers) is not None):
+            headers = {**headers, "Connection": "close"}  # so that the engine closes first
         sent = 1
         try:
             resp = await self._send(method, target, body, headers, sent)
@@ -151,6 +168,11 @@ class AiohttpTransport:
             if not (resend and exc.stale):
                 raise
             sent = 2  # once more; the connector hands out only connections that passed its checks
+            resp = await self._send(method, target, body, headers, sent)
+        except StrayAnswerError:
+            if not resend:
+                raise
+            sent = 2
             resp = await self._send(method, target, body, headers, sent)
         return AiohttpResponse(resp, slot, sent)
 
@@ -185,6 +207,14 @@ class AiohttpTransport:
         if not all(valid_response_header(k, v) for k, v in resp.raw_headers):
             resp.close()
             raise ProtocolError("malformed response from the engine: invalid header bytes", sent=sent)
+        try:
+            self.proof.check(
+                target.origin, attempt.reused, request_id(headers), resp.headers.get("X-Request-Id")
+            )
+        except StrayAnswerError as exc:
+            resp.close()
+            exc.sent = sent
+            raise
         return resp
 
     async def close(self) -> None:

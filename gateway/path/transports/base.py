@@ -7,7 +7,8 @@ and return a `Response` whose head has arrived, and fail only with the errors be
 layer above (gateway/path/upstream.py: timeouts, caps, delivery accounting) is written once.
 
 What both share lives here: request header validation, the per-host
-connection cap, TLS contexts, and the check for bytes waiting on an idle connection.
+connection cap, TLS contexts, the check for bytes waiting on an idle connection, and the proof
+that an answer on a reused connection is its request's (`AnswerProof`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class DisconnectedError(TransportError):
 
 class ProtocolError(TransportError):
     """The engine's answer was malformed or over a limit (status line, headers, framing)."""
+
+
+class StrayAnswerError(ProtocolError):
+    """An answer on a reused connection that is not provably this request's (`AnswerProof`):
+    perhaps a late second answer to the connection's previous request."""
 
 
 class InvalidHeaderError(ValueError):
@@ -163,6 +169,63 @@ class HostSlots:
         if waiters is not None:
             del self._waiters[origin]
         self._used[origin] -= 1
+
+
+# -- whose answer is this ---------------------------------------------------------------------
+class AnswerProof:
+    """Whether an answer on a reused connection can be proved to be this request's, per origin.
+
+    An engine may answer twice, or send bytes past its framing, late enough that they arrive
+    after the connection went back to work: no check of the socket can tell such a stray answer
+    from the next request's own. An engine that echoes the request's `X-Request-Id` (vLLM with
+    `--enable-request-id-headers`, which the launcher sets; the simulator likewise) can: its
+    answers must carry the id that was sent, else they are refused. An origin is known to echo
+    once an answer carried the id sent; the first answer on a fresh connection is always its
+    request's own (nothing came before it), so one without the id there means the engine does
+    not echo, and it is forgotten; so it is after a stray answer, until a fresh connection's
+    answer carries its id again. Connections to an origin not known to echo are not reused
+    (the request says `Connection: close`, so the engine keeps the TIME_WAIT) unless
+    `upstream.reuse_unverified_connections` allows it.
+    """
+
+    __slots__ = ("_echoes", "_unverified")
+
+    def __init__(self, reuse_unverified: bool) -> None:
+        self._unverified = reuse_unverified
+        self._echoes: set[tuple[str, str, int]] = set()
+
+    def reusable(self, origin: tuple[str, str, int]) -> bool:
+        return self._unverified or origin in self._echoes
+
+    def check(self, origin: tuple[str, str, int], reused: bool, sent: str | None, got: str | None) -> None:
+        """Raise StrayAnswerError when the answer cannot be proved to be the one to the request that
+        sent `sent` (None: it sent no id)."""
+        if sent is not None and got == sent:
+            if len(self._echoes) < 65536:  # engine addresses are the operator's, but bounded all the same
+                self._echoes.add(origin)
+            return
+        if not reused:
+            if sent is not None:
+                self._echoes.discard(origin)
+            return
+        if got is not None or not self._unverified:
+            # Its other connections are as suspect: none is reused until a fresh one's answer
+            # carries its id again (so the resend, too, goes out on a fresh connection).
+            self._echoes.discard(origin)
+            raise StrayAnswerError(
+                "the engine's answer on a reused connection is not provably this request's"
+                f" (X-Request-Id {'missing' if got is None else 'of another request'})"
+            )
+
+
+def request_id(headers: Mapping[str, str]) -> str | None:
+    """The `X-Request-Id` the gateway sends (spelled so by gateway/path/sanitize.py)."""
+    rid = headers.get("X-Request-Id")
+    if rid is None:
+        for k, v in headers.items():
+            if k.lower() == "x-request-id":
+                return v
+    return rid
 
 
 # -- connections ------------------------------------------------------------------------------

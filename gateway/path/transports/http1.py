@@ -8,13 +8,17 @@ httptools. The rules that make it safe with an engine that misbehaves:
 
 - A connection is reused only after one complete, well-framed final response with nothing
   after it: bytes that arrive while it is idle, after its answer was whole, or that wait
-  unread in the kernel when it is taken from the pool mean it is closed, never read as the
-  next answer (which would hand one client's answer to another).
+  unread in the kernel when its answer completes or when it is taken from the pool mean it is
+  closed, never read as the next answer (which would hand one client's answer to another).
+  Bytes that come later still, once the next request went out, cannot be told apart by any
+  such check: so a connection is reused only to an engine that echoes `X-Request-Id`, and an
+  answer on it that does not carry the id sent is refused (`AnswerProof`).
 - 1xx answers are skipped; 101 is an error (nothing here asked to switch protocols).
 - The head is bounded in bytes (`upstream.max_header_bytes`, 1xx heads included) and in
   header count (`upstream.max_headers`); llhttp rejects bad header bytes and ambiguous framing.
-- A request that hits a stale idle connection (closed with not one byte back) is resent
-  once, on a fresh connection, only when the caller allows it (`resend`).
+- A request that hits a stale idle connection (closed with not one byte back), or whose answer
+  on a reused connection is not provably its own, is resent once, on a fresh connection, only
+  when the caller allows it (`resend`); the resend counts as a delivery.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ from typing import TYPE_CHECKING
 import httptools
 
 from gateway.path.transports.base import (
+    AnswerProof,
     ConnectError,
     DisconnectedError,
     HeaderLookup,
     ProtocolError,
     Slot,
+    StrayAnswerError,
     Target,
     TransportError,
     client_tls_context,
@@ -41,6 +47,7 @@ from gateway.path.transports.base import (
     find_header,
     header_block,
     pending_bytes,
+    request_id,
 )
 
 if TYPE_CHECKING:
@@ -341,6 +348,7 @@ class Http1Transport:
         self._tls_cfg = cfg.tls
         self._tls: ssl.SSLContext | None = None
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self.proof = AnswerProof(cfg.reuse_unverified_connections)
 
     def _tls_context(self) -> ssl.SSLContext:
         if self._tls is None:
@@ -382,8 +390,16 @@ class Http1Transport:
     def put(self, conn: _Connection) -> None:
         conn._parser = None
         idle = self._idle.setdefault(conn.origin, [])
-        if conn.reusable and len(idle) < self.max_idle_per_host:
+        if (
+            conn.reusable
+            and len(idle) < self.max_idle_per_host
+            and self.proof.reusable(conn.origin)
+            and pending_bytes(conn.fd) == 0  # more than the answer came: a second one, perhaps
+        ):
             idle.append(conn)
+        elif conn.complete and conn.error is None and conn.transport is not None:
+            conn.transport.close()  # the answer was whole: a clean close, not a reset
+            conn.transport = None
         else:
             conn.abort()
 
@@ -398,19 +414,28 @@ class Http1Transport:
         resend: bool,
     ) -> Http1Response:
         head = f"{method} {target.path} HTTP/1.1\r\nHost: {target.host_header}\r\n{header_block(headers)}"
-        request = f"{head}Content-Length: {len(body)}\r\n\r\n".encode("latin-1") + body
+        rid = request_id(headers)
+        keep = rid is not None and self.proof.reusable(target.origin)
+        # Not to be reused: the engine is told, so that it closes first and keeps the TIME_WAIT.
+        close = "" if keep else "Connection: close\r\n"
+        request = f"{head}{close}Content-Length: {len(body)}\r\n\r\n".encode("latin-1") + body
         sent = 0
-        conn = self._take_idle(target.origin)
+        conn = self._take_idle(target.origin) if keep else None
         if conn is not None:
             sent = 1
             try:
-                return Http1Response(await conn.start(request), conn, self, slot, sent)
+                return self._answer(await conn.start(request), conn, rid, slot, sent)
             except DisconnectedError as exc:
                 if not (resend and exc.stale):
                     exc.sent = sent
                     raise
                 # The engine closed this idle connection as the request went out: not its
                 # answer. Once, on a fresh connection (another idle one may be as stale).
+            except StrayAnswerError:
+                conn.abort()  # the engine drops this request with it
+                if not resend:
+                    raise
+                # Once more on a fresh connection, where the first answer is always its own.
             except BaseException:
                 conn.abort()  # cancelled or failed mid-request: the engine must see us go
                 raise
@@ -420,7 +445,7 @@ class Http1Transport:
             exc.sent = sent
             raise
         try:
-            return Http1Response(await conn.start(request), conn, self, slot, sent + 1)
+            return self._answer(await conn.start(request), conn, rid, slot, sent + 1)
         except TransportError as exc:
             exc.sent = sent + 1
             conn.abort()
@@ -428,6 +453,16 @@ class Http1Transport:
         except BaseException:
             conn.abort()
             raise
+
+    def _answer(
+        self, status: int, conn: _Connection, rid: str | None, slot: Slot, sent: int
+    ) -> Http1Response:
+        try:
+            self.proof.check(conn.origin, conn.reused, rid, find_header(conn.headers, "x-request-id"))
+        except StrayAnswerError as exc:
+            exc.sent = sent
+            raise
+        return Http1Response(status, conn, self, slot, sent)
 
     async def close(self) -> None:
         for conns in self._idle.values():

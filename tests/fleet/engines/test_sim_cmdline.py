@@ -38,6 +38,7 @@ def test_sim_argv_uses_vllm_flags_and_own_options() -> None:
     argv, env = sim.command(s, "llama", slot(role="prefill", gpu_ids=(0,), gpu_sharers=2))
     assert argv == [
         sys.executable, "-m", "gateway.sim", "--model", "llama", "--host", "127.0.0.1", "--port", "9100",
+        "--enable-request-id-headers",
         "--kv-cache-dtype", "fp8", "--enable-chunked-prefill", "--max-num-batched-tokens", "4096",
         "--enable-prefix-caching", "--max-num-seqs", "64", "--kv-cache-memory-bytes", "1000000000",
         "--gpu-memory-utilization", "0.46", "--gpu-share", "2",
@@ -82,6 +83,7 @@ def test_sim_speaking_sglang_is_read_the_sglang_way() -> None:
         "--profile", "h200-llama3.1-8b", "--speedup", "1", "--api", "sglang",
     ]  # fmt: skip
     assert "--kv-transfer-config" not in argv
+    assert "--enable-request-id-headers" not in argv  # vLLM's: SGLang echoes no request id
     assert adapter_for_spec(EngineSpec(kind="sim")) is sim
 
 

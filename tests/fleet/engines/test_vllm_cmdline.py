@@ -59,7 +59,7 @@ def test_fp8_chunked_prefill_prefix_caching_priority() -> None:
     )
     argv, env = vllm.command(s, MODEL, slot(gpu_ids=(0,)))
     assert argv == [
-        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8100",
+        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8100", "--enable-request-id-headers",
         "--kv-cache-dtype", "fp8",
         "--enable-chunked-prefill", "--max-num-batched-tokens", "8192",
         "--enable-prefix-caching",
@@ -84,6 +84,7 @@ def test_features_off_and_passthrough() -> None:
     argv, env = vllm.command(s, "/models/llama", slot(gpu_ids=(2, 3)), served_model_name="llama")
     assert argv == [
         "/opt/vllm/bin/vllm", "serve", "/models/llama", "--host", "127.0.0.1", "--port", "8100",
+        "--enable-request-id-headers",
         "--served-model-name", "llama", "--tensor-parallel-size", "2", "--kv-cache-dtype", "bfloat16",
         "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--block-size", "32",
         "--gpu-memory-utilization", "0.85", "--enforce-eager",
@@ -97,7 +98,8 @@ def test_pd_prefill_producer_with_nixl_side_channel() -> None:
         s, MODEL, slot(role="prefill", gpu_ids=(0,), aux_ports={NIXL_SIDE_CHANNEL_PORT: 5600})
     )
     assert argv == [
-        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8100", "--kv-cache-dtype", "fp8",
+        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8100",
+        "--enable-request-id-headers", "--kv-cache-dtype", "fp8",
         "--enable-chunked-prefill", "--enable-prefix-caching",
         "--kv-transfer-config", PRODUCER_RECOMPUTE,
     ]  # fmt: skip
@@ -236,7 +238,7 @@ def test_lora_flags_and_runtime_updating() -> None:
     }
     argv, env = vllm.command(spec(lora=lora, prefix_caching=False), MODEL, slot(gpu_ids=(0,)))
     assert argv == [
-        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8100",
+        "vllm", "serve", MODEL, "--host", "127.0.0.1", "--port", "8100", "--enable-request-id-headers",
         "--enable-chunked-prefill", "--no-enable-prefix-caching",
         "--enable-lora", "--lora-modules", "sql=/adapters/sql",
         '{"name":"fr","path":"/adapters/fr","base_model_name":"llama"}',

@@ -1,0 +1,61 @@
+"""How much work one request may ask of engines, checked before the gateway measures its prompt.
+
+A body well under `server.max_body_bytes` can still ask for 100,000 completions (`n`), a batch of
+500,000 prompts, or 100,000 embedding inputs: each is forwarded as one request that pins a
+replica for minutes (and, abandoned, keeps it busy or gets it ejected). The caps are
+`server.max_n`, `server.max_prompts` (a completions batch) and `server.max_inputs` (the inputs of
+an embeddings, pooling or classify request, the documents of a rerank, the texts of a score);
+past one the request is a 400 naming the field. What passes is counted: `sequences` (n x prompts)
+is what admission and shortest-job-first charge the expected output for.
+
+Fields of the wrong type are left to the engine, which says what it expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.config import ServerConfig
+from gateway.errors import client_error
+
+_PROMPTS = {"completions": ("prompt",)}
+_INPUTS = {
+    "embeddings": ("input",),
+    "pooling": ("input",),
+    "classify": ("input",),
+    "rerank": ("documents",),
+    "score": ("text_1", "text_2", "queries", "documents", "items"),
+}
+
+
+def _count(value: Any) -> int:
+    """Prompts in a prompt field: a string or a list of token ids is one; a list of them, each."""
+    if not isinstance(value, list) or not value or isinstance(value[0], int):
+        return 1
+    return len(value)
+
+
+def sequences(body: Mapping[str, Any], endpoint: str, cfg: ServerConfig) -> int:
+    """The answers the request asks engines for (n x prompts); 400 past `cfg`'s caps."""
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > cfg.max_n:
+        raise client_error(f"`n` is {n}; at most {cfg.max_n} (server.max_n)", "too_many_choices", "n")
+    prompts = 1
+    for name in _PROMPTS.get(endpoint, ()):
+        prompts = _count(body.get(name))
+        if prompts > cfg.max_prompts:
+            raise client_error(
+                f"`{name}` holds {prompts} prompts; at most {cfg.max_prompts} (server.max_prompts)",
+                "too_many_prompts",
+                name,
+            )
+    for name in _INPUTS.get(endpoint, ()):
+        inputs = _count(body.get(name))
+        if inputs > cfg.max_inputs:
+            raise client_error(
+                f"`{name}` holds {inputs} inputs; at most {cfg.max_inputs} (server.max_inputs)",
+                "too_many_inputs",
+                name,
+            )
+    return prompts * (n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1)
