@@ -189,10 +189,11 @@ async def test_bad_framing_pipelined_behind_a_good_request_ends_the_connection(a
     await wait_until(lambda: client.transport.closed, 10.0, "the connection closed")
     answers = parse_responses(bytes(client.transport.written))
     assert (answers[0].status, answers[0].body) == (200, b"good")
-    # The good answer already says Connection: close (no request can follow a framing error), so
-    # the refusal queued behind it is not sent: the client sees its request unanswered, not a 400.
-    assert answers[0].header("connection") == "close"
-    assert [r.status for r in answers[1:]] in ([], [400])
+    # Whatever is answered, the last answer says the connection closes. (The refusal may be
+    # missing: here the good answer already closes, its keep-alive test seeing the parser the
+    # refusal dropped; the hardening branch answers the 400 too.)
+    assert [r.status for r in answers] in ([200], [200, 400])
+    assert answers[-1].header("connection") == "close"
     assert app.started[1:] in ([], ["/echo"])  # the bad request's own handler at most
 
 
@@ -262,7 +263,8 @@ async def test_expect_continue_is_answered_before_the_body_is_sent(app: App) -> 
     client.transport.feed(
         b"POST /echo HTTP/1.1\r\nHost: gw\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n"
     )
-    assert client.transport.take().startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+    invited = await wait_until(lambda: client.transport.take(), 10.0, "the interim answer")
+    assert invited == b"HTTP/1.1 100 Continue\r\n\r\n"
     client.transport.feed(b"body")
     (answer,) = await client.responses(1)
     assert answer.body == b"body"
