@@ -96,7 +96,10 @@ def markdown(title: str, points: Sequence[RunPoint], baseline: str, meta: dict[s
             + " |"
         )
     breakdown = [
-        (p, key, s) for p in points for key in ("by_priority", "by_kind") if (s := p.summary.get(key))
+        (p, key, groups)
+        for p in points
+        for key in ("by_priority", "by_kind")
+        if (groups := p.summary.get(key))
     ]
     if breakdown:
         lines += [

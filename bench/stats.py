@@ -82,9 +82,9 @@ def summarize(result: RunResult) -> dict[str, Any]:
     measured = [r for r in result.records if not r.warmup]
     ok = [r for r in measured if r.ok]
     summary = latency_block(measured)
-    sent = [r for r in measured if r.sent is not None]
-    start = min((r.sent for r in sent), default=0.0)  # type: ignore[type-var]
-    end = max((r.sent + (r.e2e or 0.0) for r in sent), default=0.0)  # type: ignore[operator]
+    sent = [(r.sent, r.e2e or 0.0) for r in measured if r.sent is not None]
+    start = min((t for t, _ in sent), default=0.0)
+    end = max((t + e2e for t, e2e in sent), default=0.0)
     window = end - start
     summary["window_s"] = window
     summary["warmup_requests"] = len(result.records) - len(measured)

@@ -582,7 +582,7 @@ class PoolConfig(_Strict):
     model: str = Field(description="Model name the engines serve")
     served_model: str | None = Field(None, description="Rewrite `model` to this upstream (default: model)")
     tasks: list[Task] = Field(
-        default_factory=lambda: ["generate"],
+        default_factory=lambda: list[Task](["generate"]),
         min_length=1,
         description="What the pool's engines serve: generate (chat, completions, responses), embed "
         "(embeddings, pooling, score, rerank), classify (classify, pooling), score (score, rerank, pooling)",

@@ -80,7 +80,8 @@ class TextFormatter(logging.Formatter):
         if second != self._second:
             self._second = second
             self._stamp = time.strftime(self.default_time_format, self.converter(record.created))
-        return self.default_msec_format % (self._stamp, record.msecs)
+        msec_format = self.default_msec_format
+        return msec_format % (self._stamp, record.msecs) if msec_format else self._stamp
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         # The message alone (the traceback is appended after this): one line, whatever it holds.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.routing.prefix_hash import message_text, prompt_text
+from gateway.routing.prefix_hash import Endpoint, message_text, prompt_text
 from gateway.routing.tokens import count_tokens
 
 _KEPT_ROLES = frozenset({"system", "developer"})
@@ -32,15 +32,14 @@ def _turns(messages: list[Any], start: int) -> list[tuple[int, int]]:
     return spans
 
 
-def fit_window(body: dict[str, Any], endpoint: str, limit: int) -> int | None:
+def fit_window(body: dict[str, Any], endpoint: Endpoint, limit: int) -> int | None:
     """Trim `body`'s conversation in place to at most `limit` prompt tokens.
 
     Returns the new prompt size, or None when it cannot fit (not a conversation, or the kept system
     prompt plus the newest turn alone exceed the limit); the body is left unchanged then.
     """
     key = "messages" if endpoint == "chat" else "input" if endpoint == "responses" else None
-    messages = body.get(key) if key else None
-    if not isinstance(messages, list) or not messages:
+    if key is None or not isinstance(messages := body.get(key), list) or not messages:
         return None
     head = 0
     while head < len(messages) - 1 and isinstance(messages[head], dict):
@@ -52,7 +51,7 @@ def fit_window(body: dict[str, Any], endpoint: str, limit: int) -> int | None:
     # turn is kept whole (a tool result without the call that asked for it is meaningless).
     cuts = [s for s, _ in spans]
     sizes = [count_tokens(message_text(m)) for m in messages]
-    fixed = count_tokens(prompt_text({**body, key: messages[:head]}, endpoint))  # type: ignore[misc]
+    fixed = count_tokens(prompt_text({**body, key: messages[:head]}, endpoint))
     kept = sum(sizes[head:])
     dropped_to = head
     for cut in cuts:
@@ -62,7 +61,7 @@ def fit_window(body: dict[str, Any], endpoint: str, limit: int) -> int | None:
             continue
         trimmed = messages[:head] + messages[cut:]
         # The per-message estimate can be off by a token at message boundaries: confirm on the whole.
-        total = count_tokens(prompt_text({**body, key: trimmed}, endpoint))  # type: ignore[misc]
+        total = count_tokens(prompt_text({**body, key: trimmed}, endpoint))
         if total <= limit:
             break
     else:

@@ -176,19 +176,20 @@ class PoolQueue:
         q = self.by_name[class_name]
         if len(q) >= q.max_queue:
             raise QueueFull("queue_full")
-        evicted = None
+        evicted: tuple[Entry, str] | None = None
         if self.size >= self.max_queue:
             # Shed the newest request of the lowest class below this one: it has waited least.
             victim_q = next((c for c in reversed(self.classes) if c.level < q.level and len(c)), None)
             if victim_q is None:
                 raise QueueFull("queue_full")
-            evicted = victim_q.newest()
-            assert evicted is not None
-            victim_q.remove(evicted)
+            victim = victim_q.newest()
+            assert victim is not None
+            victim_q.remove(victim)
             self.size -= 1
+            evicted = (victim, victim_q.name)
         q.push(e)
         self.size += 1
-        return None if evicted is None else (evicted, victim_q.name)
+        return evicted
 
     def remove(self, e: Entry, class_name: str) -> None:
         if e.live:

@@ -291,7 +291,9 @@ class Admin:
             prefix="/admin",
             responses={"4XX": {"model": ErrorResponse, "description": "An error, in the OpenAI form"}},
         )
-        pool_404 = {404: {"model": ErrorResponse, "description": "No such pool or replica"}}
+        pool_404: dict[int | str, dict[str, Any]] = {
+            404: {"model": ErrorResponse, "description": "No such pool or replica"}
+        }
         api.add_api_route(
             "/routes",
             self.routes,

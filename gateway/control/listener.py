@@ -186,7 +186,8 @@ class ControlListener:
             # An operator's port, but still a peer that may misbehave: bounded in connections
             # (503 beyond) and in how long a silent connection is kept.
             limit_concurrency=max_connections,
-            timeout_keep_alive=idle_timeout_s,
+            # uvicorn declares an int but hands it to loop.call_later, which takes fractions too.
+            timeout_keep_alive=idle_timeout_s,  # type: ignore[arg-type]
             ws="none",
             lifespan="off",
             log_config=None,  # the gateway's logging, as configured

@@ -18,6 +18,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from typing import Any
 
 COLUMNS = (
@@ -118,7 +119,7 @@ def format_status(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(c[0]), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
 
     def fmt(cells: tuple[str, ...]) -> str:

@@ -115,7 +115,8 @@ def plan_fleet(
     adapter = adapter_for_spec(spec)
     roles: list[Role] = ["mixed"] * spec.replicas
     if spec.roles is not None:
-        roles = ["prefill"] * spec.roles.prefill + ["decode"] * spec.roles.decode
+        roles = ["prefill"] * spec.roles.prefill
+        roles += ["decode"] * spec.roles.decode
     gpus = _gpu_assignment(spec, adapter)
     users: dict[int, int] = {}
     for ids in gpus:

@@ -500,10 +500,10 @@ class HttptoolsServer:
         method = "GET" if request.head else request.method
         methods = self.exact.get(path)
         if methods is None:
-            for prefix, route_method, name, handler in self.prefixed:
+            for prefix, route_method, name, route_handler in self.prefixed:
                 if path.startswith(prefix) and len(path) > len(prefix):
                     methods = methods or {}
-                    methods.setdefault(route_method, handler)
+                    methods.setdefault(route_method, route_handler)
                     request.params = {name: path[len(prefix) :]}
         if not methods:
             return route_error(404, "Not Found", request.method, path)

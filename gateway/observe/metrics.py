@@ -215,8 +215,8 @@ class _Bound:
     ttft: Any | None
     queue: Any | None
     decision: Any | None
-    prompt_tokens: Any | None
-    matched_tokens: Any | None
+    prompt_tokens: Any  # these two are None exactly when `decision` is
+    matched_tokens: Any
     retries: Any
     shed: Any | None
     disconnects: Any

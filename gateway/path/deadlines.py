@@ -69,7 +69,7 @@ class _Wait:
         loop = owner._loop
         here = loop is not None and owner._thread == threading.get_ident()
         task = asyncio.current_task(loop) if here else None
-        if task is None:
+        if task is None or loop is None:  # (no task without a loop: the second test is for the type checker)
             loop = asyncio.get_running_loop()
             task = asyncio.current_task(loop)
             if task is None:

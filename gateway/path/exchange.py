@@ -47,11 +47,21 @@ class StreamOut(Protocol):
 
 
 class Exchange(Protocol):
-    method: str
-    path: str
-    headers: Mapping[str, str]  # names case-insensitive
-    content_length: int | None
-    content: BodySource
+    # Read-only members, so that each server's request may hold narrower types (aiohttp's
+    # CIMultiDictProxy headers and StreamReader body) and still be an Exchange.
+    @property
+    def method(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Names case-insensitive."""
+        ...
+
+    @property
+    def content_length(self) -> int | None: ...
+    @property
+    def content(self) -> BodySource: ...
 
     @property
     def params(self) -> Mapping[str, str]:

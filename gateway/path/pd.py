@@ -20,7 +20,7 @@ import logging
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 from urllib.parse import urlsplit
 
 import orjson
@@ -75,7 +75,7 @@ def sglang_body(body: Mapping[str, Any], prefill: Replica, room: int | None = No
     return {**body, "bootstrap_host": host, "bootstrap_port": prefill.bootstrap_port, "bootstrap_room": rooms}
 
 
-def _is_batch(prompt: Any) -> bool:
+def _is_batch(prompt: Any) -> TypeGuard[list[Any]]:
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 

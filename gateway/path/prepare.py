@@ -137,7 +137,7 @@ class Preparation:
                 req.replace(result.body)
                 log.debug("request %s canonicalized: %s", req.record.request_id, "; ".join(result.notes))
         rec = req.record
-        req.features = router.features(req.body, rec.endpoint, rec.engine_request_id, req.headers, hasher)
+        req.features = router.features(req.body, req.endpoint, rec.engine_request_id, req.headers, hasher)
         req.features.tenant = req.tenant
 
     async def _engine_tokens(self, req: InferenceRequest) -> None:
@@ -188,7 +188,7 @@ def fit_prompt(req: InferenceRequest, classes: PriorityClasses) -> None:
     if overflow == "window" and req.trim(limit):
         classes.prompts_trimmed += 1
         rec = req.record
-        trimmed = req.router.features(req.body, rec.endpoint, rec.engine_request_id, req.headers)
+        trimmed = req.router.features(req.body, req.endpoint, rec.engine_request_id, req.headers)
         trimmed.tenant = features.tenant
         trimmed.priority_class = features.priority_class
         trimmed.priority = features.priority

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -20,8 +20,9 @@ from gateway.path.request_record import RequestRecord
 from gateway.path.sanitize import strip_body
 from gateway.routing.policy import RequestFeatures
 from gateway.routing.pool_router import PoolRouter
+from gateway.routing.prefix_hash import Endpoint
 
-ENDPOINTS = {
+ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/responses": "responses",
@@ -87,8 +88,9 @@ class InferenceRequest:
     _payload: bytes | None = None
 
     @property
-    def endpoint(self) -> str:
-        return self.record.endpoint
+    def endpoint(self) -> Endpoint:
+        # The record names any endpoint (/tokenize's too); an inference request's comes from ENDPOINTS.
+        return cast("Endpoint", self.record.endpoint)
 
     # -- the body's changes: each marks it dirty ----------------------------------------------
     def strip(self, allowed: frozenset[str]) -> list[str]:

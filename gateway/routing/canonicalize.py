@@ -40,9 +40,12 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from gateway.config import CanonicalizeConfig
+
+if TYPE_CHECKING:
+    from gateway.routing.prefix_hash import Endpoint
 
 _MONTH = (
     r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?"
@@ -346,9 +349,7 @@ def _canonical_system(
     return out
 
 
-def canonicalize(
-    body: dict[str, Any], cfg: CanonicalizeConfig, endpoint: Literal["chat", "completions"]
-) -> CanonicalResult:
+def canonicalize(body: dict[str, Any], cfg: CanonicalizeConfig, endpoint: Endpoint) -> CanonicalResult:
     """Canonical form of a request body; never mutates `body`."""
     if not cfg.enabled or endpoint != "chat" or not isinstance(body, dict):
         return CanonicalResult(body)

@@ -23,7 +23,7 @@ from gateway.fleet.replica import Replica
 from gateway.routing.lora import PoolLora
 from gateway.routing.policy import Candidate, Outcome, Pair, Policy, RequestFeatures, load_policy
 from gateway.routing.precise_prefix import PrecisePrefix
-from gateway.routing.prefix_hash import PrefixHasher, batch_tokens, prompt_pieces
+from gateway.routing.prefix_hash import Endpoint, PrefixHasher, batch_tokens, prompt_pieces
 from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.tokens import Tokenizer, TokenizerError, get_tokenizer, load_tokenizer, model_tokenizer
 
@@ -184,7 +184,7 @@ class PoolRouter:
     def features(
         self,
         body: Mapping[str, Any],
-        endpoint: str,
+        endpoint: Endpoint,
         request_id: str,
         headers: Mapping[str, str],
         hasher: PrefixHasher | None = None,

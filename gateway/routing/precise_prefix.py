@@ -160,19 +160,21 @@ class PrecisePrefix:
     def token_ids(self, replica: Replica, status: int, raw: bytes) -> list[int] | None:
         """The token ids in a `/tokenize` answer; None (counted) for anything else."""
         if status != 200:
-            return self.failed(replica, f"status {status}")
+            self.failed(replica, f"status {status}")
+            return None
         try:
             ids = orjson.loads(raw)["tokens"]
         except (orjson.JSONDecodeError, KeyError, TypeError):
-            return self.failed(replica, "answer without a `tokens` list")
+            self.failed(replica, "answer without a `tokens` list")
+            return None
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-            return self.failed(replica, "answer without a `tokens` list")
+            self.failed(replica, "answer without a `tokens` list")
+            return None
         return ids
 
     def failed(self, replica: Replica, why: str) -> None:
         self.tokenize_failures += 1
         log.debug("precise prefix: %s could not tokenize: %s", replica.name, why)
-        return None
 
     def annotate(self, features: RequestFeatures, ids: list[int] | None) -> None:
         """Replace the request's text-block features by the engine's token-block ones, in place.

@@ -14,7 +14,6 @@ import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel
 
 from gateway.sim import pooling as P
 from gateway.sim import protocol as proto
@@ -285,7 +284,7 @@ class ApiExtras:
 
     async def embeddings(self, request: web.Request) -> web.Response:
         async def work(body: dict[str, Any]) -> web.Response:
-            req: BaseModel
+            req: EmbeddingChatRequest | V.EmbeddingCompletionRequest
             if "messages" in body:
                 req = V.parse(EmbeddingChatRequest, body)
                 V.check_messages(req.messages)
@@ -357,7 +356,7 @@ class ApiExtras:
             prompts = self._tokens(req.query) + self._tokens(docs)
             vectors, used, model = await self._vectors(request, prompts, req.model, req.priority, "score")
             q = vectors[0]
-            results = [
+            results: list[dict[str, Any]] = [
                 {"index": i, "document": {"text": d}, "relevance_score": P.cosine(q, v)}
                 for i, (d, v) in enumerate(zip(docs, vectors[1:], strict=True))
             ]

@@ -20,7 +20,9 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from gateway.routing.tokens import TokenizerError, load_tokenizer, use_tokenizer
 from gateway.sim.device import SharedDevice
@@ -246,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, json.JSONDecodeError, TokenizerError) as exc:
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
+    runner: Callable[[Coroutine[Any, Any, None]], None]
     try:
         import uvloop
 

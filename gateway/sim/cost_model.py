@@ -85,6 +85,7 @@ class CostModel:
     ) -> int:
         """Blocks vLLM would report: what is left of the memory share after weights and activations."""
         p = self.profile
+        per_gpu: float
         if kv_cache_memory_bytes is not None:
             per_gpu = kv_cache_memory_bytes
         else:

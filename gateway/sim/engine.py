@@ -370,9 +370,10 @@ class Engine:
         if not preempted:
             waiting = self.waiting
             while budget > 0 and len(running) < c.max_num_seqs:
-                req = waiting.peek()
-                if req is None:
+                head = waiting.peek()
+                if head is None:
                     break
+                req = head
                 if req.lora is not None and self._lora_blocked(req):
                     skipped.append(waiting.pop())  # like vLLM V1: skip it, keep scanning
                     continue

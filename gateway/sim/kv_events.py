@@ -16,7 +16,7 @@ inproc path gets `_dp<i>` appended (vLLM refuses ipc there: a simulator-only ext
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 from gateway.sim.kv_cache import BlockEvent
 
@@ -58,7 +58,7 @@ def encode_events(events: list[BlockEvent], block_size: int) -> list[list[Any]]:
     out: list[list[Any]] = []
     for kind, payload in events:
         if kind == "stored":
-            hashes, parent, tokens = payload  # type: ignore[misc]
+            hashes, parent, tokens = cast("tuple[list[int], int | None, list[int]]", payload)
             out.append(["BlockStored", hashes, parent, tokens, block_size, None, MEDIUM])
         elif kind == "removed":
             out.append(["BlockRemoved", payload, MEDIUM])
@@ -77,13 +77,13 @@ class KVEventPublisher:
                 "--kv-events-config needs pyzmq and msgpack: pip install 'kvgate[kvevents]'"
             ) from exc
         self._packb = msgpack.packb
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self.bound = binds(endpoint)
         if self.bound:
             self._sock.bind(endpoint)
-            self.endpoint = self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         else:
             self._sock.connect(endpoint)  # someone else binds there (vLLM's rule: no `*`, no bind)
             self.endpoint = endpoint

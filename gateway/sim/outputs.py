@@ -204,7 +204,9 @@ def response_object(
     output = []
     if text is not None:
         item_status = "incomplete" if incomplete else "completed"
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": None}]
+        content: list[dict[str, Any]] = [
+            {"type": "output_text", "text": text, "annotations": [], "logprobs": None}
+        ]
         output.append(
             {
                 "id": meta.msg_id,

@@ -15,6 +15,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -266,8 +267,9 @@ class Replica:
             site = web.TCPSite(self._web, o.host, port, reuse_address=True)
             await site.start()
             self._sites.append(site)
-            server = site._server
-            bound = server.sockets[0].getsockname()[1] if server and server.sockets else port  # type: ignore[union-attr]
+            # Typed an AbstractServer; asyncio's and uvloop's servers (no common class) list their sockets.
+            sockets = getattr(site._server, "sockets", None) or ()
+            bound = sockets[0].getsockname()[1] if sockets else port
             setattr(self, attr, bound)
         self.started_at = time.monotonic()
         self.runner.start()
@@ -670,6 +672,7 @@ class Replica:
                 script = None if source is None else _script(source, seed_i)
                 plan.add_choice(seed_i, script)
                 natural = max_tokens is None
+                output_ids: Callable[[int, int], list[int]] | None
                 if script is not None:
                     cap = min(max_tokens if max_tokens is not None else room_left, room_left)
                     natural = len(script) <= cap

@@ -91,7 +91,7 @@ class _Gen:
         return self.string(s, k)
 
     def obj(self, s: dict[str, Any], depth: int, k: int) -> dict[str, Any]:
-        props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+        props = p if isinstance(p := s.get("properties"), dict) else {}
         required = [r for r in s.get("required", []) if isinstance(r, str)]
         names = list(props) if depth < MAX_DEPTH else [r for r in required if r in props]
         out = {name: self.value(props[name], depth + 1, k + i) for i, name in enumerate(names)}
@@ -100,7 +100,7 @@ class _Gen:
         return out
 
     def array(self, s: dict[str, Any], depth: int, k: int) -> list[Any]:
-        prefix = s.get("prefixItems") if isinstance(s.get("prefixItems"), list) else []
+        prefix = p if isinstance(p := s.get("prefixItems"), list) else []
         lo = s.get("minItems", 0) if isinstance(s.get("minItems"), int) else 0
         hi = s.get("maxItems") if isinstance(s.get("maxItems"), int) else None
         n = max(lo, len(prefix), 2 if depth < MAX_DEPTH else 0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import lru_cache
-from typing import Annotated, Any, Literal, Required
+from typing import Annotated, Any, Literal, Required, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from typing_extensions import TypedDict
@@ -29,6 +29,7 @@ from gateway.sim.protocol import HTTPError
 
 _INT64 = 2**63
 BAD_REQUEST = "Bad Request"  # HTTPStatus.BAD_REQUEST.phrase: vLLM's validation handler's error type
+_Model = TypeVar("_Model", bound=BaseModel)
 _MAX_REPORTED = 10  # vLLM reports the first 10 pydantic errors and counts the rest
 _INPUT_CHARS = 200
 # Pydantic's internal location segments that vLLM's clean_loc_for_param drops (unbracketed ones).
@@ -143,7 +144,7 @@ class CompletionRequest(_Sampling):
     echo: bool | None = False
     logprobs: int | None = None
     max_tokens: int | None = 16
-    n: int = 1  # type: ignore[assignment]  # not Optional here, as in vLLM
+    n: int = 1  # not Optional here, as in vLLM
     suffix: str | None = None
     response_format: ResponseFormat | StructuralTagResponseFormat | None = None
     add_special_tokens: bool = True
@@ -285,7 +286,7 @@ def bad_request(message: str, parameter: str | None = None, value: Any = None) -
     return HTTPError(400, vllm_validation_text(message, parameter, value), parameter, "BadRequestError")
 
 
-def parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+def parse(model: type[_Model], body: dict[str, Any]) -> _Model:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -532,4 +533,4 @@ def _message_adapter() -> TypeAdapter[Any]:
         | ChatCompletionFunctionMessageParam
         | CustomChatCompletionMessageParam
     )
-    return TypeAdapter(list[member])  # type: ignore[valid-type]
+    return TypeAdapter(list[member])

@@ -32,11 +32,12 @@ import socket
 import time
 from array import array
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+from redis.typing import EncodableT, FieldT
 
 from gateway.config import EndpointConfig, StateConfig
 from gateway.control.state.base import Bucket, StateBackend
@@ -84,6 +85,9 @@ end
 return waits
 """
 _DOWN = (RedisError, OSError, asyncio.TimeoutError)
+# XREAD's answer: per stream, its name and (entry id, fields) pairs.
+_StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+_StreamReply = list[tuple[bytes, _StreamEntries]]
 
 
 class SharedPrefixIndex(PrefixIndex):
@@ -243,7 +247,8 @@ class RedisState(StateBackend):
                 await asyncio.sleep(self.cfg.sync_interval_s)
                 continue
             if reply and generation == self._stream_generation:
-                self._merge(reply[0][1])
+                # redis-py types replies for either decode_responses; this client decodes none.
+                self._merge(cast("_StreamReply", reply)[0][1])
 
     def _down(self, exc: BaseException) -> None:
         self.last_error = f"{type(exc).__name__}: {exc}"
@@ -346,7 +351,7 @@ class RedisState(StateBackend):
     def _replica_by_url(self) -> dict[tuple[str, str], Any]:
         return {(p.name, r.url): r for p in self.fleet.pools.values() for r in p.replicas.values()}
 
-    def _own_inflight(self) -> dict[str, str]:
+    def _own_inflight(self) -> dict[FieldT, EncodableT]:
         return {
             f"{p.name}\t{r.url}": f"{r.inflight_requests} {r.inflight_tokens}"
             for p in self.fleet.pools.values()
@@ -366,7 +371,7 @@ class RedisState(StateBackend):
                 f"{pool}\t{url}", (0, 0)
             )
 
-    def _merge(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    def _merge(self, entries: _StreamEntries) -> None:
         replicas = self._replica_by_url()
         for entry_id, fields in entries:
             self._stream_id = entry_id

@@ -57,7 +57,8 @@ class _CleanConnector(aiohttp.TCPConnector):
             proto = conn.protocol
             transport = proto.transport if proto is not None else None
             sock = transport.get_extra_info("socket") if transport is not None else None
-            if reusable and sock is not None and not proto.should_close and pending_bytes(sock.fileno()) == 0:
+            open_ = proto is not None and not proto.should_close
+            if reusable and sock is not None and open_ and pending_bytes(sock.fileno()) == 0:
                 for trace in traces:
                     await trace.send_connection_reuseconn()
                 return conn

@@ -154,7 +154,7 @@ class HostSlots:
         except BaseException:
             if waiter.done() and not waiter.cancelled():
                 self._release(origin)  # handed a slot, then cancelled before using it
-            elif waiter in (queue := self._waiters.get(origin, ())):
+            elif (queue := self._waiters.get(origin)) is not None and waiter in queue:
                 queue.remove(waiter)
             raise
         return Slot(self, origin)

@@ -146,8 +146,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        if self.complete:
-            return
+        if self.complete or self.error is not None:
+            return  # failed already: this is the abort that followed, not the engine's doing
         why = describe(exc) if exc is not None else "connection closed"
         if not self._final:
             self._fail(
