@@ -649,7 +649,7 @@ class Replica:
                 if remote_kv:
                     out.release = ktp
                 elif o.kv_load_failure_policy == "fail":
-                    return await self._kv_load_failed(request, bool(body.get("stream")), headers)
+                    return await self._kv_load_failed(request, bool(body.get("stream")))
         room = body.get("bootstrap_room")
         if isinstance(room, list):
             room = room[0] if room else None
@@ -818,15 +818,13 @@ class Replica:
             log.warning("KV load from %s failed: %s", url, exc)
             return False
 
-    async def _kv_load_failed(
-        self, request: web.Request, stream: bool, headers: dict[str, str]
-    ) -> web.StreamResponse:
+    async def _kv_load_failed(self, request: web.Request, stream: bool) -> web.StreamResponse:
         """vLLM with `kv_load_failure_policy: fail`: the request ends with finish reason `error`,
         a 500 when not streamed, an error event in an already-begun 200 stream when streamed."""
         message = "Internal server error"
         if not stream:
             return self._error(500, message, err_type="InternalServerError")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         error = proto.error_body(500, message, err_type="InternalServerError")
         await resp.write(b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n")
