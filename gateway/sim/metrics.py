@@ -45,6 +45,8 @@ class EngineMetrics:
     __slots__ = (
         "decode_time",
         "e2e",
+        "external_prefix_cache_hits",
+        "external_prefix_cache_queries",
         "generation_tokens",
         "itl",
         "num_preemptions",
@@ -60,6 +62,9 @@ class EngineMetrics:
     def __init__(self) -> None:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # The KV connector's (the CPU tier's) lookups: tokens past the GPU hit, and those it held.
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_preemptions = 0
@@ -75,6 +80,8 @@ class EngineMetrics:
         return {
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
+            "external_prefix_cache_queries": self.external_prefix_cache_queries,
+            "external_prefix_cache_hits": self.external_prefix_cache_hits,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             "num_preemptions": self.num_preemptions,
