@@ -82,7 +82,7 @@ class CpuTier:
             self.events.append(("cpu_stored", h))
 
     def clear(self) -> None:
-        """vLLM's reset_prefix_cache resets the connector too (its own clear publishes nothing)."""
+        """vLLM's `POST /reset_prefix_cache?reset_external=true` (the connector's reset publishes nothing)."""
         self._lru.clear()
 
     def take_events(self) -> list[BlockEvent]:

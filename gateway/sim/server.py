@@ -835,7 +835,8 @@ class Replica:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         ok = self.engine.pool.reset_cache()
-        if ok and self.engine.cpu is not None:
+        # As vLLM's: the connector's (CPU) cache only with `?reset_external=true`.
+        if ok and self.engine.cpu is not None and request.query.get("reset_external") == "true":
             self.engine.cpu.clear()
         self._on_step()
         return self._json({"success": ok}, status=200 if ok else 409)

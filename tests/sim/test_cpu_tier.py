@@ -98,6 +98,11 @@ async def test_cpu_events_follow_gpu_events_over_zmq_and_metrics_report_the_tier
         assert events.index(gpu) < events.index(cpu[0])
         assert [ev[1][0] for ev in cpu] == gpu[1]  # the same block hashes, one placeholder each
         text = (await c.get(f"{url(r)}/metrics")).text
+        # As vLLM's: the CPU tier is reset only with reset_external=true.
+        assert (await c.post(f"{url(r)}/reset_prefix_cache")).json() == {"success": True}
+        assert r.engine.cpu.num_cached > 0  # type: ignore[union-attr]
+        await c.post(f"{url(r)}/reset_prefix_cache", params={"reset_external": "true"})
+        assert r.engine.cpu.num_cached == 0  # type: ignore[union-attr]
     sub.close(0)
     assert 'kv_offloading_size="0.25"' in text and 'kv_offloading_backend="native"' in text
     assert "vllm:external_prefix_cache_hits_total" in text
