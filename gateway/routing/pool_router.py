@@ -523,7 +523,7 @@ class PoolRouter:
         cap = replica.kv_capacity_tokens
         cpu = replica.engine.cpu_capacity_tokens
         if cap and self.precise is not None:
-            self.precise.set_capacity(replica.name, cap)
+            self.precise.set_capacity(replica.name, cap, cpu)
         approximate = self.fallback_index or self.prefix_index
         if cap and self.cfg.prefix.max_blocks_per_replica is None:
             self._sized_tokens_per_block = tokens_per_block = max(1.0, self.tokens_per_block())
