@@ -382,6 +382,7 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         placed = self._placed.get(request.request_id)
         if placed is not None and placed[0] != replica.name:
             self._charge(request, replica.name, placed[1], self._clock())
+            self._loading.pop(request.request_id, None)  # its CPU tokens were the first replica's
 
     def on_first_token(self, request: RequestFeatures, replica: ReplicaView) -> None:
         # Its prefill is over, and the next stream sent there starts on its own from now.
