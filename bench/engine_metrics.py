@@ -22,8 +22,9 @@ COUNTERS = {
     "vllm:prompt_tokens": "prompt_tokens",
     "vllm:generation_tokens": "generation_tokens",
     "vllm:num_preemptions": "preemptions",
-    # The KV connector's hits: with --kv-offloading-size, prompt tokens loaded from the CPU tier.
-    "vllm:external_prefix_cache_hits": "cpu_hits",
+    # The KV connector's hits: prompt tokens loaded rather than computed (with --kv-offloading-size,
+    # from the CPU tier; on a PD decode leg, from the prefill replica).
+    "vllm:external_prefix_cache_hits": "external_cache_hit_tokens",
 }
 LORA_COUNTERS = ("lora_swaps", "lora_disk_loads")
 
@@ -81,6 +82,8 @@ def _keys(counters: dict[str, Any]) -> list[str]:
 def _with_hit_rate(total: dict[str, Any]) -> dict[str, Any]:
     queries = total["prefix_cache_queries"]
     total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else None
-    # Prompt tokens neither on the GPU nor loaded from CPU: prefilled.
-    total["recomputed_tokens"] = queries - total["prefix_cache_hits"] - total.get("cpu_hits", 0.0)
+    # Prompt tokens neither on the GPU nor loaded by the connector: prefilled.
+    total["recomputed_tokens"] = (
+        queries - total["prefix_cache_hits"] - total.get("external_cache_hit_tokens", 0.0)
+    )
     return total

@@ -139,19 +139,20 @@ def markdown(title: str, points: Sequence[RunPoint], baseline: str, meta: dict[s
 
 
 def tier_table(points: Sequence[RunPoint]) -> list[str]:
-    """Where prompt tokens came from, per run, when the engines have a CPU tier (cpu_hits counted)."""
-    runs = [(p, e) for p in points if "cpu_hits" in (e := p.summary.get("engine") or {})]
-    if not any(e["cpu_hits"] for _, e in runs):
+    """Where prompt tokens came from, per run, when the engines' KV connector loaded some: the CPU
+    tier of engines with --kv-offloading-size (a PD decode leg's transfers count there too)."""
+    key = "external_cache_hit_tokens"
+    runs = [(p, e) for p in points if key in (e := p.summary.get("engine") or {})]
+    if not any(e[key] for _, e in runs):
         return []
     lines = ["", "KV tiers (engines' counters; tokens, priming requests included):", ""]
-    lines += _header(
-        ["config", "load", "TTFT p50", "TTFT mean", "TTFT p99", "GPU hits", "CPU hits", "recomputed"]
-    )
+    columns = ["config", "load", "TTFT p50", "TTFT mean", "TTFT p99", "GPU hits", "CPU hits", "recomputed"]
+    lines += _header(columns)
     for p, e in runs:
         t = p.summary["ttft_ms"]
         lines.append(
             f"| {p.config} | {p.load} | {_f(t['p50'])} | {_f(t['mean'])} | {_f(t['p99'])} | "
-            f"{e['prefix_cache_hits']:.0f} | {e['cpu_hits']:.0f} | {e['recomputed_tokens']:.0f} |"
+            f"{e['prefix_cache_hits']:.0f} | {e[key]:.0f} | {e['recomputed_tokens']:.0f} |"
         )
     return lines
 
