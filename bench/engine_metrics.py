@@ -24,8 +24,9 @@ COUNTERS = {
     "vllm:num_preemptions": "preemptions",
 }
 LORA_COUNTERS = ("lora_swaps", "lora_disk_loads")
-# A decode replica's view of prefill/decode hand-offs (vLLM's NIXL connector; by sample name):
-# prompt tokens loaded from another replica rather than computed, and the transfers themselves.
+# The KV connector's figures, by sample name: prompt tokens loaded rather than computed (from the
+# CPU tier with --kv-offloading-size; on a PD decode leg, from the prefill replica), and a decode
+# replica's NIXL transfers.
 TRANSFER_SAMPLES = {
     "vllm:external_prefix_cache_hits_total": "external_cache_hit_tokens",
     "vllm:nixl_xfer_time_seconds_count": "kv_transfers",
@@ -91,6 +92,10 @@ def _keys(counters: dict[str, Any]) -> list[str]:
 def _with_hit_rate(total: dict[str, Any]) -> dict[str, Any]:
     queries = total["prefix_cache_queries"]
     total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else None
+    # Prompt tokens neither on the GPU nor loaded by the connector: prefilled.
+    total["recomputed_tokens"] = (
+        queries - total["prefix_cache_hits"] - total.get("external_cache_hit_tokens", 0.0)
+    )
     return total
 
 

@@ -134,7 +134,7 @@ def markdown(title: str, points: Sequence[RunPoint], baseline: str, meta: dict[s
                 f" in {e.get('kv_transfers', 0):.0f} transfers"
                 f" ({e.get('kv_transfer_bytes', 0) / 2**20:.0f} MiB,"
                 f" {e.get('kv_transfers_failed', 0):.0f} failed)"
-                if "external_cache_hit_tokens" in e
+                if e.get("kv_transfers")
                 else ""
             )
             + (f", PD hand-offs {p.summary['pd']}" if p.summary.get("pd") else "")
@@ -146,7 +146,30 @@ def markdown(title: str, points: Sequence[RunPoint], baseline: str, meta: dict[s
             )
             for p, e in engines
         ]
+    lines += tier_table(points)
     return "\n".join(lines) + "\n"
+
+
+def tier_table(points: Sequence[RunPoint]) -> list[str]:
+    """Where prompt tokens came from, per run, when the engines' KV connector loaded some from the
+    CPU tier of engines with --kv-offloading-size."""
+    key = "external_cache_hit_tokens"
+    # A PD decode leg's loads are transfers from another replica, not a tier: reported beside them.
+    runs = [
+        (p, e) for p in points if key in (e := p.summary.get("engine") or {}) and not e.get("kv_transfers")
+    ]
+    if not any(e[key] for _, e in runs):
+        return []
+    lines = ["", "KV tiers (engines' counters; tokens, priming requests included):", ""]
+    columns = ["config", "load", "TTFT p50", "TTFT mean", "TTFT p99", "GPU hits", "CPU hits", "recomputed"]
+    lines += _header(columns)
+    for p, e in runs:
+        t = p.summary["ttft_ms"]
+        lines.append(
+            f"| {p.config} | {p.load} | {_f(t['p50'])} | {_f(t['mean'])} | {_f(t['p99'])} | "
+            f"{e['prefix_cache_hits']:.0f} | {e[key]:.0f} | {e['recomputed_tokens']:.0f} |"
+        )
+    return lines
 
 
 def summary_table(points: Sequence[RunPoint], baseline: str) -> str:

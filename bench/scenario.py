@@ -314,8 +314,14 @@ def _gpu_share(args: list[str]) -> int:
     return 1
 
 
-# How each engine kind empties its prefix cache (vLLM: only with VLLM_SERVER_DEV_MODE=1).
-RESET_PATHS = {"vllm": "/reset_prefix_cache", "sim": "/reset_prefix_cache", "sglang": "/flush_cache"}
+# How each engine kind empties its prefix cache (vLLM: only with VLLM_SERVER_DEV_MODE=1), its CPU
+# tier (--kv-offloading-size) included: vLLM resets the connector's cache only when asked to, and
+# treats the request as a no-op success without a connector.
+RESET_PATHS = {
+    "vllm": "/reset_prefix_cache?reset_external=true",
+    "sim": "/reset_prefix_cache?reset_external=true",
+    "sglang": "/flush_cache",
+}
 
 
 @dataclass

@@ -283,6 +283,26 @@ class EngineLora(_Strict):
     )
 
 
+class KVOffload(_Strict):
+    """CPU memory per replica for KV blocks evicted from (and written through from) the GPU."""
+
+    size_gib: float | None = Field(None, gt=0, description="GiB per replica (summed over its TP ranks)")
+    size_bytes: int | None = Field(None, gt=0, description="Bytes per replica, instead of size_gib")
+    backend: Literal["native", "lmcache"] = Field(
+        "native", description="vLLM's --kv-offloading-backend: native is the OffloadingConnector"
+    )
+
+    @model_validator(mode="after")
+    def _one_size(self) -> KVOffload:
+        if (self.size_gib is None) == (self.size_bytes is None):
+            raise ValueError("set exactly one of size_gib and size_bytes")
+        return self
+
+    @property
+    def gib(self) -> float:
+        return self.size_gib if self.size_gib is not None else (self.size_bytes or 0) / (1 << 30)
+
+
 class EngineSpec(_Strict):
     """A managed fleet: the gateway launches and supervises these replicas."""
 
@@ -301,6 +321,9 @@ class EngineSpec(_Strict):
     max_model_len: int | None = Field(None, gt=0)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     kv_cache_memory_bytes: int | None = Field(None, gt=0)
+    kv_offload: KVOffload | None = Field(
+        None, description="A CPU tier for the KV cache (vLLM --kv-offloading-backend/--kv-offloading-size)"
+    )
     roles: PDRoles | None = Field(None, description="Split replicas into prefill and decode roles")
     pd_transfer_backend: Literal["nixl", "mooncake"] = "nixl"
     pd_kv_load_failure: Literal["recompute", "fail"] = Field(

@@ -43,6 +43,15 @@ twice. Compared overall instead, a replica that served documents read twice as f
 chats on the same GPU (per-request overheads weigh on short prompts) and drew the next documents.
 A replica not measured yet counts at the mean (the parameter only while none is measured).
 
+A replica whose engine offloads KV to CPU memory (`Candidate.cpu_matched_tokens`, the prefix tokens it
+holds there past those on its GPU) loads them instead of recomputing them: with `cpu_tier` they
+cost `prefill rate / load rate` of a token each. The load rate (tokens/s copied from CPU) is learned
+from streamed requests that had such tokens: the time from when their prefill could start to their
+first token, less their uncached tokens at the replica's prefill rate, is what loading took
+(a ratio of decayed sums, from `cpu_load_tokens_per_s` as a prior worth one request of 4k tokens;
+each sample held between half the prefill rate and 100 times it). Without `cpu_tier` the tokens
+count as uncached: the tier ignored, as the GPU-only rule routes.
+
 Requests no replica has an advantage for (no hit anywhere, or the same hit everywhere) go to the
 replica, among those within `cold_spread_tokens` of the best, that was given the fewest such
 requests lately (a count decaying with `placement_window_s`): new prefixes are dealt out evenly,
@@ -72,6 +81,11 @@ from gateway.policy import (
 
 # How long replicas' relative speeds are reused between decisions.
 RELATIVE_TTL_S = 1.0
+# The learned CPU load rate: the prior's weight in tokens, each sample's decay, and a sample's bounds
+# as multiples of the prefill rate (a load faster than 100x is within the noise of a time to first token).
+LOAD_PRIOR_TOKENS = 4096.0
+LOAD_DECAY = 0.9
+LOAD_BOUNDS = (0.5, 100.0)
 
 
 class PrefixAffinityParams(BaseModel):
@@ -118,6 +132,17 @@ class PrefixAffinityParams(BaseModel):
         True,
         description="Count queued prefill and decode load over every replica on the same device (replicas "
         "sharing a GPU): moving work among them frees nothing. No effect on replicas without a device",
+    )
+    cpu_tier: bool = Field(
+        True,
+        description="Credit prefix tokens a replica holds in CPU memory (Candidate.cpu_matched_tokens) "
+        "at the learned load rate; false: count them as uncached (the tier ignored)",
+    )
+    cpu_load_tokens_per_s: float = Field(
+        400000.0,
+        gt=0,
+        description="Prior for the rate at which a replica loads prefix tokens from CPU memory (wall clock: "
+        "multiply by a simulator's speedup), until learned from time to first token",
     )
     measured_speed: bool = Field(
         True,
@@ -167,6 +192,16 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         self._measured = p.measured_speed
         self._relative_speeds: dict[str, float | None] = {}
         self._relative_at = -math.inf
+        self._cpu_tier = p.cpu_tier
+        # The load rate as decayed sums of tokens loaded and the seconds they took.
+        self._load_tokens = LOAD_PRIOR_TOKENS
+        self._load_seconds = LOAD_PRIOR_TOKENS / p.cpu_load_tokens_per_s
+        self._loading: dict[str, tuple[int, int]] = {}  # stream id -> (CPU tokens, uncached tokens)
+
+    @property
+    def load_tokens_per_s(self) -> float:
+        """The rate at which replicas load prefix tokens from CPU memory, as learned."""
+        return self._load_tokens / self._load_seconds
 
     def _rates(self, candidates: Sequence[Candidate]) -> list[float]:
         """The candidates' prefill tokens/s: the measured ones' mean rate, times each one's speed
@@ -247,9 +282,12 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         # The module docstring's estimate, per candidate, in one pass (this runs on every request).
         queues, queued, tps, in_flight = self._queues, self._queued, self._tps, self._load.requests
         per_request, duplicate, prompt = self._per_request, self._duplicate, request.prompt_tokens
-        matches = [c.matched_tokens for c in candidates]
+        # Tokens each candidate need not recompute: on its GPU, and (`cpu_tier`) in its CPU memory.
+        cpu = [c.cpu_matched_tokens for c in candidates] if self._cpu_tier else [0] * len(candidates)
+        matches = [c.matched_tokens + k for c, k in zip(candidates, cpu, strict=True)]
         deepest = max(matches)
         cold = deepest == min(matches)
+        load_rate = self.load_tokens_per_s
         # A slower replica's work takes longer: estimates are in tokens at the fleet's mean rate.
         rates = self._rates(candidates) if self._measured else None
         if rates and self._device_load:
@@ -276,9 +314,13 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         if self._device_load:
             work = per_device(candidates, work)
         scored = []
+        charges = []
         for i, c in enumerate(candidates):
             uncached = prompt - matches[i]
-            cost = work[i] + (uncached if uncached > 0 else 0)
+            # Loading a CPU-resident token takes prefill rate / load rate of a recomputed one's time.
+            own = (uncached if uncached > 0 else 0) + cpu[i] * (rates[i] if rates else tps) / load_rate
+            charges.append(own)
+            cost = work[i] + own
             if rates and rates[i] != mean_rate:
                 cost *= mean_rate / rates[i]
             scored.append((cost + duplicate * (deepest - matches[i]), c.replica.inflight_requests, i))
@@ -300,7 +342,11 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
             q.placements = self.placements(q, now) + 1.0
             q.placed_at = now
         chosen = candidates[best[2]]
-        self._charge(request, chosen.replica.name, prompt - chosen.matched_tokens, now)
+        self._charge(request, chosen.replica.name, round(charges[best[2]]), now)
+        if cpu[best[2]] and request.stream:
+            self._loading[request.request_id] = (cpu[best[2]], max(0, prompt - matches[best[2]]))
+        else:
+            self._loading.pop(request.request_id, None)
         return [chosen, *(candidates[s[2]] for s in scored if s is not best)]
 
     def placements(self, q: _Queue, now: float) -> float:
@@ -336,18 +382,35 @@ class PrefixAffinity(Policy[PrefixAffinityParams]):
         placed = self._placed.get(request.request_id)
         if placed is not None and placed[0] != replica.name:
             self._charge(request, replica.name, placed[1], self._clock())
+            self._loading.pop(request.request_id, None)  # its CPU tokens were the first replica's
 
     def on_first_token(self, request: RequestFeatures, replica: ReplicaView) -> None:
         # Its prefill is over, and the next stream sent there starts on its own from now.
         placed = self._placed.get(request.request_id)
+        loading = self._loading.pop(request.request_id, None)
         if placed is not None:
             q = self._queues.get(placed[0])
             if q is not None and request.request_id in q.streams:
+                now = self._clock()
+                if loading is not None:
+                    self._learn_load(q, q.streams[request.request_id][1], loading, now)
                 self._waited(q, request.request_id, placed[1])
-                q.first_at = self._clock()
+                q.first_at = now
+
+    def _learn_load(self, q: _Queue, sent: float, loading: tuple[int, int], now: float) -> None:
+        """A stream whose prefix was partly on CPU got its first token: what its prefill took beyond
+        its uncached tokens at the replica's rate is what loading took (module docstring)."""
+        tokens, uncached = loading
+        rate = q.rate or self._tps
+        started = sent if sent > q.first_at else q.first_at
+        low, high = LOAD_BOUNDS
+        seconds = min(max(now - started - uncached / rate, tokens / (rate * high)), tokens / (rate * low))
+        self._load_tokens = LOAD_DECAY * self._load_tokens + tokens
+        self._load_seconds = LOAD_DECAY * self._load_seconds + seconds
 
     def on_complete(self, request: RequestFeatures, replica: ReplicaView | None, outcome: Outcome) -> None:
         # Its uncached tokens no longer wait anywhere (a stream that ended before its first token too).
+        self._loading.pop(request.request_id, None)
         placed = self._placed.pop(request.request_id, None)
         if placed is not None:
             q = self._queues.get(placed[0])

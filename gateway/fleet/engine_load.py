@@ -13,6 +13,8 @@ class EngineLoad:
     kv_usage: float = 0.0  # 0..1
     num_gpu_blocks: int | None = None
     block_size: int | None = None
+    # KV tokens the engine can keep in CPU memory (vLLM's --kv-offloading-size), where it says.
+    cpu_capacity_tokens: int | None = None
     prompt_tokens_total: float | None = None  # the engine's prompt token counter, where it has one
     updated_at: float = field(default=0.0)  # time.monotonic() of the scrape; 0 = never
 

@@ -122,6 +122,7 @@ class LoadScraper:
         if previous is not None and load.num_gpu_blocks is None:
             # Capacity is static: keep what an earlier scrape (or endpoint) told us.
             load.num_gpu_blocks, load.block_size = previous.num_gpu_blocks, previous.block_size
+            load.cpu_capacity_tokens = previous.cpu_capacity_tokens
         load.updated_at = time.monotonic()
         if self._targets.get(name) is not target:  # removed or replaced while we waited
             return None

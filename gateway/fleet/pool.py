@@ -138,7 +138,11 @@ class Pool:
 
     def engine_reported(self, replica: Replica, load: EngineLoad) -> None:
         """A fresh scrape of the replica's engine."""
-        capacity_changed = replica.engine.num_gpu_blocks != load.num_gpu_blocks
+        old = replica.engine
+        capacity_changed = (old.num_gpu_blocks, old.cpu_capacity_tokens) != (
+            load.num_gpu_blocks,
+            load.cpu_capacity_tokens,
+        )
         replica.engine = load
         for listener in self._listeners:
             listener.engine_reported(replica, capacity_changed)

@@ -20,8 +20,17 @@ Limitations: the prompt's token ids must be those the engine computes (same toke
 template), or nothing will match; vLLM's events do not carry `cache_salt`, so a salted prompt's
 blocks are indexed as unsalted ones; blocks whose parent was never seen (events lost before the
 subscriber joined) cannot be chained and are skipped until the engine stores them again; LoRA
-blocks are chained from a root seeded by `lora_id`; only GPU-resident blocks (`medium` unset or
-"GPU") count as warm.
+blocks are chained from a root seeded by `lora_id`.
+
+Media: blocks on the GPU (`medium` unset or "GPU") go to the index itself, blocks offloaded to CPU
+memory (`medium` "CPU", vLLM's OffloadingConnector) to its lower tier (`PrefixIndex.lower`), and a
+removal applies to its own medium only: a block the GPU evicted stays matchable on CPU. vLLM 0.26
+publishes CPU stores as placeholders unless `kv_connector_extra_config.self_describing_kv_events` is
+set: one event per offloaded chunk (one GPU block by default) naming only the chunk's last block hash,
+with no parent, no tokens and `block_size` 0. That hash is the one the block's GPU event carried, so
+it is translated through the same map, which keeps an engine hash while either tier holds its block.
+Self-describing CPU events carry tokens and parents and are chained like GPU ones. Other media (files,
+object stores) are counted and ignored.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ _xxh64 = xxhash.xxh64_intdigest
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
 _REMOVED_FIELDS = ("block_hashes", "medium")
 _GPU_MEDIA = (None, "GPU", "gpu", "cuda", "CUDA")
+_CPU_MEDIA = ("CPU", "cpu")
 
 
 class TokenBlockHasher:
@@ -88,6 +98,9 @@ class IndexerStats:
     removed: int = 0
     cleared: int = 0
     orphans: int = 0  # stored blocks whose parent was unknown
+    cpu_stored: int = 0
+    cpu_removed: int = 0
+    cpu_unmapped: int = 0  # CPU placeholders naming a block never seen on the GPU
     foreign_media: int = 0
     block_size_mismatch: int = 0
     malformed: int = 0
@@ -123,6 +136,9 @@ class KVEventIndexer:
         self.max_mapped_blocks = max_mapped_blocks
         # Per replica: engine block hash -> our hash, oldest first (bounded in case removals are lost).
         self._ours: dict[str, OrderedDict[Any, int]] = {}
+        # Per replica: engine hashes of the blocks its CPU tier holds (their map entries must outlive
+        # a GPU removal).
+        self._on_cpu: dict[str, set[Any]] = {}
         self.stats = IndexerStats()
 
     def apply(self, replica: str, events: Sequence[Any]) -> int:
@@ -146,6 +162,7 @@ class KVEventIndexer:
         """The engine dropped everything (or restarted): forget its blocks."""
         self.stats.cleared += 1
         self._ours.pop(replica, None)
+        self._on_cpu.pop(replica, None)
         self.index.clear_replica(replica)
 
     def _stored(self, replica: str, f: dict[str, Any]) -> bool:
@@ -155,9 +172,12 @@ class KVEventIndexer:
         if not isinstance(hashes, list) or not isinstance(tokens, list) or not isinstance(block_size, int):
             self.stats.malformed += 1
             return False
-        if f["medium"] not in _GPU_MEDIA:
+        cpu = f["medium"] in _CPU_MEDIA
+        if not cpu and f["medium"] not in _GPU_MEDIA:
             self.stats.foreign_media += 1
             return True  # a real event, of blocks offloaded elsewhere
+        if cpu and not tokens:
+            return self._cpu_placeholder(replica, hashes)
         if block_size != self.hasher.block_size:
             self.stats.block_size_mismatch += 1
             return False
@@ -180,8 +200,27 @@ class KVEventIndexer:
             ours.append(parent)
         while len(mapping) > self.max_mapped_blocks:
             mapping.popitem(last=False)
-        self.stats.stored += len(ours)
-        self.index.record(replica, ours)
+        if cpu:
+            self._on_cpu.setdefault(replica, set()).update(hashes[: len(ours)])
+            self.stats.cpu_stored += len(ours)
+            self._cpu_index().record(replica, ours)
+        else:
+            self.stats.stored += len(ours)
+            self.index.record(replica, ours)
+        return True
+
+    def _cpu_index(self) -> PrefixIndex:
+        return self.index.add_lower_tier(self.index.default_capacity)
+
+    def _cpu_placeholder(self, replica: str, hashes: list[Any]) -> bool:
+        """A CPU store named by engine hashes only: those of blocks seen on the GPU are recorded."""
+        mapping = self._ours.get(replica, {})
+        ours = [h for h in map(mapping.get, hashes) if h is not None]
+        self.stats.cpu_unmapped += len(hashes) - len(ours)
+        if ours:
+            self._on_cpu.setdefault(replica, set()).update(e for e in hashes if e in mapping)
+            self.stats.cpu_stored += len(ours)
+            self._cpu_index().record(replica, ours)
         return True
 
     def _removed(self, replica: str, f: dict[str, Any]) -> bool:
@@ -189,13 +228,31 @@ class KVEventIndexer:
         if not isinstance(hashes, list):
             self.stats.malformed += 1
             return False
-        if f["medium"] not in _GPU_MEDIA:
+        cpu = f["medium"] in _CPU_MEDIA
+        if not cpu and f["medium"] not in _GPU_MEDIA:
             self.stats.foreign_media += 1
             return True
         mapping = self._ours.get(replica)
         if not mapping:
             return True
-        ours = [h for h in (mapping.pop(e, None) for e in hashes) if h is not None]
+        on_cpu = self._on_cpu.get(replica, set())
+        ours: list[int] = []
+        if cpu:
+            lower = self._cpu_index()
+            for e in hashes:
+                h = mapping.get(e)
+                if h is not None:
+                    ours.append(h)
+                    on_cpu.discard(e)
+                    if not self.index.holds(replica, h):  # gone from both tiers now
+                        del mapping[e]
+            self.stats.cpu_removed += len(ours)
+            lower.discard(replica, ours)
+            return True
+        for e in hashes:
+            h = mapping.get(e) if e in on_cpu else mapping.pop(e, None)
+            if h is not None:
+                ours.append(h)
         self.stats.removed += len(ours)
         self.index.discard(replica, ours)
         return True

@@ -102,8 +102,12 @@ class RequestFeatures:
 @dataclass(slots=True)
 class Candidate:
     replica: ReplicaView
-    matched_blocks: int = 0  # leading blocks of the request this replica is believed to hold
+    matched_blocks: int = 0  # leading blocks of the request this replica is believed to hold (GPU)
     matched_tokens: int = 0
+    # Blocks (tokens) it holds right after those in CPU memory (an engine offloading KV, e.g. vLLM's
+    # --kv-offloading-size): loaded instead of recomputed, at the cost of a copy. 0 without a CPU tier.
+    cpu_matched_blocks: int = 0
+    cpu_matched_tokens: int = 0
 
 
 @dataclass(slots=True, frozen=True)

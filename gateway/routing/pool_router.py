@@ -83,14 +83,24 @@ def pool_tokenizer(cfg: PoolConfig) -> Tokenizer | None:
 def _matched(
     index: PrefixIndex, hashes: Sequence[int], block_tokens: Sequence[int], replicas: list[Replica]
 ) -> list[Candidate]:
-    """Candidates with the leading blocks of `hashes` each replica holds in `index`."""
+    """Candidates with the leading blocks of `hashes` each replica holds in `index`, and those
+    it holds beyond them in CPU memory when the index has that tier."""
     if not hashes or not replicas:
         return [Candidate(r) for r in replicas]
-    matched = index.match(hashes, [r.name for r in replicas])
-    # A prefix held by many replicas gives them few distinct depths: sum each depth once, not
-    # once per replica (up to 0.4 ms for a 2k-token prompt on 256 replicas).
-    tokens = {k: sum(block_tokens[:k]) for k in set(matched.values())}
-    return [Candidate(r, matched[r.name], tokens[matched[r.name]]) for r in replicas]
+    names = [r.name for r in replicas]
+    if index.lower is None:
+        matched = index.match(hashes, names)
+        # A prefix held by many replicas gives them few distinct depths: sum each depth once, not
+        # once per replica (up to 0.4 ms for a 2k-token prompt on 256 replicas).
+        tokens = {k: sum(block_tokens[:k]) for k in set(matched.values())}
+        return [Candidate(r, matched[r.name], tokens[matched[r.name]]) for r in replicas]
+    tiers = index.match_tiers(hashes, names)
+    tokens = {k: sum(block_tokens[:k]) for k in {d for pair in tiers.values() for d in pair}}
+    out = []
+    for r in replicas:
+        gpu, reach = tiers[r.name]
+        out.append(Candidate(r, gpu, tokens[gpu], reach - gpu, tokens[reach] - tokens[gpu]))
+    return out
 
 
 def _overrides(policy: Policy[Any], hook: str) -> bool:
@@ -135,6 +145,7 @@ class PoolRouter:
         self._text_chars = 0
         self._text_tokens = 0
         self._sized_tokens_per_block = 0.0
+        self._cpu_tiers: set[str] = set()  # replicas the approximate index models a CPU tier for
         # The engines' own prompt tokens (usage.prompt_tokens) against the prompt characters the
         # gateway sent: tokens per character in the engines' units, whatever tokenizer counted.
         self._usage_chars = 0
@@ -171,6 +182,7 @@ class PoolRouter:
             self.fallback_index.remove_replica(name)
         self._chars_routed.pop(name, None)
         self._counter_seen.pop(name, None)
+        self._cpu_tiers.discard(name)
         if self.precise is not None:
             self.precise.detach(name)
 
@@ -346,6 +358,7 @@ class PoolRouter:
         if self.precise is None or self.fallback_index is None:
             if features.block_hashes:
                 self.prefix_index.record(name, features.block_hashes[:limit])
+                self._learn_cpu(name, features.block_hashes[:limit])
         else:
             blocks = features.block_hashes[:limit]
             if blocks:
@@ -356,6 +369,7 @@ class PoolRouter:
                 self.prefix_index.record(name, blocks, speculative=True)
             if features.text_block_hashes:
                 self.fallback_index.record(name, features.text_block_hashes[:limit])
+                self._learn_cpu(name, features.text_block_hashes[:limit])
             if (
                 deciding is not None
                 and deciding.uses_prefix_match
@@ -498,12 +512,30 @@ class PoolRouter:
             for replica in self.pool.replicas.values():
                 self.set_kv_capacity(replica)
 
+    def _learn_cpu(self, replica: str, hashes: Sequence[int]) -> None:
+        """The approximate index's CPU tier, for a replica whose engine offloads: vLLM writes prompt
+        blocks through to CPU as they are computed, so the tier is a second, larger LRU over the
+        same blocks, not a demotion target."""
+        lower = (self.fallback_index or self.prefix_index).lower
+        if lower is not None and replica in self._cpu_tiers:
+            lower.record(replica, hashes)
+
     def set_kv_capacity(self, replica: Replica) -> None:
-        """Size the replica's index budget from the engine's KV capacity, when it is known."""
+        """Size the replica's index budget from the engine's KV capacity, when it is known (and
+        its CPU tier's from the engine's offloading size)."""
         cap = replica.kv_capacity_tokens
+        cpu = replica.engine.cpu_capacity_tokens
         if cap and self.precise is not None:
-            self.precise.set_capacity(replica.name, cap)
+            self.precise.set_capacity(replica.name, cap, cpu)
         approximate = self.fallback_index or self.prefix_index
         if cap and self.cfg.prefix.max_blocks_per_replica is None:
             self._sized_tokens_per_block = tokens_per_block = max(1.0, self.tokens_per_block())
             approximate.set_capacity(replica.name, max(1, int(cap / tokens_per_block)))
+            if cpu:
+                lower = approximate.add_lower_tier(approximate.default_capacity)
+                lower.set_capacity(replica.name, max(1, int(cpu / tokens_per_block)))
+                self._cpu_tiers.add(replica.name)
+        if not cpu and replica.name in self._cpu_tiers:  # restarted without its CPU tier
+            self._cpu_tiers.discard(replica.name)
+            if approximate.lower is not None:
+                approximate.lower.clear_replica(replica.name)

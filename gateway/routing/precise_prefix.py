@@ -190,5 +190,10 @@ class PrecisePrefix:
         features.block_tokens = [self.block_size] * len(hashes)
         features.prompt_tokens = len(ids)  # the engine's own count beats the gateway's estimate
 
-    def set_capacity(self, replica: str, kv_capacity_tokens: int) -> None:
-        self.index.set_capacity(replica, max(1, kv_capacity_tokens // self.block_size))
+    def set_capacity(self, replica: str, kv_tokens: int, cpu_tokens: int | None = None) -> None:
+        """Bound the replica's entries per tier; the events decide what is held, the bound only
+        keeps the index in memory if removals are lost."""
+        self.index.set_capacity(replica, max(1, kv_tokens // self.block_size))
+        if cpu_tokens:
+            lower = self.index.add_lower_tier(self.index.default_capacity)
+            lower.set_capacity(replica, max(1, cpu_tokens // self.block_size))

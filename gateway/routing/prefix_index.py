@@ -23,6 +23,13 @@ entries that cover the engine's event lag and expire after `speculative_ttl_s` u
 confirms them. `snapshot`/`merge` export and import one replica's entries (LRU order, oldest
 first), for a shared backend.
 
+A replica whose engine offloads KV blocks to CPU memory (vLLM's OffloadingConnector) has a second
+tier: `add_lower_tier` gives the index a `lower` PrefixIndex that shares its replicas' bits, so that
+`match_tiers` walks both at once and tells, per replica, how many leading blocks it holds on the GPU
+and how many more it can load from CPU. The tiers are not exclusive: vLLM writes blocks through to
+CPU as they are computed, so a block is often in both, and it stays matchable on CPU after the GPU
+evicted it, until the CPU tier's own LRU does.
+
 Not thread-safe: meant for the gateway's event loop.
 """
 
@@ -54,6 +61,7 @@ class PrefixIndex:
         speculative_ttl_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         prefix_closed: bool = False,
+        bits_from: PrefixIndex | None = None,
     ) -> None:
         if default_capacity < 1:
             raise ValueError("default_capacity must be positive")
@@ -71,6 +79,9 @@ class PrefixIndex:
         # Every replica's speculative entries in time order (the TTL is fixed): expired ones are
         # purged before a walk, so the walk can trust both maps without checking a clock per block.
         self._expiries: deque[tuple[float, _Replica, int]] = deque()
+        # A lower tier takes its replicas' bits from the tier above, so masks of both can be OR-ed.
+        self._bits_from = bits_from
+        self.lower: PrefixIndex | None = None
 
     @classmethod
     def from_config(
@@ -88,12 +99,21 @@ class PrefixIndex:
     def _replica(self, replica: str) -> _Replica:
         state = self._replicas.get(replica)
         if state is None:
-            bit = self._free_bits.pop() if self._free_bits else len(self._names)
+            if self._bits_from is not None:
+                bit = self._bits_from._replica(replica).bit
+            else:
+                bit = self._free_bits.pop() if self._free_bits else len(self._names)
             state = self._replicas[replica] = _Replica(bit=bit, capacity=self.default_capacity)
             self._names[bit] = replica
             self._masks[replica] = 1 << bit
             self._everyone |= 1 << bit
         return state
+
+    def add_lower_tier(self, default_capacity: int) -> PrefixIndex:
+        """Model a lower tier (CPU memory) under this one; returns it (idempotent)."""
+        if self.lower is None:
+            self.lower = PrefixIndex(default_capacity, self.speculative_ttl_s, self._clock, bits_from=self)
+        return self.lower
 
     def set_capacity(self, replica: str, blocks: int) -> None:
         """Bound a replica's entries (e.g. num_gpu_blocks * block_size / tokens per hashed block)."""
@@ -104,6 +124,8 @@ class PrefixIndex:
         self._evict(state)
 
     def remove_replica(self, replica: str) -> None:
+        if self.lower is not None:
+            self.lower.remove_replica(replica)
         state = self._replicas.get(replica)
         if state is None:
             return
@@ -112,10 +134,14 @@ class PrefixIndex:
         del self._names[state.bit]
         del self._masks[replica]
         self._everyone &= ~(1 << state.bit)
-        self._free_bits.append(state.bit)
+        if self._bits_from is None:
+            self._free_bits.append(state.bit)
 
     def clear_replica(self, replica: str) -> None:
-        """Forget everything a replica holds (engine restart, AllBlocksCleared); keeps its capacity."""
+        """Forget everything a replica holds (engine restart, AllBlocksCleared), every tier; keeps
+        its capacity."""
+        if self.lower is not None:
+            self.lower.clear_replica(replica)
         state = self._replicas.get(replica)
         if state is not None:
             self._drop_all(state)
@@ -229,6 +255,24 @@ class PrefixIndex:
                 result[names[low.bit_length() - 1]] = depth
         return result
 
+    def match_tiers(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, tuple[int, int]]:
+        """Per replica: (leading blocks held on this tier, leading blocks held on this tier or the
+        lower one). A block counts on either; a walk over the lower tier alone would miss the blocks
+        only the GPU still holds."""
+        top = self.match(block_hashes, replicas)
+        lower = self.lower
+        if lower is None or not lower._confirmed:
+            return {name: (depth, depth) for name, depth in top.items()}
+        reach = dict.fromkeys(top, 0)
+        want = sum(filter(None, map(self._masks.get, reach)))
+        names = self._names
+        for mask, depth in self._levels(block_hashes, want, lower._confirmed):
+            while mask:
+                low = mask & -mask
+                mask ^= low
+                reach[names[low.bit_length() - 1]] = depth
+        return {name: (depth, max(depth, reach[name])) for name, depth in top.items()}
+
     def holders(self, block_hashes: Sequence[int], limit: int, rng: random.Random) -> list[str]:
         """Up to `limit` replicas holding the most leading blocks of `block_hashes`, deepest first;
         among replicas at one depth, those taken start at a random one: a prefix every replica
@@ -254,14 +298,19 @@ class PrefixIndex:
                 break
         return found
 
-    def _levels(self, block_hashes: Sequence[int], want: int) -> list[tuple[int, int]]:
+    def _levels(
+        self, block_hashes: Sequence[int], want: int, also: dict[int, int] | None = None
+    ) -> list[tuple[int, int]]:
         """(mask, depth) for each depth > 0 at which some replicas of `want` stop matching, the mask
-        holding those replicas, shallowest first."""
+        holding those replicas, shallowest first. `also`: another tier's masks, a block held there
+        counting as held."""
         if not want or not block_hashes:
             return []
-        if self.prefix_closed:
+        if self.prefix_closed and also is None:
             return self._bisect(block_hashes, want)
         held = map(self._confirmed.get, block_hashes, repeat(0))
+        if also is not None:
+            held = map(or_, held, map(also.get, block_hashes, repeat(0)))
         if self._speculative:
             self._expire(self._clock())
             held = map(or_, held, map(self._speculative.get, block_hashes, repeat(0)))
@@ -334,6 +383,8 @@ class PrefixIndex:
                 "speculative": len(state.speculative),
                 "capacity": state.capacity,
             }
+            if self.lower is not None and (cpu := self.lower._replicas.get(name)) is not None:
+                per_replica[name] |= {"cpu_blocks": len(cpu.lru), "cpu_capacity": cpu.capacity}
         return {
             "replicas": per_replica,
             "distinct_blocks": len(self._confirmed.keys() | self._speculative.keys()),

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     p.add_argument("--enable-priority-scheduling", action="store_true", help="SGLang spelling")
     p.add_argument("--kv-transfer-config", default=None, help="JSON; kv_role kv_producer|kv_consumer|kv_both")
+    p.add_argument("--kv-offloading-size", type=float, default=None, help="GiB of CPU KV cache per replica")
+    p.add_argument("--kv-offloading-backend", choices=["native", "lmcache"], default="native")
     p.add_argument("--kv-events-config", default=None, help="JSON; enable_kv_cache_events, endpoint, topic")
     p.add_argument("--tensor-parallel-size", "-tp", "--tp-size", type=int, default=None)
     p.add_argument("--disaggregation-mode", choices=["null", "prefill", "decode"], default=None)
@@ -131,6 +133,8 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
         mode = "prefill" if kv_role == "kv_producer" else "decode"
     if sglang and mode is None and args.disaggregation_bootstrap_port is not None:
         mode = "prefill"
+    if args.kv_offloading_size is not None and args.kv_offloading_backend != "native":
+        raise ValueError("the simulator models only --kv-offloading-backend native")
     serving = serving_options(args)
     devices = _devices(args.replicas, args.gpu_share, profile.timeslice_efficiency)
     out = []
@@ -155,6 +159,7 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
             kv_lease_timeout_s=args.kv_lease_timeout,
             lora=serving.lora if serving.lora.enabled else None,
             gpu_share=args.gpu_share if devices is None else 1,
+            kv_offloading_size=args.kv_offloading_size,
         )
         boot = args.disaggregation_bootstrap_port if mode == "prefill" else None
         if boot is None and mode == "prefill":

@@ -70,6 +70,11 @@ class CostModel:
             t += p.prefill_step_overhead_s
         return (t + p.per_prompt_token_s * s.prompt_tokens_admitted + s.stall_s) * self.slowdown
 
+    @property
+    def host_load_s_per_token(self) -> float:
+        """Copying one token's KV from the CPU tier to the GPU."""
+        return self.kv_bpt / self.profile.host_load_bw
+
     def frontend_time(self, prompt_tokens: int) -> float:
         return self.profile.frontend_s + self.profile.frontend_per_token_s * prompt_tokens
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gateway.sim.cost_model import CostModel, StepShape
+from gateway.sim.cpu_tier import CpuTier
 from gateway.sim.device import SharedDevice
 from gateway.sim.kv_cache import BlockPool, block_hashes, chain_hash, root_hash
 from gateway.sim.lora import AdapterSlots, LoraConfig
@@ -57,6 +58,7 @@ class EngineConfig:
     kv_lease_timeout_s: float = 30.0  # prefill-side blocks held for a remote decode
     lora: LoraConfig | None = None  # --enable-lora and its limits
     gpu_share: int = 1  # a static 1/gpu_share of a time-sliced GPU (CostModel); see also SharedDevice
+    kv_offloading_size: float | None = None  # GiB of CPU KV cache (--kv-offloading-size): the CPU tier
 
 
 class Request:
@@ -190,6 +192,10 @@ class Engine:
             c.block_size, c.gpu_memory_utilization, c.kv_cache_memory_bytes
         )
         self.pool = BlockPool(num_blocks, c.block_size, c.enable_prefix_caching)
+        self.cpu: CpuTier | None = None
+        if c.kv_offloading_size and c.enable_prefix_caching:
+            blocks = int(c.kv_offloading_size * (1 << 30)) // (self.cost.kv_bpt * c.block_size)
+            self.cpu = CpuTier(blocks, self.cost.host_load_s_per_token, c.block_size)
         self.now = 0.0
         self.metrics = EngineMetrics()
         self.running: list[Request] = []
@@ -379,7 +385,10 @@ class Engine:
                     continue
                 target = req.prefill_target
                 hit = pool.match_prefix(req.hashes[: (target - 1) // bs])
-                start = len(hit) * bs
+                loaded = 0
+                if self.cpu is not None and not req.remote_kv_loaded:
+                    loaded = self.cpu.match(req.hashes, len(hit), (target - 1) // bs)
+                start = (len(hit) + loaded) * bs
                 if req.remote_kv_loaded:
                     start = target - 1  # the rest arrived from the prefill replica
                 n = target - start
@@ -400,13 +409,16 @@ class Engine:
                 m = self.metrics
                 m.prefix_cache_queries += req.prompt_len
                 m.prefix_cache_hits += len(hit) * bs
-                external = start - len(hit) * bs  # loaded from the prefill replica, not computed
-                if req.remote_kv:
+                # Loaded through the KV connector, not computed: from a prefill replica or the CPU tier.
+                external = start - len(hit) * bs
+                if req.remote_kv or self.cpu is not None:
                     m.external_prefix_cache_queries += req.prompt_len - len(hit) * bs
                     m.external_prefix_cache_hits += external
+                if self.cpu is not None and loaded:
+                    self.stall_s += self.cpu.load(loaded)
                 if req.scheduled_at is None:
                     req.scheduled_at = self.now
-                    req.num_cached = start  # vLLM counts transferred tokens as cached too
+                    req.num_cached = start  # vLLM counts connector-loaded tokens as cached too
                     m.queue_time.observe(self.now - req.ready_at)
                     admitted_tokens += req.prompt_len
                 running.append(req)
@@ -481,6 +493,8 @@ class Engine:
             if b == len(hashes):
                 hashes.append(chain_hash(hashes[b - 1] if b else req.root, tokens))
             self.pool.register(req.blocks[b], hashes[b], hashes[b - 1] if b else None, tokens)
+            if self.cpu is not None and hi <= plen:  # vLLM offloads prompt blocks only, by default
+                self.cpu.store(hashes[b])
         req.num_registered = max(req.num_registered, full)
 
     def _finish(self, req: Request) -> None:

@@ -3,7 +3,9 @@
 Each engine step's events go out as one multipart message `[topic, seq (8-byte big-endian), payload]`, the
 payload `msgpack([ts, [event, ...], dp_rank])` with events as arrays like vLLM's tagged msgspec structs:
 `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]`,
-`["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
+`["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`. A replica with a CPU tier
+(gateway.sim.cpu_tier) adds the offloading connector's placeholder events, medium "CPU", after the
+GPU ones of the same step.
 
 The socket follows vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py, as of 0.26): it BINDS only
 an endpoint that holds `*` or `::` or is `ipc://` / `inproc://`, and CONNECTS to any other (a
@@ -18,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any, cast
 
+from gateway.sim.cpu_tier import MEDIUM_CPU
 from gateway.sim.kv_cache import BlockEvent
 
 MEDIUM = "GPU"
@@ -62,6 +65,10 @@ def encode_events(events: list[BlockEvent], block_size: int) -> list[list[Any]]:
             out.append(["BlockStored", hashes, parent, tokens, block_size, None, MEDIUM])
         elif kind == "removed":
             out.append(["BlockRemoved", payload, MEDIUM])
+        elif kind == "cpu_stored":
+            out.append(["BlockStored", [payload], None, [], 0, None, MEDIUM_CPU])
+        elif kind == "cpu_removed":
+            out.append(["BlockRemoved", payload, MEDIUM_CPU])
         else:
             out.append(["AllBlocksCleared"])
     return out

@@ -63,9 +63,11 @@ class EngineMetrics:
     def __init__(self) -> None:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self.external_prefix_cache_queries = 0  # decode legs' prompt tokens (vLLM's KV connector)
-        self.external_prefix_cache_hits = 0  # of them, loaded from a prefill replica
-        self.kv_transfer_time = Histogram()  # per transfer, as vllm:nixl_xfer_time_seconds
+        # The KV connector's lookups (a decode leg's transfer, the CPU tier): tokens past the GPU hit,
+        # and those it loaded.
+        self.external_prefix_cache_queries = 0
+        self.external_prefix_cache_hits = 0
+        self.kv_transfer_time = Histogram()  # per PD transfer, as vllm:nixl_xfer_time_seconds
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_preemptions = 0
@@ -81,6 +83,8 @@ class EngineMetrics:
         return {
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
+            "external_prefix_cache_queries": self.external_prefix_cache_queries,
+            "external_prefix_cache_hits": self.external_prefix_cache_hits,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             "num_preemptions": self.num_preemptions,

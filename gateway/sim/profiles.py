@@ -53,6 +53,10 @@ class Profile:
     other_bytes: int = 0  # per GPU: CUDA graphs, non-torch allocations
     transfer_t0_s: float = 0.45e-3  # PD KV transfer: fixed part
     transfer_bw: float = 148e9  # PD KV transfer: effective bytes/s (Mooncake 8x RDMA)
+    # CPU KV tier (--kv-offloading-size): host-to-GPU copy of offloaded blocks, effective bytes/s. An
+    # assumption until measured on the H200: pinned-memory copies over PCIe Gen5 x16 (~55 GB/s peak)
+    # reach about 40 GB/s with blocks of 16 tokens scattered over the layers.
+    host_load_bw: float = 40e9
     # Replicas time-sharing one GPU (--gpu-share): the fraction of its time that does their work while
     # more than one has work queued; the rest goes to context switches (gateway.sim.device).
     timeslice_efficiency: float = 0.93

@@ -258,6 +258,8 @@ class Replica:
         if o.kv_events is not None:
             self.kv_pub = KVEventPublisher.from_config(o.kv_events, self.engine.block_size, o.index)
             self.engine.pool.record_events = True
+            if self.engine.cpu is not None:
+                self.engine.cpu.record_events = True
         self._web = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._web.setup()
         ports = [(o.port, "port")]
@@ -324,7 +326,10 @@ class Replica:
 
     def _on_step(self) -> None:
         if self.kv_pub is not None:
-            self.kv_pub.publish(self.engine.pool.take_events())
+            events = self.engine.pool.take_events()
+            if self.engine.cpu is not None:  # the connector's events follow the scheduler's, as in vLLM
+                events += self.engine.cpu.take_events()
+            self.kv_pub.publish(events)
 
     # ---- helpers -------------------------------------------------------------------------------
     def _error(
@@ -882,6 +887,9 @@ class Replica:
 
     async def flush_cache(self, request: web.Request) -> web.Response:
         ok = self.engine.pool.reset_cache()
+        # As vLLM's: the connector's (CPU) cache only with `?reset_external=true`.
+        if ok and self.engine.cpu is not None and request.query.get("reset_external") == "true":
+            self.engine.cpu.clear()
         self._on_step()
         return self._json({"success": ok}, status=200 if ok else 409)
 
@@ -951,9 +959,10 @@ class Replica:
         one("vllm:kv_cache_usage_perc", "gauge", e.pool.usage)
         one("vllm:prefix_cache_queries_total", "counter", m.prefix_cache_queries)
         one("vllm:prefix_cache_hits_total", "counter", m.prefix_cache_hits)
-        if self.opts.kv_role is not None:
+        if self.opts.kv_role is not None or e.cpu is not None:
             one("vllm:external_prefix_cache_queries_total", "counter", m.external_prefix_cache_queries)
             one("vllm:external_prefix_cache_hits_total", "counter", m.external_prefix_cache_hits)
+        if self.opts.kv_role is not None:
             lines += m.kv_transfer_time.render("vllm:nixl_xfer_time_seconds", lbl)
         one("vllm:prompt_tokens_total", "counter", m.prompt_tokens)
         one("vllm:generation_tokens_total", "counter", m.generation_tokens)
@@ -967,7 +976,11 @@ class Replica:
         lines.append("# TYPE vllm:cache_config_info gauge")
         lines.append(
             f'vllm:cache_config_info{{block_size="{e.block_size}",num_gpu_blocks="{e.pool.num_blocks}",'
-            f'cache_dtype="{self.opts.engine.kv_cache_dtype}",{lbl}}} 1.0'
+            f'cache_dtype="{self.opts.engine.kv_cache_dtype}",'
+            # str() of vLLM's CacheConfig fields, "None" when unset
+            f'kv_cache_memory_bytes="{self.opts.engine.kv_cache_memory_bytes}",'
+            f'kv_offloading_size="{self.opts.engine.kv_offloading_size}",'
+            f'kv_offloading_backend="native",{lbl}}} 1.0'
         )
         slots = e.lora_slots
         if slots is not None:

@@ -66,3 +66,18 @@ def test_client_lag_warning_heads_the_report_and_files_are_written(tmp_path: Pat
     assert [r["client_limited"] for r in doc["runs"]] == [False, True]
     assert paths["cdf"].stat().st_size > 1000
     assert paths["p95_vs_load"].stat().st_size > 1000
+
+
+def test_kv_tiers_table_only_when_the_connector_loaded_tokens() -> None:
+    from bench.engine_metrics import counter_delta
+
+    points = [run_point("tiered", 10, 0.1), run_point("flat", 10, 0.2)]
+    counters = {"prefix_cache_queries": 1000.0, "prefix_cache_hits": 300.0, "prompt_tokens": 1000.0}
+    counters |= {"generation_tokens": 40.0, "preemptions": 0.0}
+    points[0].summary["engine"] = counter_delta({}, counters | {"external_cache_hit_tokens": 500.0})
+    points[1].summary["engine"] = counter_delta({}, counters | {"external_cache_hit_tokens": 0.0})
+    md = markdown("t", points, "flat", {"seed": 0})
+    assert "| tiered | 10 req/s | 100.0 | 100.0 | 100.0 | 300 | 500 | 200 |" in md  # 1000 - 300 - 500
+    assert "| flat | 10 req/s | 200.0 | 200.0 | 200.0 | 300 | 0 | 700 |" in md
+    points[0].summary["engine"]["external_cache_hit_tokens"] = 0.0
+    assert "KV tiers" not in markdown("t", points, "flat", {"seed": 0})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from gateway.fleet.replica import Replica
-from gateway.routing.policy import load_policy
+from gateway.routing.policy import Candidate, load_policy
 from policies.prefix_affinity import PrefixAffinity, PrefixAffinityParams
 from tests.fleet.test_replica_speed import served
 from tests.policies.helpers import candidates, complete, decide, engine_report, replicas, request, send
@@ -386,3 +386,56 @@ def test_replicas_on_one_gpu_prefill_at_the_devices_pace() -> None:
     assert (
         decide(policy(device_load=False), request(PROMPT), candidates(reps, offered))[0].replica.name == "r1"
     )
+
+
+def tiered(reps: list[Replica], gpu: dict[str, int], cpu: dict[str, int]) -> list[Candidate]:
+    """Candidates holding `gpu` tokens on their GPU and `cpu` more in CPU memory (16 per block)."""
+    out = candidates(reps, gpu)
+    for c in out:
+        c.cpu_matched_tokens = cpu.get(c.replica.name, 0)
+        c.cpu_matched_blocks = c.cpu_matched_tokens // 16
+    return out
+
+
+def test_a_prefix_in_cpu_memory_beats_recomputing_it_unless_the_tier_is_ignored() -> None:
+    reps = replicas(3)
+    # r1's GPU evicted the prefix but its CPU tier holds it; r2 holds its first 512 tokens on GPU.
+    offered = {"r2": 512}, {"r1": SHARED}
+    assert policy().rank(request(PROMPT), tiered(reps, *offered))[0].replica.name == "r1"
+    assert policy(cpu_tier=False).rank(request(PROMPT), tiered(reps, *offered))[0].replica.name == "r2"
+
+
+def test_cpu_tokens_cost_their_load_time_so_a_gpu_copy_still_wins() -> None:
+    reps = replicas(2)
+    ranked = policy().rank(request(PROMPT), tiered(reps, {"r0": SHARED}, {"r1": SHARED}))
+    assert [c.replica.name for c in ranked] == ["r0", "r1"]
+
+
+def test_the_load_rate_is_learned_from_first_tokens_of_cpu_hits() -> None:
+    clock = Clock()
+    p = policy(clock, per_request_tokens=0, prefill_tokens_per_s=10000, cpu_load_tokens_per_s=400000)
+    reps = replicas(2)
+    assert round(p.load_tokens_per_s) == 400000
+    for _ in range(30):
+        req = request(PROMPT, stream=True)
+        send(reps[0], req)
+        p.rank(req, [tiered(reps, {}, {"r0": SHARED})[0]])
+        # 128 uncached tokens at 10k tokens/s take 12.8 ms; the first token comes 112.8 ms after
+        # the send: the 2048 CPU tokens took 100 ms, 20.5k tokens/s, slow enough to matter.
+        clock.now += 0.1128
+        p.on_first_token(req, reps[0])
+        complete(p, req, reps[0])
+    assert 19000 < p.load_tokens_per_s < 25000
+    # Loading 2048 tokens now costs about as much as recomputing 1000: a replica holding the
+    # prefix's first 1536 tokens on GPU beats one holding it all on CPU.
+    ranked = p.rank(request(PROMPT), tiered(reps, {"r1": 1536}, {"r0": SHARED}))
+    assert ranked[0].replica.name == "r1"
+    # Non-streamed requests (no first token heard) and GPU hits teach nothing.
+    before = p.load_tokens_per_s
+    for offered in (tiered(reps, {}, {"r0": SHARED}), tiered(reps, {"r0": SHARED}, {})):
+        req = request(PROMPT, stream=offered[0].cpu_matched_tokens == 0)
+        p.rank(req, [offered[0]])
+        clock.now += 1.0
+        p.on_first_token(req, reps[0])
+        complete(p, req, reps[0])
+    assert p.load_tokens_per_s == before

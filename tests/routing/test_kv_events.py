@@ -93,7 +93,7 @@ async def test_orphans_other_media_and_bad_batches_are_skipped(
     pub, sub, index = wired
     query = TokenBlockHasher(BS, "m").hashes(TOKENS)
     pub.send([stored([b"x1"], b"never-seen", TOKENS[4:8])])
-    pub.send([stored([b"c0"], None, TOKENS[:4], medium="CPU")])
+    pub.send([stored([b"f0"], None, TOKENS[:4], medium="FS")])  # a file tier: not modelled
     pub.send([], payload=b"\xc1 not msgpack")
     pub.send([stored([9], None, TOKENS[:4])])  # integer engine hashes (older vLLM) work too
     await wait_until(lambda: index.match(query, ["r1"])["r1"] == 1, timeout=10, what="the valid block")
@@ -124,6 +124,73 @@ def test_speculative_decision_confirmed_by_event() -> None:
     indexer.apply("r1", [stored([b"a", b"b"], None, TOKENS[:8])])  # the engine's events (first two blocks)
     now[0] = 5.0
     assert index.match(prompt, ["r1"]) == {"r1": 2}
+
+
+def placeholder(hashes: list[Any]) -> list[Any]:
+    """vLLM 0.26's OffloadingConnector store event without self_describing_kv_events."""
+    return ["BlockStored", hashes, None, [], 0, None, "CPU"]
+
+
+def test_offloaded_blocks_stay_matchable_on_cpu_after_the_gpu_evicts_them() -> None:
+    index = PrefixIndex()
+    indexer = KVEventIndexer(index, TokenBlockHasher(BS, "m"))
+    query = TokenBlockHasher(BS, "m").hashes(TOKENS)
+    indexer.apply("r1", [stored([b"e0", b"e1", b"e2", b"e3"], None, TOKENS[:16])])
+    # Written through to CPU, one placeholder per block (blocks_per_chunk 1), after the GPU events.
+    indexer.apply("r1", [placeholder([b"e0"]), placeholder([b"e1"]), placeholder([b"e2"])])
+    assert index.match_tiers(query, ["r1"]) == {"r1": (4, 4)}
+    indexer.apply("r1", [["BlockRemoved", [b"e1", b"e2", b"e3"], "GPU"]])  # evicted from the GPU only
+    assert index.match_tiers(query, ["r1"]) == {"r1": (1, 3)}
+    indexer.apply("r1", [["BlockRemoved", [b"e2"], "CPU"]])  # and now e2 from CPU too
+    assert index.match_tiers(query, ["r1"]) == {"r1": (1, 2)}
+    # e3 never reached CPU and left the GPU: its map entry is gone, a late CPU event cannot revive it.
+    indexer.apply("r1", [placeholder([b"e3"]), placeholder([b"unknown"])])
+    assert indexer.stats.cpu_unmapped == 2
+    assert index.match_tiers(query, ["r1"]) == {"r1": (1, 2)}
+    # A self-describing CPU event (kv_connector_extra_config.self_describing_kv_events) chains itself.
+    indexer.apply("r1", [stored([b"e2", b"e3"], b"e1", TOKENS[8:16], medium="CPU")])
+    assert index.match_tiers(query, ["r1"]) == {"r1": (1, 4)}
+    indexer.apply("r1", [["AllBlocksCleared"]])
+    assert index.match_tiers(query, ["r1"]) == {"r1": (0, 0)}
+    assert (indexer.stats.cpu_stored, indexer.stats.cpu_removed) == (5, 1)
+
+
+async def test_the_simulators_cpu_tier_events_reach_the_index_over_zmq() -> None:
+    from gateway.sim.engine import Engine, EngineConfig, Request
+    from gateway.sim.kv_events import KVEventPublisher
+    from gateway.sim.profiles import get_profile
+
+    bs = 16
+    engine = Engine(EngineConfig(get_profile("h200-llama3.1-8b"), num_gpu_blocks=40, kv_offloading_size=0.15))
+    engine.pool.record_events = engine.cpu.record_events = True  # type: ignore[union-attr]
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "kv-events", bs)
+    index = PrefixIndex()
+    sub = KVEventSubscriber(
+        pub.endpoint, "sim", KVEventIndexer(index, TokenBlockHasher(bs, "m")), "kv-events"
+    )
+    sub.start()
+    prompts = [[seed * 1000 + i for i in range(320)] for seed in (1, 2, 3)]  # 20 blocks each
+    steps: list[list[Any]] = []  # each step's batch, the connector's events after the scheduler's
+    engine.on_step = lambda: steps.append(engine.pool.take_events() + engine.cpu.take_events())  # type: ignore[union-attr]
+    try:
+        for i, ids in enumerate(prompts):
+            engine.add_request(Request(f"r{i}", ids, 1, block_size=bs))
+            engine.run_until_idle()
+        query = TokenBlockHasher(bs, "m").hashes(prompts[0])
+
+        def indexed() -> bool:
+            if index.match_tiers(query, ["sim"])["sim"] == (0, 20):
+                return True
+            sub.indexer.clear("sim")  # re-sent until the SUB has joined: replay from a clean index
+            for batch in steps:
+                pub.publish(batch)
+            return False
+
+        # The third prompt pushed the first out of the GPU's 40 blocks; the CPU tier still has it.
+        await wait_until(indexed, timeout=10, what="the first prompt indexed as CPU-resident only")
+    finally:
+        sub.close()
+        pub.close()
 
 
 def test_token_block_hasher_chains_and_isolates() -> None:

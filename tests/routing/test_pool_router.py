@@ -76,6 +76,35 @@ def test_index_capacity_follows_measured_characters_per_token() -> None:
     assert abs(capacity * per_block - 65536) <= 0.2 * 65536  # resized (within the 20% hysteresis)
 
 
+def test_an_engine_offloading_to_cpu_keeps_an_evicted_prefix_matchable_as_cpu_resident() -> None:
+    router = pool_router(2, "prefix_affinity")
+    offloads, plain = router.pool.replicas["r0"], router.pool.replicas["r1"]
+    # GPU room for two and a half prompts' blocks, CPU room for ten (at the measured tokens per block).
+    prompts = [router.features(chat(prose(f"p{i}", 400), "q"), "chat", f"q{i}", {}) for i in range(4)]
+    blocks = len(prompts[0].block_hashes)
+    gpu_tokens = int(2.5 * blocks * router.tokens_per_block())
+    offloads.engine = EngineLoad(
+        num_gpu_blocks=gpu_tokens // 16, block_size=16, cpu_capacity_tokens=4 * gpu_tokens
+    )
+    plain.engine = EngineLoad(num_gpu_blocks=gpu_tokens // 16, block_size=16)
+    for replica in (offloads, plain):
+        router.engine_reported(replica, capacity_changed=True)
+        for features in prompts:
+            router.learn(features, replica)
+    first = {c.replica.name: c for c in router.candidates(prompts[0], [offloads, plain], router.policy)}
+    gpu = first["r0"].matched_blocks  # the head the prompts share (their tools) is still on the GPU
+    assert gpu <= 1 and first["r0"].cpu_matched_blocks == blocks - gpu
+    assert first["r0"].cpu_matched_tokens == sum(prompts[0].block_tokens[gpu:])
+    assert (first["r1"].matched_blocks, first["r1"].cpu_matched_blocks) == (gpu, 0)
+    last = {c.replica.name: c for c in router.candidates(prompts[3], [offloads, plain], router.policy)}
+    assert (last["r0"].matched_blocks, last["r0"].cpu_matched_blocks) == (len(prompts[3].block_hashes), 0)
+    # Restarted without its CPU tier: nothing is believed offloaded any more.
+    offloads.engine = EngineLoad(num_gpu_blocks=gpu_tokens // 16, block_size=16)
+    router.engine_reported(offloads, capacity_changed=True)
+    first = {c.replica.name: c for c in router.candidates(prompts[0], [offloads], router.policy)}
+    assert first["r0"].cpu_matched_blocks == 0
+
+
 def test_a_large_pool_offers_the_prompts_holders_and_a_sample_of_the_rest() -> None:
     pool = pool_router(256, "prefix_affinity", max_candidates=32)
     features = pool.features(chat(prose("s", 800), "hello"), "chat", "r", {})

@@ -209,3 +209,68 @@ async def test_missing_events_are_reported_and_routing_falls_back_visibly(gatewa
         assert _sample(metrics, decisions % "cold") == 1 and _sample(metrics, decisions % "cache_hit") == 1
         kv = dashboard["pools"][0]["replicas"][0]["kv_events"]
         assert kv["state"] == "missing" and kv["fallback_decisions"] >= 1
+
+
+async def test_a_prefix_the_gpu_evicted_is_routed_to_the_replica_holding_it_in_cpu_memory(
+    gateway, tmp_path
+) -> None:
+    """Managed engines with a CPU tier (`kv_offload`, the simulator as vLLM's OffloadingConnector):
+    the GPU events' removal leaves the prompt CPU-resident in the index, and the next request with
+    that prefix goes back to its holder and is served from CPU (its engine counts external hits)."""
+    engines = {
+        "kind": "sim",
+        "replicas": 2,
+        "kv_events": True,
+        "kv_offload": {"size_gib": 0.25},  # 1,365 blocks of the tiny profile
+        "startup_timeout_s": 30,
+        "log_dir": str(tmp_path / "logs"),
+        "sim": {"profile": "tiny", "speedup": 20, "extra_args": ["--num-gpu-blocks-override", "64"]},
+    }
+    pool_cfg = {
+        "endpoints": [],
+        "engines": engines,
+        "policy": {"type": "prefix_affinity"},  # with cpu_tier false it goes to the other replica
+        "prefix": {"mode": "precise"},
+    }
+    gw = await gateway(gateway_settings([], pool=pool_cfg))
+    pool = gw.runtime.pools["p"]
+    precise = gw.runtime.routers["p"].precise
+    assert precise is not None
+    await wait_until(lambda: len(pool.replicas) == 2, timeout=30, what="two managed replicas")
+    await wait_until(lambda: len(precise.subscribers) == 2, timeout=5, what="two KV event subscribers")
+
+    async with httpx.AsyncClient(timeout=30) as c:
+        first = await c.post(gw.url + "/v1/chat/completions", json=_chat("When is high tide at Texel?"))
+        assert first.status_code == 200, first.text
+        holder = first.headers["x-kvgate-replica"]
+        other = next(n for n in pool.replicas if n != holder)
+        url = pool.replicas[holder].url
+        hashes = TokenBlockHasher(16, "m").hashes(
+            await _engine_ids(url, _chat("When is high tide at Texel?"))
+        )
+        assert 40 < len(hashes) < 64  # it fits the GPU's 64 blocks, but not beside another prompt
+        await wait_until(
+            lambda: precise.indexer.stats.cpu_stored >= len(hashes), timeout=10, what="the CPU tier's stores"
+        )
+        # Other prompts, sent to the holder's engine itself, push the prompt out of its GPU.
+        for i in range(2):
+            other_prompt = {"model": "m", "prompt": f"filler {i} " * 200, "max_tokens": 1}
+            assert (await c.post(url + "/v1/completions", json=other_prompt)).status_code == 200
+        await wait_until(
+            lambda: (
+                precise.index.match_tiers(hashes, [holder, other])
+                == {holder: (0, len(hashes)), other: (0, 0)}
+            ),
+            timeout=10,
+            what="the prompt evicted from the GPU and still held in CPU memory",
+        )
+        again = await c.post(gw.url + "/v1/chat/completions", json=_chat("And at Den Helder?"))
+        assert again.status_code == 200
+        assert again.headers["x-kvgate-replica"] == holder
+        # All of the prefix the two questions share (the last block holds the first question's words).
+        shared = (len(hashes) - 1) * 16
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared
+        engine_metrics = (await c.get(url + "/metrics")).text
+    series = "vllm:external_prefix_cache_hits_total"
+    hits = [float(line.split()[-1]) for line in engine_metrics.splitlines() if line.startswith(series)]
+    assert hits and hits[0] >= shared

@@ -66,6 +66,30 @@ def test_removed_replica_bit_is_reused_without_its_entries() -> None:
     assert index.stats()["distinct_blocks"] == 1
 
 
+def test_a_lower_tier_extends_each_replicas_match_past_its_gpu_blocks() -> None:
+    index = PrefixIndex(prefix_closed=True)
+    cpu = index.add_lower_tier(default_capacity=100)
+    assert index.add_lower_tier(default_capacity=5) is cpu
+    cpu.record("b", [1, 2, 3, 4])  # b's replica bit is allocated by the tier above
+    index.record("a", [1, 2])
+    index.record("b", [1])
+    cpu.record("a", [3])
+    query = [1, 2, 3, 4, 5]
+    assert index.match(query, ["a", "b", "c"]) == {"a": 2, "b": 1, "c": 0}
+    # Either tier holds a block: a's GPU blocks 1-2 and its CPU block 3; all four of b's on CPU.
+    assert index.match_tiers(query, ["a", "b", "c"]) == {"a": (2, 3), "b": (1, 4), "c": (0, 0)}
+    index.discard("b", [1])  # the GPU evicted it; the CPU copy still serves
+    assert index.match_tiers(query, ["b"]) == {"b": (0, 4)}
+    assert index.stats()["replicas"]["b"] == {  # type: ignore[index]
+        "blocks": 0, "speculative": 0, "capacity": 65536, "cpu_blocks": 4, "cpu_capacity": 100,
+    }  # fmt: skip
+    index.clear_replica("a")  # AllBlocksCleared, an engine restart: every tier
+    assert index.match_tiers(query, ["a"]) == {"a": (0, 0)}
+    index.remove_replica("b")  # its bit is freed once, by the tier above, and reused
+    index.record("d", [1])
+    assert index.match_tiers(query, ["b", "d"]) == {"b": (0, 0), "d": (1, 1)}
+
+
 def test_discard_removes_only_that_replica() -> None:
     index = PrefixIndex()
     index.record("a", [1, 2, 3])

@@ -70,6 +70,8 @@ class SGLangAdapter(EngineAdapter):
                 "kv_cache_memory_bytes is not supported by SGLang; use gpu_memory_utilization "
                 "(--mem-fraction-static) instead"
             )
+        if spec.kv_offload is not None:
+            raise ValueError("kv_offload is not supported for SGLang engines (vLLM and the simulator only)")
         argv = [
             *(spec.command or ["python3", "-m", "sglang.launch_server"]),
             "--model-path",

@@ -6,6 +6,13 @@ parent model is named), `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`; run
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` in the environment. Removed flags are never emitted:
 `--swap-space`, `--calculate-kv-scales`.
 
+CPU KV offload (`kv_offload`): `--kv-offloading-backend native --kv-offloading-size <GiB>`, checked
+against vLLM 0.26 (`vllm/config/cache.py`, `VllmConfig._post_init_kv_transfer_config`): the size is
+GiB summed over the tensor-parallel ranks, and the native backend selects the OffloadingConnector
+with `cpu_bytes_to_use = size * 2**30`. Its CPU capacity in tokens is not a metric, but
+`vllm:cache_config_info` carries `kv_offloading_size` and, when set, `kv_cache_memory_bytes`, and the
+connector sizes its blocks as the GPU's: CPU tokens = offloaded bytes x GPU tokens / GPU KV bytes.
+
 Memory when replicas share a GPU: each vLLM instance profiles free memory at start-up, so
 replicas starting together on one GPU mis-measure each other's usage when given only a fraction.
 With `kv_cache_memory_bytes` set each replica gets its KV memory explicitly
@@ -97,6 +104,9 @@ class VLLMAdapter(EngineAdapter):
             ("--max-model-len", spec.max_model_len),
         )
         argv += self.memory_args(spec, slot)
+        if spec.kv_offload is not None:
+            argv += ["--kv-offloading-backend", spec.kv_offload.backend]
+            argv += ["--kv-offloading-size", f"{spec.kv_offload.gib:.10g}"]
         env = self.gpu_env(slot)
         if slot.role != "mixed":
             argv += self.pd_args(spec, slot)
@@ -156,16 +166,20 @@ class VLLMAdapter(EngineAdapter):
             waiting=int(total(series[WAITING])),
             kv_usage=mean(series[KV_USAGE]),
         )
-        blocks = 0
+        blocks = cpu_tokens = 0
         for sample in series[CACHE_CONFIG]:
             labels = sample.label_map()
             try:
-                blocks += int(labels["num_gpu_blocks"])
+                engine_blocks = int(labels["num_gpu_blocks"])
                 load.block_size = int(labels["block_size"])
             except (KeyError, ValueError):  # "None" before the engine finished profiling
                 continue
+            blocks += engine_blocks
+            cpu_tokens += _cpu_tokens(labels, engine_blocks * load.block_size)
         if blocks:
             load.num_gpu_blocks = blocks  # data-parallel engines each report their own cache
+        if cpu_tokens:
+            load.cpu_capacity_tokens = cpu_tokens
         if series[PROMPT_TOKENS]:
             load.prompt_tokens_total = total(series[PROMPT_TOKENS])
         return load
@@ -173,3 +187,16 @@ class VLLMAdapter(EngineAdapter):
     def engine_priority(self, level: int) -> int:
         # vLLM schedules the lowest `priority` value first.
         return -level
+
+
+def _cpu_tokens(labels: dict[str, str], gpu_tokens: int) -> int:
+    """The CPU tier's KV tokens from cache_config_info's labels (the module docstring); 0 where it
+    has none, or where the GPU's KV bytes are not given (sized from gpu_memory_utilization)."""
+    try:
+        gib = float(labels["kv_offloading_size"])
+        gpu_bytes = int(labels["kv_cache_memory_bytes"])
+    except (KeyError, ValueError):  # "None": unset
+        return 0
+    if gib <= 0 or gpu_bytes <= 0:
+        return 0
+    return int(gib * (1 << 30) * gpu_tokens / gpu_bytes)

@@ -88,6 +88,21 @@ def test_vllm_before_profiling_has_no_capacity() -> None:
     assert load.running == 37
 
 
+def test_vllm_cpu_tier_capacity_from_its_offloading_size() -> None:
+    assert get_adapter("vllm").parse_load(VLLM_METRICS.encode()).cpu_capacity_tokens is None
+    # The H200 kit: 12,455,405,158 KV bytes hold 95,024 tokens; 20 GiB more on CPU hold 163,840.
+    text = VLLM_METRICS.replace(
+        'num_gpu_blocks="52478"',
+        'num_gpu_blocks="5939",kv_cache_memory_bytes="12455405158",kv_offloading_size="20.0"',
+    )
+    load = get_adapter("vllm").parse_load(text.encode())
+    assert load.cpu_capacity_tokens == int(20 * 2**30 * 5939 * 16 / 12455405158)
+    assert 163_000 < load.cpu_capacity_tokens < 164_000  # type: ignore[operator]
+    # Sized by gpu_memory_utilization, the GPU's KV bytes are not in the labels: unknown.
+    unsized = text.replace('kv_cache_memory_bytes="12455405158"', 'kv_cache_memory_bytes="None"')
+    assert get_adapter("vllm").parse_load(unsized.encode()).cpu_capacity_tokens is None
+
+
 def test_vllm_unlabelled_series_and_timestamps() -> None:
     text = "vllm:num_requests_running 4 1732870000000\nvllm:num_requests_waiting 2\n"
     load = get_adapter("vllm").parse_load(text.encode())

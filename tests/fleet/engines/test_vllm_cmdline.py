@@ -248,3 +248,15 @@ def test_lora_flags_and_runtime_updating() -> None:
     argv, env = vllm.command(spec(lora={}), MODEL, slot())
     assert argv[-1] == "--enable-lora" and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
     assert vllm.lora_load_path == "/v1/load_lora_adapter"
+
+
+def test_kv_offload_is_written_as_vllms_offloading_flags() -> None:
+    argv, _ = vllm.command(spec(kv_offload={"size_gib": 20}), MODEL, slot())
+    assert argv[-4:] == ["--kv-offloading-backend", "native", "--kv-offloading-size", "20"]
+    argv, _ = vllm.command(spec(kv_offload={"size_bytes": 3 << 29, "backend": "lmcache"}), MODEL, slot())
+    assert argv[-4:] == ["--kv-offloading-backend", "lmcache", "--kv-offloading-size", "1.5"]
+    for bad in ({}, {"size_gib": 1, "size_bytes": 1 << 30}, {"size_gib": 0}):
+        with pytest.raises(ValueError):
+            spec(kv_offload=bad)
+    with pytest.raises(ValueError, match="not supported for SGLang"):
+        get_adapter("sglang").command(EngineSpec(kind="sglang", kv_offload={"size_gib": 4}), MODEL, slot())
