@@ -214,7 +214,7 @@ class KVEventIndexer:
 
     def _cpu_placeholder(self, replica: str, hashes: list[Any]) -> bool:
         """A CPU store named by engine hashes only: those of blocks seen on the GPU are recorded."""
-        mapping = self._ours.get(replica, {})
+        mapping: Mapping[Any, int] = self._ours.get(replica, {})
         ours = [h for h in map(mapping.get, hashes) if h is not None]
         self.stats.cpu_unmapped += len(hashes) - len(ours)
         if ours:
