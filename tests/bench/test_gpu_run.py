@@ -214,7 +214,16 @@ def test_kill_test_a_launched_replica_is_restarted_and_rejoins(tmp_path: Path) -
                 -3000:
             ]
             time.sleep(0.2)
-        opts = argparse.Namespace(control=control, warm_s=2.0, max_s=40.0, after_s=1.5, system_tokens=256)
+        opts = argparse.Namespace(
+            control=control,
+            warm_s=2.0,
+            max_s=40.0,
+            after_s=1.5,
+            system_tokens=256,
+            output_tokens=32,
+            tag="fp8",
+            name="kill_restart",
+        )
         result = host.run_sync_kill(kg, gateway, "h200-1", 8.0, opts)
     finally:
         proc.terminate()
