@@ -140,6 +140,21 @@ gpu_mem() { [ "${KG_DRY:-0}" = 1 ] || nvidia-smi --query-gpu=memory.used,memory.
 dtype() { if [ -f "$KG/fleet_fallback" ]; then echo auto; else echo fp8; fi; }
 calib() { host calib "$KG" --gateway "$GW" --out "$1" && gpu_mem; }
 
+# QUEUE=tiers (issue 30): the same four replicas with a CPU tier each; the prefix working set is 2.9x
+# the GPUs' KV and fits GPU+CPU. Tier-aware prefix_affinity (precise) against the tier ignored and
+# radix_cache_aware, at one rate (no probe: the budget left after issue 25's run is about 10 minutes).
+if [ "${QUEUE:-all}" = tiers ]; then
+  step tiers_start 10 fleet_start fp8 fp8 8001 "$HERE/fleet_tiers.yaml"
+  step tiers_wait 30 fleet_wait fp8
+  need tiers_start tiers_wait
+  step tiers_calib 40 calib calib_tiers.json
+  for cfg in tier_precise tier_ignored radix_cache_aware; do
+    step "tiers_$cfg" 60 host scenario "$KG" "tiers_$cfg" "routing-tiers/$cfg" -- routing-tiers-h200 --size h200 \
+      --only $cfg --rate "${TIERS_RATE:-8}" --duration 40
+  done
+  finish
+fi
+
 # QUEUE=pd (issue 25): prefill/decode disaggregation on the one GPU. NIXL travels in a third call
 # (.gpu/nixl): the tree and the payload leave no room for it in the first two.
 if [ "${QUEUE:-all}" = pd ]; then
