@@ -149,8 +149,8 @@ if [ "${QUEUE:-all}" = tiers ]; then
   need tiers_start tiers_wait
   step tiers_calib 40 calib calib_tiers.json
   for cfg in tier_precise tier_ignored radix_cache_aware; do
-    step "tiers_$cfg" 60 host scenario "$KG" "tiers_$cfg" "routing-tiers/$cfg" -- routing-tiers-h200 --size h200 \
-      --only $cfg --rate "${TIERS_RATE:-8}" --duration 40
+    step "tiers_$cfg" 60 host scenario "$KG" "tiers_$cfg" "routing-tiers/$cfg" -- \
+      "$REPO/bench/scenarios/routing-tiers-h200.yaml" --size h200-short --only $cfg --rate "${TIERS_RATE:-8}"
   done
   finish
 fi
