@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import orjson
+
 from gateway.admission.scheduler import Scheduler
 from gateway.config import RetryConfig
 from gateway.errors import GatewayError, error_body, normalize_error_body
@@ -30,6 +32,7 @@ from gateway.path.pd import DecodePlan, PDHandoff
 from gateway.path.prepare import Preparation
 from gateway.path.request import InferenceRequest
 from gateway.path.request_record import RequestRecord
+from gateway.path.resume import Resume, resumable
 from gateway.path.retry_budget import RetryBudget
 from gateway.path.sanitize import upstream_headers
 from gateway.path.sse_events import EventStream
@@ -39,7 +42,7 @@ from gateway.path.transports.base import Response
 from gateway.path.upstream import ERROR_BODY_LIMIT, Upstream, UpstreamError
 from gateway.routing.lora import LoraWatch
 from gateway.routing.policy import Candidate, Outcome, RequestFeatures
-from gateway.routing.tokens import engine_prompt_tokens, usage_figure
+from gateway.routing.tokens import engine_prompt_tokens, get_tokenizer, usage_figure
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,14 @@ _USAGE = b'"prompt_tokens":'
 
 def sse_error_event(message: str, code: str) -> bytes:
     return b"data: " + error_body(message, "upstream_error", code) + b"\n\n"
+
+
+class Cut(Exception):
+    """An answer's attempt failed after it began, and the answer can be continued elsewhere."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Proxy:
@@ -167,6 +178,9 @@ class Proxy:
         budget.on_request()
         headers = upstream_headers(request.headers.items(), pool.passthrough_headers, rec.engine_request_id)
         plan = DecodePlan(req.payload())
+        resume = self._resume(request, req)
+        learned = features  # what the replica taking the request is taught it holds
+        resumed_at = -1  # the attempt that first continues the answer (no backoff before it)
         refused: GatewayError | None = None  # the last retryable answer, relayed if every try fails
         failure: UpstreamError | None = None  # the last retryable transport failure
         # A generation is not idempotent: it may reach engines at most max_attempts times in
@@ -182,7 +196,13 @@ class Proxy:
                     track.error = "engine_error"  # the prefill leg's refusal is the client's answer
                     raise
                 track.prefill = plan.prefill.name if plan.prefill is not None else None
-            for attempt, candidate in enumerate(_tries(ranked, max_attempts)):
+            body, guard = plan.body, plan.guard
+            if resume is not None:
+                body = resume.first_body(body)
+            tries = _tries(ranked, max_attempts)
+            attempt = -1
+            while (attempt := attempt + 1) < len(tries):
+                candidate = tries[attempt]
                 if deliveries >= max_attempts:
                     break
                 replica = router.replica(candidate)
@@ -192,13 +212,14 @@ class Proxy:
                     if not budget.try_spend():
                         break
                     rec.retries += 1
-                    delay = min(retry_cfg.backoff_max_s, retry_cfg.backoff_initial_s * 2 ** (attempt - 1))
-                    await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                    if attempt != resumed_at:  # a continuation's client is waiting mid-answer
+                        delay = min(retry_cfg.backoff_max_s, retry_cfg.backoff_initial_s * 2 ** (attempt - 1))
+                        await asyncio.sleep(delay * (0.5 + random.random() / 2))
                 if features.adapter is not None and not await router.lora.ensure(
                     replica, features.adapter, self.lora.session
                 ):
                     continue  # the adapter could not be loaded there
-                claim = Claim.take(replica, features.prompt_tokens)
+                claim = Claim.take(replica, learned.prompt_tokens)
                 if claim is None:
                     continue
                 track.replica = replica
@@ -206,15 +227,14 @@ class Proxy:
                 with claim:
                     # Learn at decision time, not when the answer comes: concurrent requests with
                     # the same new prefix must see where the first one went.
-                    router.learn(features, replica)
+                    router.learn(learned, replica)
                     up = tracer.upstream(replica, attempt, headers)
                     try:
                         try:
                             url = replica.url + request.path
                             resend = deliveries + 2 <= max_attempts
                             rec.sent_at = time.perf_counter()
-                            opening = self.upstream.open("POST", url, plan.body, up.headers, resend=resend)
-                            guard = plan.guard
+                            opening = self.upstream.open("POST", url, body, up.headers, resend=resend)
                             resp = await (opening if guard is None else _beside_prefill(opening, guard))
                         except UpstreamError as exc:
                             deliveries += exc.sent
@@ -229,7 +249,9 @@ class Proxy:
                         deliveries += resp.sent
                         claim.answered()  # any well-formed answer: the engine is up
                         up.responded(resp.status)
-                        if resp.status in retry_cfg.retry_statuses:
+                        if resp.status in retry_cfg.retry_statuses or (
+                            resume is not None and resume.continuing and resp.status >= 400
+                        ):
                             error = normalize_error_body(await self._read_error(resp), resp.status)
                             refused = GatewayError(
                                 resp.status, "refused", headers=_retry_after(resp), body=error
@@ -249,7 +271,27 @@ class Proxy:
                             if router.first_token_heard()
                             else None
                         )
-                        response = await self._relay(request, resp, claim, rec, req.rename, first)
+                        try:
+                            response = await self._relay(request, resp, claim, rec, req.rename, first, resume)
+                        except Cut as cut:
+                            assert resume is not None
+                            doc = resume.continuation(cut.reason)
+                            rec.resumed.append(f"{cut.reason}@{replica.name}")
+                            log.warning(
+                                "request %s: answer from %s broke (%s); continuing it elsewhere",
+                                request_id,
+                                replica.name,
+                                cut.reason,
+                            )
+                            body, guard, plan.prefill = orjson.dumps(doc), None, None
+                            learned = router.features(
+                                doc, rec.endpoint, rec.engine_request_id, request.headers
+                            )
+                            # The continuation's own ranking: its prompt holds the original's.
+                            others = [c for c in router.rank(learned) if c.replica.name != replica.name]
+                            tries[attempt + 1 :] = _tries(others, max_attempts) if others else []
+                            resumed_at, deliveries, refused, failure = attempt + 1, 0, None, None
+                            continue
                         if plan.prefill is None:  # a PD hand-off's prefill ran elsewhere
                             measure_speed(replica, rec, features.prompt_tokens - candidate.matched_tokens)
                         return response
@@ -258,6 +300,20 @@ class Proxy:
         finally:
             if plan.pending:
                 await plan.finish()
+        if resume is not None and resume.out is not None:
+            # The answer began and no replica could go on with it: the client learns it broke.
+            track.error = "upstream_error"
+            rec.error_code = "upstream_stream_error"
+            await resume.out.write(
+                sse_error_event("no replica could continue the answer", "upstream_stream_error")
+            )
+            await resume.out.write_eof()
+            return resume.out
+        if resume is not None and resume.continuing:
+            track.error = "upstream_error"
+            raise GatewayError(
+                502, "no replica could continue the answer", "upstream_error", "upstream_resume_failed"
+            )
         if refused is not None:
             track.error = "engine_error"
             raise refused
@@ -266,6 +322,16 @@ class Proxy:
             raise failure.gateway_error()
         track.error = "no_replica"
         raise self._no_replica(f"no replica of pool `{pool.name}` accepted the request")
+
+    @staticmethod
+    def _resume(request: Exchange, req: InferenceRequest) -> Resume | None:
+        """The answer's continuation state when its pool continues answers like it, else None."""
+        pool = req.router.pool
+        cfg = pool.cfg.failover
+        if not resumable(req.endpoint, req.body, request.headers, cfg):
+            return None
+        count = (req.router.tokenizer or get_tokenizer()).count
+        return Resume(req.endpoint, orjson.loads(req.payload()), cfg, count)
 
     def _no_replica(self, message: str) -> GatewayError:
         retry_after = str(self.retry_after_s)
@@ -299,8 +365,10 @@ class Proxy:
         rec: RequestRecord,
         rename: ModelRename | None,
         first: Callable[[], None] | None,
+        resume: Resume | None = None,
     ) -> Reply | StreamOut:
-        """Relay the engine's answer; `first` is called once at a streamed answer's first bytes."""
+        """Relay the engine's answer; `first` is called once at a streamed answer's first bytes;
+        `resume`, when the answer may be continued elsewhere, follows it (raising `Cut`)."""
         rec.status = resp.status
         if resp.status >= 400:
             # Rewritten in the OpenAI form, decoded: the engine's Content-Encoding no longer applies.
@@ -323,6 +391,8 @@ class Proxy:
             if rename is not None and not resp.header("Content-Encoding"):
                 raw = rename.apply(raw)
             return Reply(resp.status, raw, headers)
+        if resume is not None:
+            return await self._relay_resumable(request, resp, headers, claim, rec, rename, first, resume)
         return await self._relay_stream(request, resp, headers, claim, rec, rename, first)
 
     async def _relay_stream(
@@ -382,6 +452,84 @@ class Proxy:
                 resp.close()
         # Gone before the status line was sent: nobody reads this.
         return out if out is not None else Reply(499)
+
+    async def _relay_resumable(
+        self,
+        request: Exchange,
+        resp: Response,
+        headers: dict[str, str],
+        claim: Claim,
+        rec: RequestRecord,
+        rename: ModelRename | None,
+        first: Callable[[], None] | None,
+        resume: Resume,
+    ) -> Reply | StreamOut:
+        """An attempt's stream, relayed (or assembled, for a non-streamed client) through `resume`:
+        a failure after the answer began raises `Cut` while the answer can be continued."""
+        events = EventStream(rename)
+        end = StreamEnd(rec.endpoint)
+        failure: str | None = None
+        finished = False
+        try:
+            if resume.out is None and not resume.buffered:
+                resume.out = await request.stream(resp.status, headers)
+            out = resume.out
+            try:
+                async for chunk in self.upstream.chunks(resp):
+                    if rec.first_byte_at is None:
+                        rec.first_byte_at = time.perf_counter()
+                        if first is not None:
+                            first()
+                    chunk = resume.feed(events.feed(chunk))
+                    if chunk:
+                        if _USAGE in chunk:
+                            read_usage(chunk, rec)
+                        await out.write(chunk)
+                        end.feed(chunk)
+                    if resume.failure is not None:
+                        break
+                else:
+                    tail = resume.feed(events.flush())
+                    if tail:
+                        await out.write(tail)
+                        end.feed(tail)
+                failure = resume.failure or (None if resume.done else "closed_early")
+            except UpstreamError as exc:
+                if exc.replica_fault:
+                    claim.failed()
+                log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
+                failure = "idle_timeout" if exc.code == "upstream_timeout" else "disconnected"
+            if failure is not None and resume.continuable:
+                raise Cut(failure)
+            if resume.buffered:
+                if failure is not None:
+                    raise GatewayError(
+                        502, f"engine answer broke: {failure}", "upstream_error", "upstream_stream_error"
+                    )
+                rec.completed = finished = True
+                read_usage(orjson.dumps({"usage": resume.usage}), rec)
+                body = resume.assembled()
+                if rename is not None:
+                    body = rename.apply(body)
+                headers["Content-Type"] = "application/json"
+                return Reply(resp.status, body, headers)
+            if failure is not None:
+                rec.error_code = "upstream_stream_error"
+                await out.write(sse_error_event(f"engine answer broke: {failure}", "upstream_stream_error"))
+            await out.write_eof()
+            finished = True
+        except ConnectionResetError:
+            rec.completed = end.complete
+            if not rec.completed:
+                rec.client_disconnected = True
+                log.info("request %s: client went away mid-stream", rec.request_id)
+        finally:
+            if finished:
+                resp.release()
+            else:
+                rec.completed = rec.completed or end.complete
+                resp.close()
+        return resume.out if resume.out is not None else Reply(499)
 
 
 class _Track:

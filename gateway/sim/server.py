@@ -532,7 +532,10 @@ class Replica:
             if not req.messages:
                 # The chat template reads messages[0]; jinja's error becomes vLLM's 400.
                 raise HTTPError(400, "list object has no element 0", None, "BadRequestError")
-            return [enc(proto.render_chat(req.messages, body.get("tools")))]  # the tools as sent
+            text = proto.render_chat(  # the tools as sent
+                req.messages, body.get("tools"), req.add_generation_prompt, req.continue_final_message
+            )
+            return [enc(text)]
         if kind == "responses":
             return [enc(proto.render_chat(responses_messages(req.instructions, req.input)))]
         prompt = req.prompt
@@ -649,7 +652,7 @@ class Replica:
             plan.prompt_tokens += len(ids)
             room_left = limit - len(ids)
             for i in range(n):
-                seed_i = proto.output_seed(len(ids), i, seed)
+                seed_i = proto.output_seed(ids, i, seed)
                 script = None if source is None else _script(source, seed_i)
                 plan.add_choice(seed_i, script)
                 natural = max_tokens is None
