@@ -491,9 +491,10 @@ class FailoverConfig(_Strict):
     )
     max_resumes: int = Field(1, ge=0, description="Continuations one answer may take")
     non_streamed: bool = Field(
-        True,
-        description="Ask engines for a continuable non-streamed answer as a stream and assemble it "
-        "(fields beyond text, finish reason and usage are not carried)",
+        False,
+        description="Continue non-streamed answers too: engines are asked for them as streams, assembled "
+        "here (the body then holds id, created, model, text, finish and stop reason, usage: an engine's "
+        "other fields are not carried, hence opt-in)",
     )
 
 

@@ -36,6 +36,7 @@ class CutRelay:
         self.trigger = trigger
         self.server: asyncio.Server | None = None
         self.url = ""
+        self._conns: set[asyncio.Task[None]] = set()
 
     async def start(self) -> CutRelay:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -46,9 +47,16 @@ class CutRelay:
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
+            for task in self._conns:  # keep-alive connections the gateway still holds
+                task.cancel()
+            await asyncio.gather(*self._conns, return_exceptions=True)
             await self.server.wait_closed()
 
     async def _serve(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        task.add_done_callback(self._conns.discard)
         try:
             u_reader, u_writer = await asyncio.open_connection(*self.target)
         except OSError:
@@ -76,6 +84,7 @@ class CutRelay:
             pass
         finally:
             up.cancel()
+            await asyncio.gather(up, return_exceptions=True)
             for w in (c_writer, u_writer):
                 w.close()
 

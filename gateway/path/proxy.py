@@ -304,8 +304,10 @@ class Proxy:
             # The answer began and no replica could go on with it: the client learns it broke.
             track.error = "upstream_error"
             rec.error_code = "upstream_stream_error"
+            # The client learns why the last attempt broke, as it would have without failover.
             await resume.out.write(
-                sse_error_event("no replica could continue the answer", "upstream_stream_error")
+                resume.error_event
+                or sse_error_event("no replica could continue the answer", "upstream_stream_error")
             )
             await resume.out.write_eof()
             return resume.out
@@ -494,11 +496,15 @@ class Proxy:
                         await out.write(tail)
                         end.feed(tail)
                 failure = resume.failure or (None if resume.done else "closed_early")
+                if failure in ("malformed_event", "closed_early"):
+                    what = "a malformed event" if failure == "malformed_event" else "no end to its stream"
+                    resume.error_event = sse_error_event(f"engine sent {what}", "upstream_stream_error")
             except UpstreamError as exc:
                 if exc.replica_fault:
                     claim.failed()
                 log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
                 failure = "idle_timeout" if exc.code == "upstream_timeout" else "disconnected"
+                resume.error_event = sse_error_event(str(exc), "upstream_stream_error")
             if failure is not None and resume.continuable:
                 raise Cut(failure)
             if resume.buffered:
@@ -515,7 +521,7 @@ class Proxy:
                 return Reply(resp.status, body, headers)
             if failure is not None:
                 rec.error_code = "upstream_stream_error"
-                await out.write(sse_error_event(f"engine answer broke: {failure}", "upstream_stream_error"))
+                await out.write(resume.error_event or sse_error_event(failure, "upstream_stream_error"))
             await out.write_eof()
             finished = True
         except ConnectionResetError:

@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from gateway.config import FailoverConfig
+from gateway.errors import error_body
 
 NO_RESUME_HEADER = "x-kvgate-no-resume"
 _DONE = b"[DONE]"
@@ -99,7 +100,9 @@ class Resume:
         self.done = False  # [DONE] relayed
         self.blocked: str | None = None  # why the answer can no longer be continued
         self.failure: str | None = None  # why the current attempt failed inside its stream
+        self.error_event: bytes | None = None  # what the client is told should no replica go on
         self.continuing = False  # the current attempt is a continuation
+        self.ended = False  # the text was whole (its finish reason sent) before this attempt
         self.seam = ""  # regenerated text still to be matched against what was sent
         self.base_tokens = 0  # tokens of the text the current continuation started from
         self.reasons: list[str] = []
@@ -116,7 +119,7 @@ class Resume:
 
     @property
     def continuable(self) -> bool:
-        return self.blocked is None and self.left > 0 and self.finish is None
+        return self.blocked is None and self.left > 0
 
     def continuation(self, reason: str) -> dict[str, Any]:
         """The body that asks the next replica to go on from the text sent so far."""
@@ -143,6 +146,7 @@ class Resume:
             if isinstance(doc.get(key), int):
                 doc[key] = max(1, doc[key] - self.base_tokens)
         self.continuing = True
+        self.ended = self.finish is not None  # only the usage and [DONE] are missing
         self.failure = None
         return doc
 
@@ -179,6 +183,9 @@ class Resume:
             return None
         if "error" in doc:
             self.failure = "engine_error"
+            # As the engine would have ended it (vLLM and SGLang follow an error event with
+            # [DONE]), the event already in the gateway's error form (sse_events).
+            self.error_event = event + b"\n\ndata: [DONE]\n\n"
             return None
         choices = doc.get("choices")
         usage = doc.get("usage")
@@ -196,10 +203,12 @@ class Resume:
         if not isinstance(choice, dict):
             self.failure = "malformed_event"
             return None
+        if self.ended:
+            return None  # regenerated only for the usage that follows it
         text = self._text(choice)
         if text is None:
             return None
-        if choice.get("finish_reason") is not None:
+        if choice.get("finish_reason") is not None and not self.ended:
             self.finish = choice["finish_reason"]
             self.stop_reason = choice.get("stop_reason")
         if self.continuing and not text and self.finish is None and not usage:
@@ -233,6 +242,10 @@ class Resume:
                 text, self.seam = "", self.seam[len(text) :]
             else:
                 self.blocked = self.failure = "diverged"
+                message = "the answer's continuation disagreed with the text already sent"
+                self.error_event = (
+                    b"data: " + error_body(message, "upstream_error", "upstream_resume_diverged") + b"\n\n"
+                )
                 return None
             holder[field] = text
         self.text.append(text)
