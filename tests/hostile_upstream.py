@@ -10,6 +10,10 @@ body's `prompt`), then answered as `mode` says. Modes, one per misbehaviour:
   close-mid-head       part of a status line and headers, then close
   close-mid-body       Content-Length promises more than comes, then close
   close-mid-stream     two SSE events, then close (no terminating chunk)
+  reset-mid-stream     two SSE events, then a TCP RST (a killed engine)
+  malformed-mid-stream two SSE events, then one that is not JSON, then the rest
+  error-mid-stream     two SSE events, then an engine error event and [DONE] (as vLLM ends a failed stream)
+  end-mid-stream       two SSE events, then a clean end of the body without [DONE]
   extra-response       the answer and, in the same write, a second answer nobody asked for
   extra-response-later the answer, then a second one as soon as the first is flushed
   informational        100 Continue and 103 Early Hints before the answer
@@ -183,6 +187,33 @@ async def _mid_body(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> 
 async def _mid_stream(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
     w.write(SSE_HEAD + chunk(sse_event(d.marker, 0)) + chunk(sse_event(d.marker, 1)))
     return False
+
+
+@mode("reset-mid-stream")
+async def _reset_mid_stream(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    await _mid_stream(srv, d, r, w)
+    await w.drain()
+    return await _reset(srv, d, r, w)
+
+
+_BROKEN_EVENTS = {
+    "malformed-mid-stream": b'data: {"id": "cmpl-x", "choices": [{"te\n\n' + sse_event("later", 9),
+    "error-mid-stream": b"data: " + error_json("engine dead: CUDA error", 500) + b"\n\ndata: [DONE]\n\n",
+    "end-mid-stream": b"",
+}
+
+
+def _broken_stream(name: str) -> Mode:
+    async def send(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+        events = sse_event(d.marker, 0) + sse_event(d.marker, 1) + _BROKEN_EVENTS[name]
+        w.write(SSE_HEAD + chunk(events) + b"0\r\n\r\n")
+        return True
+
+    return send
+
+
+for _name in _BROKEN_EVENTS:
+    MODES[_name] = _broken_stream(_name)
 
 
 def _intruder(srv: HostileUpstream, d: Delivery) -> bytes:
