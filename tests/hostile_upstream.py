@@ -389,6 +389,7 @@ async def _canary(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bo
 @dataclass
 class HostileUpstream:
     mode: str = "ok"
+    healthy: bool = True  # False: GETs (health checks) are answered 503
     tls: ssl.SSLContext | None = None
     port: int = 0  # 0: an ephemeral port; set it to come back on the same one after `stop`
     deliveries: list[Delivery] = field(default_factory=list)
@@ -441,7 +442,7 @@ class HostileUpstream:
                 method, path, headers, body = request
                 if method == "GET":  # health checks, metrics scrapes: always fine, never a delivery
                     self.gets.append(path)
-                    writer.write(response(200, b"{}"))
+                    writer.write(response(200 if self.healthy else 503, b"{}"))
                     continue
                 try:
                     marker = str(orjson.loads(body).get("prompt", ""))

@@ -472,6 +472,14 @@ class Proxy:
         end = StreamEnd(rec.endpoint)
         failure: str | None = None
         finished = False
+        ejected: list[bool] = []
+
+        def eject() -> None:  # the replica's health checks failed: stop waiting for its bytes
+            ejected.append(True)
+            resp.close()
+
+        replica = claim.replica
+        replica.on_eject.add(eject)
         try:
             if resume.out is None and not resume.buffered:
                 resume.out = await request.stream(resp.status, headers)
@@ -503,7 +511,13 @@ class Proxy:
                 if exc.replica_fault:
                     claim.failed()
                 log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
-                failure = "idle_timeout" if exc.code == "upstream_timeout" else "disconnected"
+                failure = (
+                    "ejected"
+                    if ejected
+                    else "idle_timeout"
+                    if exc.code == "upstream_timeout"
+                    else "disconnected"
+                )
                 resume.error_event = sse_error_event(str(exc), "upstream_stream_error")
             if failure is not None and resume.continuable:
                 raise Cut(failure)
@@ -530,6 +544,7 @@ class Proxy:
                 rec.client_disconnected = True
                 log.info("request %s: client went away mid-stream", rec.request_id)
         finally:
+            replica.on_eject.discard(eject)
             if finished:
                 resp.release()
             else:

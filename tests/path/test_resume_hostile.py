@@ -8,11 +8,13 @@ Replica r0 breaks its stream in the case's way; r1 answers. Their answers' texts
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import orjson
 import pytest
 
-from tests.conftest import SERVER_IMPLS
+from tests.conftest import SERVER_IMPLS, wait_until
 from tests.hostile_upstream import HostileUpstream, assert_settled, hostile_settings, marker, sse_events
 
 CASES = {
@@ -131,4 +133,30 @@ async def test_with_no_other_replica_the_engine_error_is_relayed(pair, gateway) 
     assert [orjson.loads(e)["choices"][0]["text"] for e in events[:2]] == [
         f"{broken.markers()[0]}:{i}" for i in (0, 1)
     ]
+    await assert_settled(gw)
+
+
+async def test_an_answer_on_a_replica_ejected_mid_stream_is_continued(pair, gateway) -> None:
+    """Health checks eject a replica whose stream went silent: the answer goes on elsewhere long
+    before the idle timeout would have said anything."""
+    broken, ok = await pair("stall-body")
+    settings = hostile_settings(
+        [broken.url, ok.url],
+        "http1",
+        upstream={"idle_timeout_s": 300},
+        pool={"policy": {"type": "round_robin"}},
+    )
+    health = settings.health.model_copy(update={"enabled": True, "interval_s": 0.05})
+    gw = await gateway(settings.model_copy(update={"health": health}))
+    mark = marker()
+    async with httpx.AsyncClient(timeout=60) as c:
+        body = {"model": "m", "prompt": mark, "max_tokens": 4, "stream": True}
+        asking = asyncio.ensure_future(c.post(gw.url + "/v1/completions", json=body))
+        await wait_until(lambda: len(broken.deliveries) == 1, what="the answer under way on r0")
+        broken.healthy = False
+        r = await asking
+        metrics = (await c.get(gw.url + "/metrics")).text
+    texts, _ = _texts(r)
+    assert "".join(texts) == f"{mark}:0{mark}:1{mark}:2"
+    assert 'kvgate_resumed_total{pool="p",reason="ejected"} 1.0' in metrics
     await assert_settled(gw)
