@@ -1,9 +1,11 @@
 """Property: with greedy decoding, an answer broken at any byte and continued on another replica is
-the uninterrupted answer, token for token (chat and completions, streamed and not).
+the uninterrupted answer, token for token (chat and completions, streamed and not, with and
+without stop strings).
 
 Two simulated replicas, each behind a relay (tests/cut_relay.py) that resets the connection once
 the armed number of answer bytes passed; a real gateway in front of the relays. Hypothesis picks
-the endpoint, streaming, the prompt's size, max_tokens and the byte at which the answer breaks.
+the endpoint, streaming, the prompt's size, max_tokens, a stop string and the byte at which the
+answer breaks.
 The gateway and relays run on a loop of their own thread, so hypothesis drives plain calls.
 """
 
@@ -69,9 +71,13 @@ def stack() -> Iterator[_Stack]:
             s.close()
 
 
-def ask(client: httpx.Client, chat: bool, stream: bool, prompt: str, max_tokens: int) -> dict[str, Any]:
+def ask(
+    client: httpx.Client, chat: bool, stream: bool, prompt: str, max_tokens: int, stop: str | None = None
+) -> dict[str, Any]:
     """The answer as the client saw it: text, finish reason, usage, ids, and whether it broke."""
     body: dict[str, Any] = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if stop is not None:
+        body["stop"] = [stop]
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
         path = "/v1/chat/completions"
@@ -86,7 +92,8 @@ def ask(client: httpx.Client, chat: bool, stream: bool, prompt: str, max_tokens:
         doc = r.json()
         choice = doc["choices"][0]
         text = choice["message"]["content"] if chat else choice["text"]
-        return {"text": text, "finish": choice["finish_reason"], "usage": doc["usage"], "ids": {doc["id"]}}
+        finish = (choice["finish_reason"], choice.get("stop_reason"))
+        return {"text": text, "finish": finish, "usage": doc["usage"], "ids": {doc["id"]}}
     out: dict[str, Any] = {"text": "", "finish": None, "usage": None, "ids": set(), "roles": 0}
     events = [e for e in r.text.split("\n\n") if e.strip()]
     assert events[-1] == "data: [DONE]", events[-3:]
@@ -103,28 +110,42 @@ def ask(client: httpx.Client, chat: bool, stream: bool, prompt: str, max_tokens:
                 out["text"] += c["delta"].get("content") or ""
             else:
                 out["text"] += c["text"]
-            out["finish"] = c["finish_reason"] or out["finish"]
+            if c["finish_reason"] is not None:
+                out["finish"] = (c["finish_reason"], c.get("stop_reason"))
     assert out["roles"] <= 1, "the role was sent twice"
     return out
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     chat=st.booleans(),
     stream=st.booleans(),
     words=st.integers(1, 400),
     max_tokens=st.integers(1, 48),
     cut_at=st.integers(0, 3000),
+    # A stop string cut from the answer itself (where and how long), so that it is met.
+    stop=st.none() | st.tuples(st.integers(0, 400), st.integers(1, 7)),
 )
 def test_continued_answer_is_the_uninterrupted_one(
-    stack: _Stack, chat: bool, stream: bool, words: int, max_tokens: int, cut_at: int
+    stack: _Stack,
+    chat: bool,
+    stream: bool,
+    words: int,
+    max_tokens: int,
+    cut_at: int,
+    stop: tuple[int, int] | None,
 ) -> None:
     prompt = " ".join(WORDS[i % len(WORDS)] for i in range(words))
     with httpx.Client(base_url=stack.gw.url, timeout=60) as client:
         stack.trigger.disarm()
-        whole = ask(client, chat, stream, prompt, max_tokens)
+        stop_string = None
+        if stop is not None:
+            text = ask(client, chat, False, prompt, max_tokens)["text"]
+            at = stop[0] % len(text)
+            stop_string = text[at : at + stop[1]]
+        whole = ask(client, chat, stream, prompt, max_tokens, stop_string)
         stack.trigger.arm(cut_at)
-        broken = ask(client, chat, stream, prompt, max_tokens)
+        broken = ask(client, chat, stream, prompt, max_tokens, stop_string)
         stack.trigger.disarm()
     assert broken["text"] == whole["text"]
     assert broken["finish"] == whole["finish"]
