@@ -603,6 +603,8 @@ def markdown(result: dict[str, Any], title: str, meta: dict[str, Any]) -> str:
         f"| {_ms(f['seam_added_ms_p50'])} | {_ms(f['seam_added_ms_p99'])} "
         f"| {f['resumed_by_reason'] or '-'} |",
     ]
+    for reason, d in f["seam_added_ms_by_reason"].items():
+        lines.append(f"- seam added after `{reason}`: p50 {_ms(d['p50'])} ms, p99 {_ms(d['p99'])} ms")
     if result["error_examples"]:
         lines += ["", "Errors the clients were told:", *[f"- {e}" for e in result["error_examples"]]]
     return "\n".join(lines) + "\n"

@@ -71,10 +71,14 @@ def summary(
     cont = resumed(outcomes, access)
     seams = distribution_ms(s for o in cont if (s := seam_s(o.chunk_times)) is not None)
     reasons: dict[str, int] = {}
+    by_reason: dict[str, list[float]] = {}
     for o in cont:
         for r in access[o.marker]["resumed"]:
             reason = r.partition("@")[0]
             reasons[reason] = reasons.get(reason, 0) + 1
+        first = access[o.marker]["resumed"][0].partition("@")[0]
+        if (seam := seam_s(o.chunk_times)) is not None:
+            by_reason.setdefault(first, []).append(seam)
     return {
         "cut": sum(o.status == 200 and o.outcome in ("error", "lost") for o in outcomes),
         "resumed": len(cont),
@@ -83,4 +87,8 @@ def summary(
         "token_identical_checked": len(identical),
         "seam_added_ms_p50": seams["p50"],
         "seam_added_ms_p99": seams["p99"],
+        "seam_added_ms_by_reason": {
+            r: {k: v for k, v in distribution_ms(v).items() if k in ("p50", "p99")}
+            for r, v in by_reason.items()
+        },
     }
