@@ -23,7 +23,7 @@ import orjson
 
 from gateway.admission.scheduler import Scheduler
 from gateway.config import RetryConfig
-from gateway.errors import GatewayError, error_body, normalize_error_body
+from gateway.errors import GatewayError, normalize_error_body
 from gateway.fleet.replica import Replica
 from gateway.path.claim import Claim
 from gateway.path.exchange import Exchange, Reply, StreamOut
@@ -31,18 +31,19 @@ from gateway.path.model_names import ModelRename
 from gateway.path.pd import DecodePlan, PDHandoff
 from gateway.path.prepare import Preparation
 from gateway.path.request import InferenceRequest
-from gateway.path.request_record import RequestRecord
+from gateway.path.request_record import USAGE_MARK, RequestRecord, read_usage
 from gateway.path.resume import Resume, resumable
+from gateway.path.resume_relay import Cut, relay_resumable
 from gateway.path.retry_budget import RetryBudget
 from gateway.path.sanitize import upstream_headers
-from gateway.path.sse_events import EventStream
+from gateway.path.sse_events import EventStream, sse_error_event
 from gateway.path.stream_end import StreamEnd
 from gateway.path.trace import Tracer
 from gateway.path.transports.base import Response
 from gateway.path.upstream import ERROR_BODY_LIMIT, Upstream, UpstreamError
 from gateway.routing.lora import LoraWatch
 from gateway.routing.policy import Candidate, Outcome, RequestFeatures
-from gateway.routing.tokens import engine_prompt_tokens, get_tokenizer, usage_figure
+from gateway.routing.tokens import get_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +64,6 @@ _DROP_RESPONSE = frozenset(
 # An engine's Content-Encoding is relayed with its body untouched, except where the gateway
 # rewrites the body (errors, normalized after decoding).
 _DROP_REWRITTEN = _DROP_RESPONSE | {"content-encoding"}
-
-
-_USAGE = b'"prompt_tokens":'
-
-
-def sse_error_event(message: str, code: str) -> bytes:
-    return b"data: " + error_body(message, "upstream_error", code) + b"\n\n"
-
-
-class Cut(Exception):
-    """An answer's attempt failed after it began, and the answer can be continued elsewhere."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 class Proxy:
@@ -292,7 +278,9 @@ class Proxy:
                             tries[attempt + 1 :] = _tries(others, max_attempts) if others else []
                             resumed_at, deliveries, refused, failure = attempt + 1, 0, None, None
                             continue
-                        if plan.prefill is None:  # a PD hand-off's prefill ran elsewhere
+                        # Not when a PD hand-off's prefill ran elsewhere, nor for a continued answer
+                        # (its times span two attempts).
+                        if plan.prefill is None and not rec.resumed:
                             measure_speed(replica, rec, features.prompt_tokens - candidate.matched_tokens)
                         return response
                     finally:
@@ -333,7 +321,7 @@ class Proxy:
         if not resumable(req.endpoint, req.body, request.headers, cfg):
             return None
         count = (req.router.tokenizer or get_tokenizer()).count
-        return Resume(req.endpoint, orjson.loads(req.payload()), cfg, count)
+        return Resume(req.endpoint, req.body, cfg, count)
 
     def _no_replica(self, message: str) -> GatewayError:
         retry_after = str(self.retry_after_s)
@@ -394,7 +382,9 @@ class Proxy:
                 raw = rename.apply(raw)
             return Reply(resp.status, raw, headers)
         if resume is not None:
-            return await self._relay_resumable(request, resp, headers, claim, rec, rename, first, resume)
+            return await relay_resumable(
+                self.upstream, request, resp, headers, claim, rec, rename, first, resume
+            )
         return await self._relay_stream(request, resp, headers, claim, rec, rename, first)
 
     async def _relay_stream(
@@ -422,7 +412,7 @@ class Proxy:
                     chunk = events.feed(chunk)
                     if not chunk:
                         continue
-                    if _USAGE in chunk:  # a substring test per chunk; only a usage chunk is read
+                    if USAGE_MARK in chunk:
                         read_usage(chunk, rec)
                     await out.write(chunk)
                     end.feed(chunk)
@@ -455,103 +445,6 @@ class Proxy:
         # Gone before the status line was sent: nobody reads this.
         return out if out is not None else Reply(499)
 
-    async def _relay_resumable(
-        self,
-        request: Exchange,
-        resp: Response,
-        headers: dict[str, str],
-        claim: Claim,
-        rec: RequestRecord,
-        rename: ModelRename | None,
-        first: Callable[[], None] | None,
-        resume: Resume,
-    ) -> Reply | StreamOut:
-        """An attempt's stream, relayed (or assembled, for a non-streamed client) through `resume`:
-        a failure after the answer began raises `Cut` while the answer can be continued."""
-        events = EventStream(rename)
-        end = StreamEnd(rec.endpoint)
-        failure: str | None = None
-        finished = False
-        ejected: list[bool] = []
-
-        def eject() -> None:  # the replica's health checks failed: stop waiting for its bytes
-            ejected.append(True)
-            resp.close()
-
-        replica = claim.replica
-        replica.on_eject.add(eject)
-        try:
-            if resume.out is None and not resume.buffered:
-                resume.out = await request.stream(resp.status, headers)
-            out = resume.out
-            try:
-                async for chunk in self.upstream.chunks(resp):
-                    if rec.first_byte_at is None:
-                        rec.first_byte_at = time.perf_counter()
-                        if first is not None:
-                            first()
-                    chunk = resume.feed(events.feed(chunk))
-                    if chunk:
-                        if _USAGE in chunk:
-                            read_usage(chunk, rec)
-                        await out.write(chunk)
-                        end.feed(chunk)
-                    if resume.failure is not None:
-                        break
-                else:
-                    tail = resume.feed(events.flush())
-                    if tail:
-                        await out.write(tail)
-                        end.feed(tail)
-                failure = resume.failure or (None if resume.done else "closed_early")
-                if failure in ("malformed_event", "closed_early"):
-                    what = "a malformed event" if failure == "malformed_event" else "no end to its stream"
-                    resume.error_event = sse_error_event(f"engine sent {what}", "upstream_stream_error")
-            except UpstreamError as exc:
-                if exc.replica_fault:
-                    claim.failed()
-                log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
-                failure = (
-                    "ejected"
-                    if ejected
-                    else "idle_timeout"
-                    if exc.code == "upstream_timeout"
-                    else "disconnected"
-                )
-                resume.error_event = sse_error_event(str(exc), "upstream_stream_error")
-            if failure is not None and resume.continuable:
-                raise Cut(failure)
-            if resume.buffered:
-                if failure is not None:
-                    raise GatewayError(
-                        502, f"engine answer broke: {failure}", "upstream_error", "upstream_stream_error"
-                    )
-                rec.completed = finished = True
-                read_usage(orjson.dumps({"usage": resume.usage}), rec)
-                body = resume.assembled()
-                if rename is not None:
-                    body = rename.apply(body)
-                headers["Content-Type"] = "application/json"
-                return Reply(resp.status, body, headers)
-            if failure is not None:
-                rec.error_code = "upstream_stream_error"
-                await out.write(resume.error_event or sse_error_event(failure, "upstream_stream_error"))
-            await out.write_eof()
-            finished = True
-        except ConnectionResetError:
-            rec.completed = end.complete
-            if not rec.completed:
-                rec.client_disconnected = True
-                log.info("request %s: client went away mid-stream", rec.request_id)
-        finally:
-            replica.on_eject.discard(eject)
-            if finished:
-                resp.release()
-            else:
-                rec.completed = rec.completed or end.complete
-                resp.close()
-        return resume.out if resume.out is not None else Reply(499)
-
 
 class _Track:
     """Where a request went and why it failed, for the policy's completion hook."""
@@ -577,14 +470,6 @@ class _Track:
             attempts=self.attempts,
             prefill_replica=self.prefill,
         )
-
-
-def read_usage(body: bytes, rec: RequestRecord) -> None:
-    """The engine's usage figures in a body or its usage chunk, kept where present."""
-    rec.engine_prompt_tokens = engine_prompt_tokens(body) or rec.engine_prompt_tokens
-    cached = usage_figure(body, b"cached_tokens")  # 0 is a figure: a cold prompt
-    rec.engine_cached_tokens = rec.engine_cached_tokens if cached is None else cached
-    rec.engine_output_tokens = usage_figure(body, b"completion_tokens") or rec.engine_output_tokens
 
 
 def measure_speed(replica: Replica, rec: RequestRecord, believed_uncached: int) -> None:
