@@ -35,6 +35,7 @@ import orjson
 
 from gateway.config import FailoverConfig
 from gateway.errors import error_body
+from gateway.path.exchange import StreamOut
 
 NO_RESUME_HEADER = "x-kvgate-no-resume"
 _DONE = b"[DONE]"
@@ -90,7 +91,7 @@ class Resume:
         self.buffered = not body.get("stream")  # the client wants one JSON body: assembled here
         self.left = cfg.max_resumes
         self.count = count
-        self.out: Any = None  # the client's stream, once opened (a StreamOut)
+        self.out: StreamOut | None = None  # the client's stream, once opened
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.head: dict[str, Any] | None = None  # id, object, created, model of the first event

@@ -69,7 +69,8 @@ async def relay_resumable(
                     if first is not None:
                         first()
                 chunk = resume.feed(events.feed(chunk))
-                if chunk:
+                if chunk:  # only ever for a client that streams
+                    assert out is not None
                     if USAGE_MARK in chunk:
                         read_usage(chunk, rec)
                     await out.write(chunk)
@@ -79,6 +80,7 @@ async def relay_resumable(
             else:
                 tail = resume.feed(events.flush())
                 if tail:
+                    assert out is not None
                     await out.write(tail)
                     end.feed(tail)
             failure = resume.failure or (None if resume.done else "closed_early")
@@ -102,11 +104,10 @@ async def relay_resumable(
                 )
             rec.completed = finished = True
             read_usage(orjson.dumps({"usage": resume.usage}), rec)
-            body = resume.assembled()
-            if rename is not None:
-                body = rename.apply(body)
+            body = resume.assembled()  # of events already renamed
             headers["Content-Type"] = "application/json"
             return Reply(resp.status, body, headers)
+        assert out is not None
         if failure is not None:
             rec.error_code = "upstream_stream_error"
             await out.write(resume.error_event or sse_error_event(failure, "upstream_stream_error"))

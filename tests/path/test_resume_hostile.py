@@ -15,7 +15,14 @@ import orjson
 import pytest
 
 from tests.conftest import SERVER_IMPLS, wait_until
-from tests.hostile_upstream import HostileUpstream, assert_settled, hostile_settings, marker, sse_events
+from tests.hostile_upstream import (
+    TRANSPORTS,
+    HostileUpstream,
+    assert_settled,
+    hostile_settings,
+    marker,
+    sse_events,
+)
 
 CASES = {
     "close-mid-stream": "disconnected",
@@ -45,9 +52,9 @@ async def pair():
         await srv.stop()
 
 
-def _settings(urls: list[str], **pool: object):
+def _settings(urls: list[str], transport: str = "http1", **pool: object):
     # round_robin sends the first request to r0, the breaking one.
-    return hostile_settings(urls, "http1", pool={"policy": {"type": "round_robin"}, **pool})
+    return hostile_settings(urls, transport, pool={"policy": {"type": "round_robin"}, **pool})
 
 
 def _texts(r: httpx.Response) -> tuple[list[str], set[str]]:
@@ -58,10 +65,13 @@ def _texts(r: httpx.Response) -> tuple[list[str], set[str]]:
     return [c["text"] for d in docs for c in d["choices"]], {d["id"] for d in docs}
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", sorted(CASES))
-async def test_a_broken_stream_is_continued_on_the_other_replica(mode: str, pair, gateway) -> None:
+async def test_a_broken_stream_is_continued_on_the_other_replica(
+    mode: str, transport: str, pair, gateway
+) -> None:
     broken, ok = await pair(mode)
-    gw = await gateway(_settings([broken.url, ok.url]))
+    gw = await gateway(_settings([broken.url, ok.url], transport))
     mark = marker()
     async with httpx.AsyncClient(timeout=30) as c:
         body = {"model": "m", "prompt": mark, "max_tokens": 4, "stream": True}
@@ -136,7 +146,8 @@ async def test_with_no_other_replica_the_engine_error_is_relayed(pair, gateway) 
     await assert_settled(gw)
 
 
-async def test_an_answer_on_a_replica_ejected_mid_stream_is_continued(pair, gateway) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_answer_on_a_replica_ejected_mid_stream_is_continued(transport: str, pair, gateway) -> None:
     """Health checks eject a replica whose stream went silent: the answer goes on elsewhere long
     before the idle timeout would have said anything."""
     broken, ok = await pair("stall-body")
