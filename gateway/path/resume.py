@@ -105,6 +105,7 @@ class Resume:
         self.continuing = False  # the current attempt is a continuation
         self.ended = False  # the text was whole (its finish reason sent) before this attempt
         self.seam = ""  # regenerated text still to be matched against what was sent
+        self.seam_fresh = False  # no text of the continuation seen yet
         self.base_tokens = 0  # tokens of the text the current continuation started from
         self.reasons: list[str] = []
 
@@ -129,6 +130,7 @@ class Resume:
         sent = "".join(self.text)
         cut = word_boundary(sent)
         self.seam = sent[cut:]
+        self.seam_fresh = True
         start = sent[:cut]
         self.base_tokens = self.count(start) if start else 0
         doc = dict(self.body)
@@ -236,7 +238,12 @@ class Resume:
         text = holder.get(field)
         if not isinstance(text, str):
             return ""
-        if self.seam:
+        if self.seam and text:
+            if self.seam[0].isspace() and not text[0].isspace() and self.seam_fresh:
+                # An engine that decodes the continuation's first word without the space before
+                # it: the client has that space already.
+                self.seam = self.seam.lstrip()
+            self.seam_fresh = False
             if text.startswith(self.seam):
                 text, self.seam = text[len(self.seam) :], ""
             elif self.seam.startswith(text):
