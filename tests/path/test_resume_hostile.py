@@ -9,6 +9,7 @@ Replica r0 breaks its stream in the case's way; r1 answers. Their answers' texts
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import orjson
@@ -68,8 +69,9 @@ def _texts(r: httpx.Response) -> tuple[list[str], set[str]]:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", sorted(CASES))
 async def test_a_broken_stream_is_continued_on_the_other_replica(
-    mode: str, transport: str, pair, gateway
+    mode: str, transport: str, pair, gateway, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, "kvgate.access")
     broken, ok = await pair(mode)
     gw = await gateway(_settings([broken.url, ok.url], transport))
     mark = marker()
@@ -86,6 +88,9 @@ async def test_a_broken_stream_is_continued_on_the_other_replica(
     # No word boundary in what was sent: the continuation regenerates it all, and the budget stays.
     assert sent["prompt"] == mark and sent["max_tokens"] == 4
     assert f'kvgate_resumed_total{{pool="p",reason="{CASES[mode]}"}} 1.0' in metrics
+    (line,) = [r.fields for r in caplog.records if r.name == "kvgate.access"]  # type: ignore[attr-defined]
+    # Where it broke and why, where it ended; the continuation counts as a retry.
+    assert line["resumed"] == [f"{CASES[mode]}@r0"] and line["replica"] == "r1" and line["retries"] == 1
     await assert_settled(gw)
 
 
