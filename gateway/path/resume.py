@@ -92,7 +92,9 @@ class Resume:
         self.left = cfg.max_resumes
         self.count = count
         self.out: StreamOut | None = None  # the client's stream, once opened
-        self.text: list[str] = []
+        # The text sent, in order; events relayed untouched are kept as they came and read only if
+        # the answer is continued (or assembled): most answers never are.
+        self.text: list[str | bytes] = []
         self.reasoning: list[str] = []
         self.head: dict[str, Any] | None = None  # id, object, created, model of the first event
         self.finish: Any = None
@@ -121,13 +123,14 @@ class Resume:
 
     @property
     def continuable(self) -> bool:
+        self.settle()
         return self.blocked is None and self.left > 0
 
     def continuation(self, reason: str) -> dict[str, Any]:
         """The body that asks the next replica to go on from the text sent so far."""
         self.left -= 1
         self.reasons.append(reason)
-        sent = "".join(self.text)
+        sent = self.sent_text()
         cut = word_boundary(sent)
         self.seam = sent[cut:]
         self.seam_fresh = True
@@ -157,6 +160,9 @@ class Resume:
     def feed(self, events: bytes) -> bytes:
         """Whole SSE events from the current attempt; what of them the client gets (b"" while
         assembling a non-streamed answer). Stops at the first event that fails the attempt."""
+        if self._plain(events):
+            self.text.append(events)
+            return b"" if self.buffered else events
         out: list[bytes] = []
         for event in events.split(b"\n\n"):
             if self.failure is not None:
@@ -167,6 +173,39 @@ class Resume:
             if kept is not None and not self.buffered:
                 out.append(kept + b"\n\n")
         return b"".join(out)
+
+    def sent_text(self) -> str:
+        """The answer's text so far (the events kept as they came read now)."""
+        self.settle()
+        return "".join(part for part in self.text if isinstance(part, str))
+
+    def settle(self) -> None:
+        """Read the events relayed untouched, in order, as if they had been read as they came."""
+        if all(isinstance(part, str) for part in self.text):
+            return
+        parts, self.text = self.text, []
+        failure, error_event = self.failure, self.error_event  # what broke the attempt, not these
+        for part in parts:
+            if isinstance(part, str):
+                self.text.append(part)
+                continue
+            for event in part.split(b"\n\n"):
+                if event:
+                    self._event(event)  # one the client got as it was, even were it malformed
+        self.failure, self.error_event = failure, error_event
+
+    def _plain(self, events: bytes) -> bool:
+        """Whether whole events of the first attempt can go out unread, by a few byte counts over
+        them: JSON objects in `data:` lines, none cut short, no error event (what else they hold,
+        a finish reason, usage, a tool call, is read should the answer be continued)."""
+        if self.continuing or self.head is None or not events.endswith(b"\n\n"):
+            return False
+        n = events.count(b"\n\n")
+        return (
+            events.count(b"data: {") == n
+            and events.count(b"}\n\n") == n
+            and not events.count(b'data: {"error"')
+        )
 
     def _event(self, event: bytes) -> bytes | None:
         data = b"\n".join(
@@ -281,7 +320,7 @@ class Resume:
     def assembled(self) -> bytes:
         """The non-streamed answer, from the events of every attempt."""
         head = self.head or {}
-        text = "".join(self.text)
+        text = self.sent_text()
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -291,7 +330,7 @@ class Resume:
         else:
             choice["text"] = text
         choice.update(logprobs=None, finish_reason=self.finish, stop_reason=self.stop_reason)
-        doc = {
+        doc: dict[str, Any] = {
             "id": head.get("id"),
             "object": "chat.completion" if self.chat else "text_completion",
             "created": head.get("created"),

@@ -44,14 +44,19 @@ async def test_a_decode_replica_lost_mid_stream_is_continued_on_another(gateway)
                 assert trigger.fired == 1
                 (p_leg,) = await seen(prefill)  # the broken answer was disaggregated
                 whole = await c.post(gw.url + "/v1/completions", json=body)
-            legs = [leg for url in decodes.urls for leg in await seen(url)]
+            legs = [(i, leg) for i, url in enumerate(decodes.urls) for leg in await seen(url)]
         finally:
             for r in relays:
                 await r.stop()
     assert p_leg["kv_transfer_params"]["do_remote_decode"] is True
     text, usage = _text(broken)
     assert (text, usage["completion_tokens"]) == (_text(whole)[0], 24)
-    # The continuation: the prompt and the text sent, to a decode replica, with no hand-off.
-    (cont,) = [leg for leg in legs if leg["body"]["prompt"] != LONG]
-    assert cont["body"]["prompt"].startswith(LONG) and cont["kv_transfer_params"] is None
-    assert text.startswith(cont["body"]["prompt"][len(LONG) :])
+    # The continuation: the prompt and the text sent up to its last word (none if one word had
+    # gone out), to a decode replica, with no hand-off.
+    rid = broken.headers["x-request-id"]
+    mine = [(i, leg) for i, leg in legs if leg["headers"]["x-request-id"] == rid]
+    ((first, _),) = [(i, leg) for i, leg in mine if leg["kv_transfer_params"] is not None]  # handed off
+    ((other, cont),) = [(i, leg) for i, leg in mine if leg["kv_transfer_params"] is None]
+    assert other != first  # the other decode replica
+    prompt = cont["body"]["prompt"]
+    assert prompt.startswith(LONG) and text.startswith(prompt[len(LONG) :])
