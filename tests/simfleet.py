@@ -41,11 +41,13 @@ def sim_fleet(
     profile: str = "tiny",
     speedup: float = 20.0,
     env: dict[str, str] | None = None,
+    timeout: float = 20.0,
 ) -> Iterator[SimFleet]:
     """`replicas` simulated replicas in one process, yielded once each listens; `args` are the
     simulator's own flags (`vllm serve` ones), `env` adds environment variables."""
     argv = [PYTHON, "-m", "gateway.sim", "--model", model, "--port", "0", "--replicas", str(replicas)]
-    with sim_command([*argv, "--profile", profile, "--speedup", str(speedup), *args], replicas, env) as fleet:
+    argv += ["--profile", profile, "--speedup", str(speedup), *args]
+    with sim_command(argv, replicas, env, timeout) as fleet:
         yield fleet
 
 
