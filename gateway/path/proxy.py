@@ -289,10 +289,10 @@ class Proxy:
             if plan.pending:
                 await plan.finish()
         if resume is not None and resume.out is not None:
-            # The answer began and no replica could go on with it: the client learns it broke.
+            # The answer began and no replica could go on with it: the client learns why its last
+            # attempt broke, as it would have without failover.
             track.error = "upstream_error"
             rec.error_code = "upstream_stream_error"
-            # The client learns why the last attempt broke, as it would have without failover.
             await resume.out.write(
                 resume.error_event
                 or sse_error_event("no replica could continue the answer", "upstream_stream_error")
