@@ -261,7 +261,7 @@ class Proxy:
                             response = await self._relay(request, resp, claim, rec, req.rename, first, resume)
                         except Cut as cut:
                             assert resume is not None
-                            doc = resume.continuation(cut.reason)
+                            doc = resume.continuation()
                             rec.resumed.append(f"{cut.reason}@{replica.name}")
                             log.warning(
                                 "request %s: answer from %s broke (%s); continuing it elsewhere",

@@ -39,9 +39,8 @@ from gateway.path.exchange import StreamOut
 
 NO_RESUME_HEADER = "x-kvgate-no-resume"
 _DONE = b"[DONE]"
-# Fields whose output a continuation cannot reproduce from text alone.
+# Fields whose output a continuation cannot reproduce from text alone (besides response_format).
 _STRUCTURED = (
-    "response_format",
     "structured_outputs",
     "guided_json",
     "guided_regex",
@@ -62,7 +61,11 @@ def resumable(
     if not body.get("stream") and not cfg.non_streamed:
         return False
     if endpoint == "chat":
-        if not isinstance(body.get("messages"), list) or body.get("continue_final_message"):
+        if (
+            not isinstance(body.get("messages"), list)
+            or body.get("continue_final_message")
+            or body.get("echo")
+        ):
             return False
         if body.get("logprobs") or (body.get("tools") and body.get("tool_choice") not in (None, "none")):
             return False
@@ -74,7 +77,7 @@ def resumable(
     else:
         return False
     rf = body.get("response_format")
-    structured = any(body.get(k) is not None for k in _STRUCTURED if k != "response_format")
+    structured = any(body.get(k) is not None for k in _STRUCTURED)
     if structured or (isinstance(rf, dict) and rf.get("type") not in (None, "text")):
         return False
     return body.get("n") in (None, 1)
@@ -109,7 +112,6 @@ class Resume:
         self.seam = ""  # regenerated text still to be matched against what was sent
         self.seam_fresh = False  # no text of the continuation seen yet
         self.base_tokens = 0  # tokens of the text the current continuation started from
-        self.reasons: list[str] = []
 
     # -- what engines are sent ----------------------------------------------------------------
     def first_body(self, payload: bytes) -> bytes:
@@ -126,10 +128,9 @@ class Resume:
         self.settle()
         return self.blocked is None and self.left > 0
 
-    def continuation(self, reason: str) -> dict[str, Any]:
+    def continuation(self) -> dict[str, Any]:
         """The body that asks the next replica to go on from the text sent so far."""
         self.left -= 1
-        self.reasons.append(reason)
         sent = self.sent_text()
         cut = word_boundary(sent)
         self.seam = sent[cut:]

@@ -37,7 +37,7 @@ def test_word_boundary_leaves_the_last_word_to_regenerate() -> None:
 def test_a_chat_continuation_opens_the_final_assistant_message_and_shrinks_max_tokens() -> None:
     r = _resume(stop=["x"], seed=3)
     r.feed(_chat_event("", role=True) + _chat_event(" the") + _chat_event(" of an"))
-    doc = r.continuation("disconnected")
+    doc = r.continuation()
     assert doc["messages"][-1] == {"role": "assistant", "content": " the of"}
     assert doc["continue_final_message"] is True and doc["add_generation_prompt"] is False
     assert doc["max_tokens"] == 8 and doc["stop"] == ["x"] and doc["seed"] == 3
@@ -48,13 +48,13 @@ def test_a_completion_continuation_extends_the_prompt() -> None:
     r = Resume("completions", {"prompt": "p", "stream": True}, FailoverConfig(), len)
     event = {"id": "cmpl-1", "created": 1, "model": "m", "choices": [{"index": 0, "text": " a bc"}]}
     r.feed(b"data: " + orjson.dumps(event) + b"\n\n")
-    assert r.continuation("engine_error")["prompt"] == "p a"
+    assert r.continuation()["prompt"] == "p a"
 
 
 def test_the_seam_is_trimmed_and_the_first_attempts_ids_kept() -> None:
     r = _resume()
     r.feed(_chat_event("", role=True) + _chat_event(" the of an"))
-    r.continuation("disconnected")
+    r.continuation()
     later = _chat_event("", role=True).replace(b"chatcmpl-1", b"chatcmpl-2") + _chat_event(" a").replace(
         b"chatcmpl-1", b"chatcmpl-2"
     )
@@ -69,7 +69,7 @@ def test_the_seam_is_trimmed_and_the_first_attempts_ids_kept() -> None:
 def test_an_engine_that_drops_the_space_before_the_seam_still_matches() -> None:
     r = _resume()
     r.feed(_chat_event(" the of"))
-    r.continuation("disconnected")
+    r.continuation()
     out = r.feed(_chat_event("of then"))
     assert orjson.loads(out.removeprefix(b"data: "))["choices"][0]["delta"]["content"] == " then"
 
@@ -77,7 +77,7 @@ def test_an_engine_that_drops_the_space_before_the_seam_still_matches() -> None:
 def test_a_continuation_that_disagrees_with_the_text_sent_ends_the_answer() -> None:
     r = _resume()
     r.feed(_chat_event(" the of"))
-    r.continuation("disconnected")
+    r.continuation()
     assert r.feed(_chat_event(" if so")) == b""
     assert r.failure == "diverged" and not r.continuable
     assert r.error_event is not None and b"upstream_resume_diverged" in r.error_event
@@ -94,7 +94,7 @@ def test_a_tool_call_being_streamed_cannot_be_continued() -> None:
 def test_usage_after_a_continuation_counts_the_whole_answer() -> None:
     r = _resume()
     r.feed(_chat_event(" the of an"))
-    r.continuation("disconnected")  # starts from " the of": 2 tokens
+    r.continuation()  # starts from " the of": 2 tokens
     usage = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
     usage_event = {"id": "x", "created": 1, "model": "m", "choices": [], "usage": usage}
     out = r.feed(b"data: " + orjson.dumps(usage_event) + b"\n\n")
