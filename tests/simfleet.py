@@ -96,10 +96,14 @@ def _listening(proc: subprocess.Popen[bytes], replicas: int, log: Path, timeout:
 
 @contextmanager
 def sim_process(
-    *args: str, profile: str = "tiny", speedup: float = 20.0, env: dict[str, str] | None = None
+    *args: str,
+    profile: str = "tiny",
+    speedup: float = 20.0,
+    env: dict[str, str] | None = None,
+    timeout: float = 20.0,
 ) -> Iterator[str]:
     """One simulated replica; yields its URL once it listens."""
-    with sim_fleet(*args, profile=profile, speedup=speedup, env=env) as fleet:
+    with sim_fleet(*args, profile=profile, speedup=speedup, env=env, timeout=timeout) as fleet:
         yield fleet.url
 
 

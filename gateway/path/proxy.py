@@ -16,7 +16,7 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import orjson
@@ -43,6 +43,7 @@ from gateway.path.transports.base import Response
 from gateway.path.upstream import ERROR_BODY_LIMIT, Upstream, UpstreamError
 from gateway.routing.lora import LoraWatch
 from gateway.routing.policy import Candidate, Outcome, RequestFeatures
+from gateway.routing.pool_router import PoolRouter
 from gateway.routing.tokens import get_tokenizer
 
 log = logging.getLogger(__name__)
@@ -269,13 +270,18 @@ class Proxy:
                                 replica.name,
                                 cut.reason,
                             )
-                            body, guard, plan.prefill = orjson.dumps(doc), None, None
                             learned = router.features(
                                 doc, rec.endpoint, rec.engine_request_id, request.headers
                             )
                             # The continuation's own ranking: its prompt holds the original's.
                             others = [c for c in router.rank(learned) if c.replica.name != replica.name]
                             tries[attempt + 1 :] = _tries(others, max_attempts) if others else []
+                            if plan.pending:
+                                await plan.finish()
+                            plan = await self._continuation_plan(
+                                router, prefills, learned, doc, others[:1], request.path, headers
+                            )
+                            body, guard = plan.body, plan.guard
                             resumed_at, deliveries, refused, failure = attempt + 1, 0, None, None
                             continue
                         # Not when a PD hand-off's prefill ran elsewhere, nor for a continued answer
@@ -322,6 +328,26 @@ class Proxy:
             return None
         count = (req.router.tokenizer or get_tokenizer()).count
         return Resume(req.endpoint, req.body, cfg, count)
+
+    async def _continuation_plan(
+        self,
+        router: PoolRouter,
+        prefills: list[Candidate],
+        features: RequestFeatures,
+        doc: dict[str, Any],
+        decode: list[Candidate],
+        path: str,
+        headers: Mapping[str, str],
+    ) -> DecodePlan:
+        """How a continuation goes out: through a fresh prefill/decode hand-off when the decode
+        replica it goes to lacks enough of its prompt (PD pools), else whole to that replica."""
+        body = orjson.dumps(doc)
+        if not prefills or not decode or not self.pd.wanted(router.pool, features, decode[0]):
+            return DecodePlan(body)
+        try:
+            return await self.pd.prepare(router, features, prefills, doc, body, path, headers)
+        except GatewayError:  # a prefill leg that refuses it: the decode replica does it all
+            return DecodePlan(body)
 
     def _no_replica(self, message: str) -> GatewayError:
         retry_after = str(self.retry_after_s)
