@@ -14,6 +14,8 @@ body's `prompt`), then answered as `mode` says. Modes, one per misbehaviour:
   malformed-mid-stream two SSE events, then one that is not JSON, then the rest
   error-mid-stream     two SSE events, then an engine error event and [DONE] (as vLLM ends a failed stream)
   end-mid-stream       two SSE events, then a clean end of the body without [DONE]
+  reset-after-usage    a whole answer (finish reason, usage chunk) but for [DONE], then a TCP RST
+  reset-after-done     a whole answer through [DONE], then a TCP RST instead of the last chunk
   extra-response       the answer and, in the same write, a second answer nobody asked for
   extra-response-later the answer, then a second one as soon as the first is flushed
   informational        100 Continue and 103 Early Hints before the answer
@@ -214,6 +216,31 @@ def _broken_stream(name: str) -> Mode:
 
 for _name in _BROKEN_EVENTS:
     MODES[_name] = _broken_stream(_name)
+
+
+def _whole_stream(marker: str) -> bytes:
+    last = {
+        "id": f"cmpl-{marker}",
+        "choices": [{"index": 0, "text": f"{marker}:2", "finish_reason": "length"}],
+    }
+    usage = {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
+    tail = {"id": f"cmpl-{marker}", "choices": [], "usage": usage}
+    events = sse_event(marker, 0) + sse_event(marker, 1) + b"data: " + orjson.dumps(last) + b"\n\n"
+    return events + b"data: " + orjson.dumps(tail) + b"\n\n"
+
+
+@mode("reset-after-usage")
+async def _reset_after_usage(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    w.write(SSE_HEAD + chunk(_whole_stream(d.marker)))
+    await w.drain()
+    return await _reset(srv, d, r, w)
+
+
+@mode("reset-after-done")
+async def _reset_after_done(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    w.write(SSE_HEAD + chunk(_whole_stream(d.marker) + b"data: [DONE]\n\n"))
+    await w.drain()
+    return await _reset(srv, d, r, w)
 
 
 def _intruder(srv: HostileUpstream, d: Delivery) -> bytes:

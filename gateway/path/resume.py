@@ -124,6 +124,13 @@ class Resume:
         return orjson.dumps(doc)
 
     @property
+    def whole(self) -> bool:
+        """The answer was all sent: [DONE] was, or its finish reason and the usage it was owed."""
+        self.settle()
+        wants_usage = self.buffered or bool((self.body.get("stream_options") or {}).get("include_usage"))
+        return self.done or (self.finish is not None and (self.usage is not None or not wants_usage))
+
+    @property
     def continuable(self) -> bool:
         self.settle()
         return self.blocked is None and self.left > 0

@@ -24,6 +24,8 @@ from gateway.path.upstream import Upstream, UpstreamError
 
 log = logging.getLogger(__name__)
 
+_DONE = b"data: [DONE]\n\n"
+
 
 class Cut(Exception):
     """An answer's attempt failed after it began, and the answer can be continued elsewhere."""
@@ -95,6 +97,13 @@ async def relay_resumable(
                 "ejected" if ejected else "idle_timeout" if exc.code == "upstream_timeout" else "disconnected"
             )
             resume.error_event = sse_error_event(str(exc), "upstream_stream_error")
+        if failure is not None and resume.whole:
+            # Only the stream's end was lost ([DONE], or the connection's close after it): the
+            # client has the whole answer, and gets the end it expects.
+            failure = None
+            if not resume.done and out is not None:
+                await out.write(_DONE)
+                end.feed(_DONE)
         if failure is not None and resume.continuable:
             raise Cut(failure)
         if resume.buffered:

@@ -94,6 +94,30 @@ async def test_a_broken_stream_is_continued_on_the_other_replica(
     await assert_settled(gw)
 
 
+@pytest.mark.parametrize("mode", ["reset-after-usage", "reset-after-done"])
+async def test_an_answer_whose_stream_broke_after_it_was_whole_is_not_continued(
+    mode: str, pair, gateway
+) -> None:
+    """Only the end was lost: the client gets one [DONE] after the whole answer, nothing twice."""
+    broken, ok = await pair(mode)
+    gw = await gateway(_settings([broken.url, ok.url]))
+    mark = marker()
+    async with httpx.AsyncClient(timeout=30) as c:
+        body = {
+            "model": "m",
+            "prompt": mark,
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        r = await c.post(gw.url + "/v1/completions", json=body)
+    texts, _ = _texts(r)
+    assert "".join(texts) == f"{mark}:0{mark}:1{mark}:2" and sse_events(r).count("[DONE]") == 1
+    assert sum('"usage"' in e for e in sse_events(r)) == 1
+    assert ok.deliveries == []
+    await assert_settled(gw)
+
+
 async def test_a_non_streamed_answer_is_asked_as_a_stream_and_continued(pair, gateway) -> None:
     broken, ok = await pair("reset-mid-stream")
     gw = await gateway(_settings([broken.url, ok.url], failover={"non_streamed": True}))
