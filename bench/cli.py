@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from bench.scenario import (
     ExistingFleet,
     RunPoint,
     available_scenarios,
+    deep_merge,
     load_scenario,
     point_from_result,
     run_scenario,
@@ -221,12 +223,35 @@ def _faults(scenario: FaultScenario, args: argparse.Namespace) -> int:
         scenario.fleet.profile = args.profile
     if args.seed is not None:
         scenario.seed = args.seed
+    if args.model:
+        scenario.fleet.model = args.model
     out = args.out or DEFAULT_OUT / scenario.name
+    variants = scenario.variants or {"": {}}
+    if args.only:
+        variants = {k: v for k, v in variants.items() if k in args.only.split(",")}
+        if not variants:
+            raise ValueError(f"--only {args.only}: the scenario's variants are {sorted(scenario.variants)}")
+    codes = [
+        _fault_run(replace(scenario, gateway=deep_merge(scenario.gateway, v)), name, size, out, args)
+        for name, v in variants.items()
+    ]
+    return max(codes)
+
+
+def _fault_run(scenario: FaultScenario, variant: str, size: str, out: Path, args: argparse.Namespace) -> int:
+    """One run of a fault schedule (under one of its gateway variants)."""
+    out = out / variant if variant else out
     started = time.monotonic()
-    result = run_faults(scenario, size, out, lambda m: print(m, flush=True))
+
+    def progress(message: str) -> None:
+        print(f"{variant}: {message}" if variant else message, flush=True)
+
+    result = run_faults(scenario, size, out, progress, args.endpoints, args.engine_kind)
     meta = {
-        "scenario": f"{scenario.name} ({size}): {scenario.description}".strip(),
-        "fleet": f"{scenario.fleet.replicas} x {scenario.fleet.module} profile {scenario.fleet.profile}, "
+        "scenario": f"{scenario.name} ({', '.join(filter(None, (size, variant)))}): {scenario.description}",
+        "fleet": f"{len(args.endpoints)} existing {args.engine_kind} engines: {' '.join(args.endpoints)}"
+        if args.endpoints
+        else f"{scenario.fleet.replicas} x {scenario.fleet.module} profile {scenario.fleet.profile}, "
         f"speedup {scenario.fleet.speedup:g}",
         "load": f"{scenario.load.concurrency} streaming clients in a closed loop, "
         f"{scenario.load.max_tokens} tokens each",

@@ -32,6 +32,7 @@ import re
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ import aiohttp
 import orjson
 import yaml
 
-from bench import procs, text
+from bench import procs, seams, text
 from bench.loadgen import run_sync
 from bench.scenario import BASE_GATEWAY_CONFIG, POOL_NAME, FleetSpec, deep_merge
 
@@ -85,6 +86,9 @@ class FaultScenario:
     gateway: dict[str, Any] = field(default_factory=dict)
     load: FaultLoad = field(default_factory=FaultLoad)
     seed: int = 0
+    # Named gateway configs (deep-merged over `gateway`), the schedule run once under each: e.g.
+    # failover off and on, side by side. Empty: one run as `gateway` says.
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def size(self, name: str) -> FaultSize:
         try:
@@ -129,25 +133,41 @@ class Outcome:
     replica: str | None = None
     chunk_id: str | None = None
     detail: str | None = None
+    body: dict[str, Any] | None = None
+    text: str = ""  # the answer's text as the client read it
+    chunk_times: list[float] = field(default_factory=list)  # when each content chunk arrived
 
 
 class Run:
     """The processes of one run and the clock every event is stamped with."""
 
-    def __init__(self, scenario: FaultScenario, out_dir: Path) -> None:
+    def __init__(
+        self,
+        scenario: FaultScenario,
+        out_dir: Path,
+        endpoints: list[str] | None = None,
+        engine_kind: str = "vllm",
+    ) -> None:
         self.scenario = scenario
         self.out_dir = out_dir
         self.logs = out_dir / "logs"
         self.t0 = time.monotonic()
-        n = scenario.fleet.replicas
+        # Existing engines (`--endpoints`): signalled through the process that listens on each
+        # URL's port; they cannot be restarted from here.
+        self.endpoints = endpoints
+        self.engine_kind = engine_kind
+        n = len(endpoints) if endpoints else scenario.fleet.replicas
         base = procs.free_port_range(n + 2)
         self.replica_ports = [base + i for i in range(n)]
+        if endpoints:
+            self.replica_ports = [int(u.rstrip("/").rsplit(":", 1)[1]) for u in endpoints]
         self.redis_port, self.gateway_port = base + n, base + n + 1
         self.replicas: list[procs.Child | None] = [None] * n
         self.redis: procs.Child | None = None
         self.gateway: procs.Child | None = None
         self.events: list[dict[str, Any]] = []  # what was done, when
         self.dropping = 0.0  # share of new requests the clients drop (disconnect fault)
+        self.identical: list[bool] = []  # per continued answer: its text was the uninterrupted one
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -155,6 +175,18 @@ class Run:
     @property
     def url(self) -> str:
         return f"http://{procs.HOST}:{self.gateway_port}"
+
+    def replica_url(self, i: int) -> str:
+        return (
+            self.endpoints[i].rstrip("/")
+            if self.endpoints
+            else f"http://{procs.HOST}:{self.replica_ports[i]}"
+        )
+
+    @property
+    def uses_redis(self) -> bool:
+        state = deep_merge(yaml.safe_load(BASE_GATEWAY_CONFIG.read_text()) or {}, self.scenario.gateway)
+        return (state.get("state") or {}).get("backend") == "redis"
 
     # -- processes ----------------------------------------------------------------------------
     def start_replica(self, i: int) -> procs.Child:
@@ -176,18 +208,19 @@ class Run:
     def gateway_config(self) -> dict[str, Any]:
         base = yaml.safe_load(BASE_GATEWAY_CONFIG.read_text()) or {}
         merged = deep_merge(base, self.scenario.gateway)
-        own = {
-            "server": {"host": procs.HOST, "port": self.gateway_port, "access_log": True, "log_json": True},
-            "state": {
+        own: dict[str, Any] = {
+            "server": {"host": procs.HOST, "port": self.gateway_port, "access_log": True, "log_json": True}
+        }
+        if self.uses_redis:
+            own["state"] = {
                 "redis_url": f"redis://{procs.HOST}:{self.redis_port}/0",
                 "key_prefix": f"kvgate-faults-{uuid.uuid4().hex[:12]}",
-            },
-        }
+            }
         merged = deep_merge(merged, own)
         merged["server"]["log_level"] = "info"
+        kind = self.engine_kind if self.endpoints else "sim"
         endpoints = [
-            {"url": f"http://{procs.HOST}:{p}", "name": f"r{i}", "kind": "sim"}
-            for i, p in enumerate(self.replica_ports)
+            {"url": self.replica_url(i), "name": f"r{i}", "kind": kind} for i in range(len(self.replicas))
         ]
         pool = {"name": POOL_NAME, "model": self.scenario.fleet.model, "endpoints": endpoints}
         merged["pools"] = [deep_merge(pool, merged.pop("pool", {}) or {})]
@@ -195,13 +228,15 @@ class Run:
 
     def start(self) -> None:
         timeout = self.scenario.fleet.startup_timeout_s
-        self.start_redis()
-        _wait_port(self.redis_port, timeout)
-        for i in range(len(self.replicas)):
-            self.start_replica(i)
-        for i, child in enumerate(self.replicas):
-            assert child is not None
-            child.wait_ready([f"http://{procs.HOST}:{self.replica_ports[i]}/health"], timeout)
+        if self.uses_redis:
+            self.start_redis()
+            _wait_port(self.redis_port, timeout)
+        if not self.endpoints:
+            for i in range(len(self.replicas)):
+                self.start_replica(i)
+            for i, child in enumerate(self.replicas):
+                assert child is not None
+                child.wait_ready([f"http://{procs.HOST}:{self.replica_ports[i]}/health"], timeout)
         cfg = self.out_dir / "gateway.yaml"
         cfg.write_text(yaml.safe_dump(self.gateway_config(), sort_keys=False))
         argv = procs.python_module("gateway", "serve", "--config", str(cfg))
@@ -218,14 +253,24 @@ class Run:
     async def apply(self, step: FaultStep) -> None:
         event: dict[str, Any] = {"at": round(self.now(), 3), **asdict(step)}
         self.events.append(event)
+        if step.action in ("kill", "stop"):
+            # A fault that hits no answer shows nothing: wait (a little) for the replica to hold
+            # its share of the streams (closed-loop clients come in waves).
+            share = self.scenario.load.concurrency // max(1, len(self.replicas)) // 2
+            event["busy_wait_s"] = await self._busy(f"r{step.replica or 0}", max(1, share))
         if step.action in ("kill", "stop", "cont"):
-            child = self.replicas[step.replica or 0]
-            assert child is not None
             sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "cont": signal.SIGCONT}[step.action]
-            _signal(child, sig)
+            if self.endpoints:
+                procs.signal_listener(self.replica_ports[step.replica or 0], sig)
+            else:
+                child = self.replicas[step.replica or 0]
+                assert child is not None
+                _signal(child, sig)
             if step.action == "cont":
                 event["ready_at"] = event["at"]
         elif step.action == "restart":
+            if self.endpoints:
+                raise ValueError("existing engines (--endpoints) cannot be restarted by the scenario")
             i = step.replica or 0
             old = self.replicas[i]
             if old is not None:
@@ -244,6 +289,21 @@ class Run:
             await asyncio.sleep(step.for_s)
             self.dropping = 0.0
             event["until"] = round(self.now(), 3)
+
+    async def _busy(self, name: str, at_least: int, limit_s: float = 5.0) -> float:
+        """Seconds waited until replica `name` had `at_least` requests in flight (at most `limit_s`)."""
+        start = self.now()
+        pattern = re.compile(
+            rf'^kvgate_replica_inflight_requests{{[^}}]*replica="{name}"[^}}]*}} ([0-9.e+]+)$', re.M
+        )
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as s:
+            while self.now() - start < limit_s:
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                    async with s.get(self.url + "/metrics") as r:
+                        if any(float(v) >= at_least for v in pattern.findall(await r.text())):
+                            break
+                await asyncio.sleep(0.02)
+        return round(self.now() - start, 3)
 
     async def _ready(self, url: str) -> float:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.5)) as s:
@@ -298,13 +358,20 @@ async def _client(run: Run, worker: int, stop: asyncio.Event, out: list[Outcome]
                 "max_tokens": scenario.load.max_tokens,
                 "stream": True,
                 "ignore_eos": True,
+                "temperature": 0,  # greedy: a continued answer can be checked token for token
             }
-            await stream_chat(session, run.url, body, rec, drop)
+            rec.body = body
+            await stream_chat(session, run.url, body, rec, drop, run.now)
             rec.ended = run.now()
 
 
 async def stream_chat(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], rec: Outcome, drop: bool
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    rec: Outcome,
+    drop: bool,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Send a streaming chat, read it to its end (or leave after the first chunk if `drop`), and
     fill in how it ended."""
@@ -328,6 +395,10 @@ async def stream_chat(
                     rec.outcome, rec.detail = "error", str(chunk["error"].get("message"))[:200]
                     return
                 rec.chunk_id = rec.chunk_id or chunk.get("id")
+                for choice in chunk.get("choices") or ():
+                    if content := (choice.get("delta") or {}).get("content"):
+                        rec.text += content
+                        rec.chunk_times.append(clock())
                 if drop:
                     rec.outcome = "abandoned"
                     return  # leaving the block closes the connection mid-stream
@@ -377,6 +448,9 @@ async def _drive(
     await asyncio.wait_for(asyncio.gather(*clients, faults), 90)
     await asyncio.sleep(0.5)
     inflight = await _inflight(run.url)
+    # While the fleet still serves: each continued answer against the same request uninterrupted.
+    access = _access_log(run.gateway.log_path) if run.gateway is not None else {}
+    run.identical = await seams.replay(run.url, seams.resumed(outcomes, access))
     sampler.cancel()
     await asyncio.gather(sampler, return_exceptions=True)
     return outcomes, samples, inflight
@@ -462,6 +536,7 @@ def report(
         "traffic": _traffic(run.events, samples),
         "events": run.events,
         "phases": _phases(run.events, outcomes),
+        "failover": seams.summary(outcomes, access, run.identical),
     }
 
 
@@ -518,19 +593,42 @@ def markdown(result: dict[str, Any], title: str, meta: dict[str, Any]) -> str:
         lines.append(
             f"| {t['fault']} | {t['at_s']:.1f} | {t['off_after_s']:.2f} | {t['returned_at_s']} | {back} |"
         )
+    f = result["failover"]
+    lines += [
+        "",
+        "| streams cut | answers continued | token-identical (checked) | seam added p50 (ms) | p99 (ms) "
+        "| continued by reason |",
+        "| ---: | ---: | ---: | ---: | ---: | --- |",
+        f"| {f['cut']} | {f['resumed']} | {f['token_identical']} ({f['token_identical_checked']}) "
+        f"| {_ms(f['seam_added_ms_p50'])} | {_ms(f['seam_added_ms_p99'])} "
+        f"| {f['resumed_by_reason'] or '-'} |",
+    ]
+    for reason, d in f["seam_added_ms_by_reason"].items():
+        lines.append(f"- seam added after `{reason}`: p50 {_ms(d['p50'])} ms, p99 {_ms(d['p99'])} ms")
     if result["error_examples"]:
         lines += ["", "Errors the clients were told:", *[f"- {e}" for e in result["error_examples"]]]
     return "\n".join(lines) + "\n"
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
 def run_faults(
-    scenario: FaultScenario, size_name: str, out_dir: Path, progress: Any = print
+    scenario: FaultScenario,
+    size_name: str,
+    out_dir: Path,
+    progress: Any = print,
+    endpoints: list[str] | None = None,
+    engine_kind: str = "vllm",
 ) -> dict[str, Any]:
     size = scenario.size(size_name)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run = Run(scenario, out_dir)
+    run = Run(scenario, out_dir, endpoints, engine_kind)
     try:
-        progress(f"[{scenario.name}] starting redis, {scenario.fleet.replicas} replicas and the gateway ...")
+        progress(
+            f"[{scenario.name}] starting {'redis, ' if run.uses_redis else ''}replicas and the gateway ..."
+        )
         run.start()
         run.t0 = time.monotonic()
         clients = scenario.load.concurrency

@@ -7,6 +7,7 @@ or never gets ready raises ProcessError with the tail of its log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -157,3 +158,35 @@ def raise_keyboard_interrupt_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def listener_pids(port: int) -> list[int]:
+    """The processes holding a listening TCP socket on `port` (Linux: /proc), for engines this
+    tool did not start."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":  # 0A: LISTEN
+                    inodes.add(cols[9])
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(
+                os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[").rstrip("]") in inodes
+                for fd in fds
+            ):
+                pids.append(int(pid))
+    return pids
+
+
+def signal_listener(port: int, sig: signal.Signals) -> None:
+    """Send `sig` to the engine listening on `port` (kill -9 of an engine we did not start)."""
+    pids = listener_pids(port)
+    if not pids:
+        raise ProcessError(f"no process of this user listens on port {port}")
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)

@@ -540,6 +540,21 @@ class ClientPassthrough(_Strict):
     )
 
 
+class FailoverConfig(_Strict):
+    """Continuing an answer on another replica when its engine fails mid-answer (docs/failover.md)."""
+
+    mid_stream: bool = Field(
+        True, description="Continue chat and completions answers whose attempt failed after it began"
+    )
+    max_resumes: int = Field(1, ge=0, description="Continuations one answer may take")
+    non_streamed: bool = Field(
+        False,
+        description="Continue non-streamed answers too: engines are asked for them as streams, assembled "
+        "here (the body then holds id, created, model, text, finish and stop reason, usage: an engine's "
+        "other fields are not carried, hence opt-in)",
+    )
+
+
 class PDConfig(_Strict):
     min_uncached_tokens: int = Field(512, ge=0, description="Disaggregate only above this many new tokens")
     prefill_policy: PolicyConfig | None = Field(
@@ -615,6 +630,7 @@ class PoolConfig(_Strict):
     canonicalize: CanonicalizeConfig = Field(default_factory=CanonicalizeConfig)
     prefix: PrefixConfig = Field(default_factory=PrefixConfig)
     pd: PDConfig = Field(default_factory=PDConfig)
+    failover: FailoverConfig = Field(default_factory=FailoverConfig)
     engines: EngineSpec | None = None
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     discovery: DiscoveryConfig | None = Field(

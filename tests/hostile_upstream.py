@@ -10,6 +10,12 @@ body's `prompt`), then answered as `mode` says. Modes, one per misbehaviour:
   close-mid-head       part of a status line and headers, then close
   close-mid-body       Content-Length promises more than comes, then close
   close-mid-stream     two SSE events, then close (no terminating chunk)
+  reset-mid-stream     two SSE events, then a TCP RST (a killed engine)
+  malformed-mid-stream two SSE events, then one that is not JSON, then the rest
+  error-mid-stream     two SSE events, then an engine error event and [DONE] (as vLLM ends a failed stream)
+  end-mid-stream       two SSE events, then a clean end of the body without [DONE]
+  reset-after-usage    a whole answer (finish reason, usage chunk) but for [DONE], then a TCP RST
+  reset-after-done     a whole answer through [DONE], then a TCP RST instead of the last chunk
   extra-response       the answer and, in the same write, a second answer nobody asked for
   extra-response-later the answer, then a second one as soon as the first is flushed
   stray-before-answer  on a reused connection, the previous request's answer again, then this one's
@@ -194,6 +200,58 @@ async def _mid_body(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> 
 async def _mid_stream(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
     w.write(sse_head(d) + chunk(sse_event(d.marker, 0)) + chunk(sse_event(d.marker, 1)))
     return False
+
+
+@mode("reset-mid-stream")
+async def _reset_mid_stream(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    await _mid_stream(srv, d, r, w)
+    await w.drain()
+    return await _reset(srv, d, r, w)
+
+
+_BROKEN_EVENTS = {
+    "malformed-mid-stream": b'data: {"id": "cmpl-x", "choices": [{"te\n\n' + sse_event("later", 9),
+    "error-mid-stream": b"data: " + error_json("engine dead: CUDA error", 500) + b"\n\ndata: [DONE]\n\n",
+    "end-mid-stream": b"",
+}
+
+
+def _broken_stream(name: str) -> Mode:
+    async def send(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+        events = sse_event(d.marker, 0) + sse_event(d.marker, 1) + _BROKEN_EVENTS[name]
+        w.write(sse_head(d) + chunk(events) + b"0\r\n\r\n")
+        return True
+
+    return send
+
+
+for _name in _BROKEN_EVENTS:
+    MODES[_name] = _broken_stream(_name)
+
+
+def _whole_stream(marker: str) -> bytes:
+    last = {
+        "id": f"cmpl-{marker}",
+        "choices": [{"index": 0, "text": f"{marker}:2", "finish_reason": "length"}],
+    }
+    usage = {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}
+    tail = {"id": f"cmpl-{marker}", "choices": [], "usage": usage}
+    events = sse_event(marker, 0) + sse_event(marker, 1) + b"data: " + orjson.dumps(last) + b"\n\n"
+    return events + b"data: " + orjson.dumps(tail) + b"\n\n"
+
+
+@mode("reset-after-usage")
+async def _reset_after_usage(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    w.write(sse_head(d) + chunk(_whole_stream(d.marker)))
+    await w.drain()
+    return await _reset(srv, d, r, w)
+
+
+@mode("reset-after-done")
+async def _reset_after_done(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    w.write(sse_head(d) + chunk(_whole_stream(d.marker) + b"data: [DONE]\n\n"))
+    await w.drain()
+    return await _reset(srv, d, r, w)
 
 
 def _intruder(srv: HostileUpstream, d: Delivery) -> bytes:
@@ -388,6 +446,7 @@ async def _canary(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bo
 class HostileUpstream:
     mode: str = "ok"
     echo: bool = True  # answers carry the request's X-Request-Id, as vLLM's with --enable-request-id-headers
+    healthy: bool = True  # False: GETs (health checks) are answered 503
     tls: ssl.SSLContext | None = None
     port: int = 0  # 0: an ephemeral port; set it to come back on the same one after `stop`
     deliveries: list[Delivery] = field(default_factory=list)
@@ -442,7 +501,7 @@ class HostileUpstream:
                 echo = (f"X-Request-Id: {rid}",) if self.echo and rid else ()
                 if method == "GET":  # health checks, metrics scrapes: always fine, never a delivery
                     self.gets.append(path)
-                    writer.write(response(200, b"{}", *echo))
+                    writer.write(response(200 if self.healthy else 503, b"{}", *echo))
                     continue
                 try:
                     marker = str(orjson.loads(body).get("prompt", ""))

@@ -41,13 +41,15 @@ def sim_fleet(
     profile: str = "tiny",
     speedup: float = 20.0,
     env: dict[str, str] | None = None,
+    timeout: float = STARTUP_S,
 ) -> Iterator[SimFleet]:
     """`replicas` simulated replicas in one process, yielded once each listens; `args` are the
     simulator's own flags (`vllm serve` ones), `env` adds environment variables. The replicas echo
     X-Request-Id, as the launcher has them do, so that the gateway keeps connections to them."""
     argv = [PYTHON, "-m", "gateway.sim", "--model", model, "--port", "0", "--replicas", str(replicas)]
     argv.append("--enable-request-id-headers")
-    with sim_command([*argv, "--profile", profile, "--speedup", str(speedup), *args], replicas, env) as fleet:
+    argv += ["--profile", profile, "--speedup", str(speedup), *args]
+    with sim_command(argv, replicas, env, timeout) as fleet:
         yield fleet
 
 
@@ -96,10 +98,14 @@ def _listening(proc: subprocess.Popen[bytes], replicas: int, log: Path, timeout:
 
 @contextmanager
 def sim_process(
-    *args: str, profile: str = "tiny", speedup: float = 20.0, env: dict[str, str] | None = None
+    *args: str,
+    profile: str = "tiny",
+    speedup: float = 20.0,
+    env: dict[str, str] | None = None,
+    timeout: float = 20.0,
 ) -> Iterator[str]:
     """One simulated replica; yields its URL once it listens."""
-    with sim_fleet(*args, profile=profile, speedup=speedup, env=env) as fleet:
+    with sim_fleet(*args, profile=profile, speedup=speedup, env=env, timeout=timeout) as fleet:
         yield fleet.url
 
 

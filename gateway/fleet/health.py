@@ -73,7 +73,7 @@ class HealthChecker:
             self._oks[name] = 0
             self._fails[name] = self._fails.get(name, 0) + 1
             if replica.healthy and self._fails[name] >= self.cfg.failure_threshold:
-                replica.healthy = False
+                replica.eject()
                 log.warning("replica %s ejected: %d failed health checks", name, self._fails[name])
 
     def forget(self, name: str) -> None:

@@ -14,6 +14,7 @@ keeps each request's uncached tokens, and drops entries as the replica's count f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,6 +41,7 @@ class Replica:
         "kind",
         "managed",
         "name",
+        "on_eject",
         "pool",
         "remote_inflight_requests",
         "remote_inflight_tokens",
@@ -86,6 +88,15 @@ class Replica:
         self.engine = EngineLoad()
         self.speed = ReplicaSpeed()  # measured by the proxy from completed requests
         self.stale_after_s = stale_after_s
+        # Called when health checks eject the replica: answers it still streams are cut there.
+        self.on_eject: set[Callable[[], None]] = set()
+
+    def eject(self) -> None:
+        """Out of rotation (failed health checks): the answers it is streaming learn at once,
+        rather than after the idle timeout, so that they can be continued elsewhere."""
+        self.healthy = False
+        for cut in list(self.on_eject):
+            cut()
 
     @property
     def available(self) -> bool:

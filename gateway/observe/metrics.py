@@ -274,6 +274,11 @@ class GatewayMetrics:
             ["pool", "replica"],
         )
         self.retries = LoopFamily("kvgate_retries", "Upstream attempts beyond the first", ["pool"])
+        self.resumed = LoopFamily(
+            "kvgate_resumed",
+            "Answers continued on another replica after their attempt broke mid-answer, by why it broke",
+            ["pool", "reason"],
+        )
         self.shed = LoopFamily(
             "kvgate_shed_requests", "Requests refused by admission control", ["pool", "priority", "reason"]
         )
@@ -292,6 +297,7 @@ class GatewayMetrics:
                     self.prompt_tokens,
                     self.matched_tokens,
                     self.retries,
+                    self.resumed,
                     self.shed,
                     self.disconnects,
                 ]
@@ -346,6 +352,8 @@ class GatewayMetrics:
             bound.matched_tokens.inc(rec.matched_tokens)
         if rec.retries:
             bound.retries.inc(rec.retries)
+        for resumed in rec.resumed:  # rare: not worth a bound child
+            self.resumed.labels(rec.pool or NONE, resumed.partition("@")[0]).inc()
         if bound.shed is not None:
             bound.shed.inc()
         if rec.client_disconnected:

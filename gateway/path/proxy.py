@@ -16,12 +16,14 @@ import functools
 import logging
 import random
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
+
+import orjson
 
 from gateway.admission.scheduler import Scheduler
 from gateway.config import RetryConfig
-from gateway.errors import GatewayError, error_body, normalize_error_body
+from gateway.errors import GatewayError, normalize_error_body
 from gateway.fleet.replica import Replica
 from gateway.path.claim import Claim
 from gateway.path.exchange import Exchange, Reply, StreamOut
@@ -29,17 +31,20 @@ from gateway.path.model_names import ModelRename
 from gateway.path.pd import DecodePlan, PDHandoff
 from gateway.path.prepare import Preparation
 from gateway.path.request import InferenceRequest
-from gateway.path.request_record import RequestRecord
+from gateway.path.request_record import USAGE_MARK, RequestRecord, read_usage
+from gateway.path.resume import Resume, resumable
+from gateway.path.resume_relay import Cut, relay_resumable
 from gateway.path.retry_budget import RetryBudget
 from gateway.path.sanitize import upstream_headers
-from gateway.path.sse_events import EventStream
+from gateway.path.sse_events import EventStream, sse_error_event
 from gateway.path.stream_end import StreamEnd
 from gateway.path.trace import Tracer
 from gateway.path.transports.base import Response
 from gateway.path.upstream import ERROR_BODY_LIMIT, Upstream, UpstreamError
 from gateway.routing.lora import LoraWatch
 from gateway.routing.policy import Candidate, Outcome, RequestFeatures
-from gateway.routing.tokens import engine_prompt_tokens, usage_figure
+from gateway.routing.pool_router import PoolRouter
+from gateway.routing.tokens import get_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +65,6 @@ _DROP_RESPONSE = frozenset(
 # An engine's Content-Encoding is relayed with its body untouched, except where the gateway
 # rewrites the body (errors, normalized after decoding).
 _DROP_REWRITTEN = _DROP_RESPONSE | {"content-encoding"}
-
-
-_USAGE = b'"prompt_tokens":'
-
-
-def sse_error_event(message: str, code: str) -> bytes:
-    return b"data: " + error_body(message, "upstream_error", code) + b"\n\n"
 
 
 class Proxy:
@@ -168,6 +166,9 @@ class Proxy:
         headers = upstream_headers(request.headers.items(), pool.passthrough_headers, rec.engine_request_id)
         raw = req.payload()
         plan = DecodePlan(raw, raw)
+        resume = self._resume(request, req)
+        learned = features  # what the replica taking the request is taught it holds
+        resumed_at = -1  # the attempt that first continues the answer (no backoff before it)
         refused: GatewayError | None = None  # the last retryable answer, relayed if every try fails
         failure: GatewayError | None = None  # the last retryable transport failure
         # A generation is not idempotent: it may reach engines at most max_attempts times in
@@ -186,8 +187,14 @@ class Proxy:
                     raise
                 track.prefill = plan.prefill.name if plan.prefill is not None else None
                 rec.pd = "decode_only" if plan.body is plan.alone else "handoff"
-            body = plan.body
-            for attempt, candidate in enumerate(_tries(ranked, max_attempts)):
+            body, guard = plan.body, plan.guard
+            handoff = body is not plan.alone  # the decode leg carries a prefill leg's KV
+            if resume is not None:
+                body = resume.first_body(body)
+            tries = _tries(ranked, max_attempts)
+            attempt = -1
+            while (attempt := attempt + 1) < len(tries):
+                candidate = tries[attempt]
                 if deliveries >= max_attempts:
                     break
                 replica = router.replica(candidate)
@@ -197,13 +204,14 @@ class Proxy:
                     if not budget.try_spend():
                         break
                     rec.retries += 1
-                    delay = min(retry_cfg.backoff_max_s, retry_cfg.backoff_initial_s * 2 ** (attempt - 1))
-                    await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                    if attempt != resumed_at:  # a continuation's client is waiting mid-answer
+                        delay = min(retry_cfg.backoff_max_s, retry_cfg.backoff_initial_s * 2 ** (attempt - 1))
+                        await asyncio.sleep(delay * (0.5 + random.random() / 2))
                 if features.adapter is not None and not await router.lora.ensure(
                     replica, features.adapter, self.lora.session
                 ):
                     continue  # the adapter could not be loaded there
-                claim = Claim.take(replica, features.prompt_tokens)
+                claim = Claim.take(replica, learned.prompt_tokens)
                 if claim is None:
                     continue
                 track.replica = replica
@@ -211,7 +219,7 @@ class Proxy:
                 with claim:
                     # Learn at decision time, not when the answer comes: concurrent requests with
                     # the same new prefix must see where the first one went.
-                    router.learn(features, replica)
+                    router.learn(learned, replica)
                     up = tracer.upstream(replica, attempt, headers)
                     try:
                         try:
@@ -219,7 +227,6 @@ class Proxy:
                             resend = deliveries + 2 <= max_attempts
                             rec.sent_at = time.perf_counter()
                             opening = self.upstream.open("POST", url, body, up.headers, resend=resend)
-                            guard = plan.guard
                             resp = await (opening if guard is None else _beside_prefill(opening, guard))
                         except UpstreamError as exc:
                             deliveries += exc.sent
@@ -234,7 +241,7 @@ class Proxy:
                         deliveries += resp.sent
                         claim.answered()  # any well-formed answer: the engine is up
                         up.responded(resp.status)
-                        if resp.status == 500 and body is not plan.alone and plan.guard is None:
+                        if resp.status == 500 and handoff and guard is None:
                             # vLLM fails a decode whose KV it could not fetch (its default
                             # kv_load_failure_policy); without the hand-off, a decode replica
                             # prefills the prompt itself.
@@ -248,10 +255,13 @@ class Proxy:
                                 request_id,
                                 replica.name,
                             )
-                            body = plan.alone
+                            body = plan.alone if resume is None else resume.first_body(plan.alone)
+                            handoff = False
                             rec.pd = "decode_only"
                             continue
-                        if resp.status in retry_cfg.retry_statuses:
+                        if resp.status in retry_cfg.retry_statuses or (
+                            resume is not None and resume.continuing and resp.status >= 400
+                        ):
                             error = normalize_error_body(await self._read_error(resp), resp.status)
                             refused = GatewayError(
                                 resp.status, "refused", headers=_retry_after(resp), body=error
@@ -271,8 +281,36 @@ class Proxy:
                             if router.first_token_heard()
                             else None
                         )
-                        response = await self._relay(request, resp, claim, rec, req.rename, first)
-                        if body is plan.alone:  # no PD hand-off's prefill ran elsewhere
+                        try:
+                            response = await self._relay(request, resp, claim, rec, req.rename, first, resume)
+                        except Cut as cut:
+                            assert resume is not None
+                            doc = resume.continuation()
+                            rec.resumed.append(f"{cut.reason}@{replica.name}")
+                            log.warning(
+                                "request %s: answer from %s broke (%s); continuing it elsewhere",
+                                request_id,
+                                replica.name,
+                                cut.reason,
+                            )
+                            learned = router.features(
+                                doc, req.endpoint, rec.engine_request_id, request.headers
+                            )
+                            # The continuation's own ranking: its prompt holds the original's.
+                            others = [c for c in router.rank(learned) if c.replica.name != replica.name]
+                            tries[attempt + 1 :] = _tries(others, max_attempts) if others else []
+                            if plan.pending:
+                                await plan.finish()
+                            plan = await self._continuation_plan(
+                                router, prefills, learned, doc, others[:1], request.path, headers
+                            )
+                            body, guard = plan.body, plan.guard
+                            handoff = body is not plan.alone
+                            resumed_at, deliveries, refused, failure = attempt + 1, 0, None, None
+                            continue
+                        # Not when a PD hand-off's prefill ran elsewhere, nor for a continued answer
+                        # (its times span two attempts).
+                        if not handoff and not rec.resumed:
                             measure_speed(replica, rec, features.prompt_tokens - candidate.matched_tokens)
                         return response
                     finally:
@@ -280,6 +318,22 @@ class Proxy:
         finally:
             if plan.pending:
                 await plan.finish()
+        if resume is not None and resume.out is not None:
+            # The answer began and no replica could go on with it: the client learns why its last
+            # attempt broke, as it would have without failover.
+            track.error = "upstream_error"
+            rec.error_code = "upstream_stream_error"
+            await resume.out.write(
+                resume.error_event
+                or sse_error_event("no replica could continue the answer", "upstream_stream_error")
+            )
+            await resume.out.write_eof()
+            return resume.out
+        if resume is not None and resume.continuing:
+            track.error = "upstream_error"
+            raise GatewayError(
+                502, "no replica could continue the answer", "upstream_error", "upstream_resume_failed"
+            )
         if refused is not None:
             track.error = "engine_error"
             raise refused
@@ -288,6 +342,36 @@ class Proxy:
             raise failure
         track.error = "no_replica"
         raise self._no_replica(f"no replica of pool `{pool.name}` accepted the request")
+
+    @staticmethod
+    def _resume(request: Exchange, req: InferenceRequest) -> Resume | None:
+        """The answer's continuation state when its pool continues answers like it, else None."""
+        pool = req.router.pool
+        cfg = pool.cfg.failover
+        if not resumable(req.endpoint, req.body, request.headers, cfg):
+            return None
+        count = (req.router.tokenizer or get_tokenizer()).count
+        return Resume(req.endpoint, req.body, cfg, count)
+
+    async def _continuation_plan(
+        self,
+        router: PoolRouter,
+        prefills: list[Candidate],
+        features: RequestFeatures,
+        doc: dict[str, Any],
+        decode: list[Candidate],
+        path: str,
+        headers: Mapping[str, str],
+    ) -> DecodePlan:
+        """How a continuation goes out: through a fresh prefill/decode hand-off when the decode
+        replica it goes to lacks enough of its prompt (PD pools), else whole to that replica."""
+        body = orjson.dumps(doc)
+        if not prefills or not decode or not self.pd.wanted(router.pool, features, decode[0]):
+            return DecodePlan(body, body)
+        try:
+            return await self.pd.prepare(router, features, prefills, doc, body, path, headers)
+        except GatewayError:  # a prefill leg that refuses it: the decode replica does it all
+            return DecodePlan(body, body)
 
     def _no_replica(self, message: str) -> GatewayError:
         retry_after = str(self.retry_after_s)
@@ -321,8 +405,10 @@ class Proxy:
         rec: RequestRecord,
         rename: ModelRename | None,
         first: Callable[[], None] | None,
+        resume: Resume | None = None,
     ) -> Reply | StreamOut:
-        """Relay the engine's answer; `first` is called once at a streamed answer's first bytes."""
+        """Relay the engine's answer; `first` is called once at a streamed answer's first bytes;
+        `resume`, when the answer may be continued elsewhere, follows it (raising `Cut`)."""
         rec.status = resp.status
         if resp.status >= 400:
             # Rewritten in the OpenAI form, decoded: the engine's Content-Encoding no longer applies.
@@ -345,6 +431,10 @@ class Proxy:
             if rename is not None and not resp.header("Content-Encoding"):
                 raw = rename.apply(raw)
             return Reply(resp.status, raw, headers)
+        if resume is not None:
+            return await relay_resumable(
+                self.upstream, request, resp, headers, claim, rec, rename, first, resume
+            )
         return await self._relay_stream(request, resp, headers, claim, rec, rename, first)
 
     async def _relay_stream(
@@ -372,7 +462,7 @@ class Proxy:
                     chunk = events.feed(chunk)
                     if not chunk:
                         continue
-                    if _USAGE in chunk:  # a substring test per chunk; only a usage chunk is read
+                    if USAGE_MARK in chunk:
                         read_usage(chunk, rec)
                     await out.write(chunk)
                     end.feed(chunk)
@@ -431,14 +521,6 @@ class _Track:
             attempts=self.attempts,
             prefill_replica=self.prefill,
         )
-
-
-def read_usage(body: bytes, rec: RequestRecord) -> None:
-    """The engine's usage figures in a body or its usage chunk, kept where present."""
-    rec.engine_prompt_tokens = engine_prompt_tokens(body) or rec.engine_prompt_tokens
-    cached = usage_figure(body, b"cached_tokens")  # 0 is a figure: a cold prompt
-    rec.engine_cached_tokens = rec.engine_cached_tokens if cached is None else cached
-    rec.engine_output_tokens = usage_figure(body, b"completion_tokens") or rec.engine_output_tokens
 
 
 def measure_speed(replica: Replica, rec: RequestRecord, believed_uncached: int) -> None:

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gateway.routing.tokens import engine_prompt_tokens, usage_figure
+
 
 @dataclass(slots=True)
 class RequestRecord:
@@ -41,6 +43,7 @@ class RequestRecord:
     error_code: str | None = None
     shed_reason: str | None = None
     retries: int = 0
+    resumed: list[str] = field(default_factory=list)  # per continuation: "<reason>@<replica it broke on>"
     queued_s: float = 0.0
     sent_at: float | None = None  # perf_counter when the last attempt was sent to its replica
     first_byte_at: float | None = None  # perf_counter when the first body byte went to the client
@@ -58,3 +61,15 @@ class RequestRecord:
 
 
 Observer = Callable[[RequestRecord], None]
+
+
+# Found in a usage chunk: a substring test per streamed chunk, so that only those are read.
+USAGE_MARK = b'"prompt_tokens":'
+
+
+def read_usage(body: bytes, rec: RequestRecord) -> None:
+    """The engine's usage figures in a body or its usage chunk, kept where present."""
+    rec.engine_prompt_tokens = engine_prompt_tokens(body) or rec.engine_prompt_tokens
+    cached = usage_figure(body, b"cached_tokens")  # 0 is a figure: a cold prompt
+    rec.engine_cached_tokens = rec.engine_cached_tokens if cached is None else cached
+    rec.engine_output_tokens = usage_figure(body, b"completion_tokens") or rec.engine_output_tokens

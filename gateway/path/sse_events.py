@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import orjson
 
-from gateway.errors import normalize_error_body
+from gateway.errors import error_body, normalize_error_body
 from gateway.path.model_names import ModelRename
 
 _ERROR = b'{"error"'
 _DATA = b"data:"
+
+
+def sse_error_event(message: str, code: str) -> bytes:
+    """An error event in the gateway's one form, for a stream that broke after it began."""
+    return b"data: " + error_body(message, "upstream_error", code) + b"\n\n"
 
 
 def _events_end(buf: bytes) -> int:

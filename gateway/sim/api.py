@@ -236,7 +236,9 @@ class ApiExtras:
             if req.messages is not None:
                 V.check_messages(req.messages)
                 tools = [t.model_dump() for t in req.tools] if req.tools else None
-                text = proto.render_chat(req.messages, tools, req.add_generation_prompt)
+                text = proto.render_chat(
+                    req.messages, tools, req.add_generation_prompt, req.continue_final_message
+                )
             else:
                 text = req.prompt or ""
             ids = tok.encode(text)

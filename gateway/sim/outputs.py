@@ -20,6 +20,7 @@ calls, and finish_reason "tool_calls" (vLLM's `auto_tools_called`).
 
 from __future__ import annotations
 
+import itertools
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -49,10 +50,39 @@ class Plan:
     tool_auto: bool = False  # tool_choice "auto", and the model called the tool
     tool_ids: list[str] = field(default_factory=list)
     prompt_tokens: int = 0  # summed over prompts
+    # Per choice, a matched stop string: (the character its match starts at, the token holding
+    # that character, the string). The text ends before the match; vLLM's stop_reason names it.
+    stops: list[tuple[int, int, str] | None] = field(default_factory=list)
 
     @property
     def rich(self) -> bool:
-        return self.logprobs is not None or self.tool is not None or any(s is not None for s in self.scripts)
+        scripted = any(s is not None for s in self.scripts) or any(self.stops)
+        return self.logprobs is not None or self.tool is not None or scripted
+
+    def stop_at(self, i: int, stops: list[str], max_tokens: int) -> int:
+        """Choice i's output tokens once `stops` (plain text only) end it: the first match of any,
+        at the token that completes it (max_tokens when none matches)."""
+        words = proto.output_words(self.seeds[i], 0, max_tokens)
+        text = "".join(words)
+        found = [(at, stop) for stop in stops if stop and (at := text.find(stop)) >= 0]
+        self.stops.extend([None] * (i + 1 - len(self.stops)))
+        if not found:
+            return max_tokens
+        at, stop = min(found)
+        ends = list(itertools.accumulate(len(w) for w in words))
+        holder = next(k for k, end in enumerate(ends) if end > at)
+        self.stops[i] = (at, holder, stop)
+        return next(k for k, end in enumerate(ends) if end >= at + len(stop)) + 1
+
+    def held(self, i: int, produced: int) -> int:
+        """Tokens of choice i that may be streamed while it runs: none from the one where a stop
+        match begins (vLLM holds back what may start a stop string, so no client sees part of one)."""
+        stop = self.stops[i] if i < len(self.stops) else None
+        return produced if stop is None else min(produced, stop[1])
+
+    def stop_reason(self, i: int) -> str | None:
+        stop = self.stops[i] if i < len(self.stops) else None
+        return None if stop is None else stop[2]
 
     def add_choice(self, seed: int, script: Script | None) -> None:
         self.seeds.append(seed)
@@ -62,7 +92,13 @@ class Plan:
 
     def text(self, i: int, start: int, end: int) -> str:
         s = self.scripts[i]
-        return s.text(start, end) if s is not None else proto.output_text(self.seeds[i], start, end)
+        if s is not None:
+            return s.text(start, end)
+        stop = self.stops[i] if i < len(self.stops) else None
+        if stop is None:
+            return proto.output_text(self.seeds[i], start, end)
+        offset = len(proto.output_text(self.seeds[i], 0, start))
+        return proto.output_text(self.seeds[i], start, end)[: max(0, stop[0] - offset)]
 
     def tokens(self, i: int, start: int, end: int) -> list[str]:
         s = self.scripts[i]
@@ -145,8 +181,9 @@ class RichChunks:
         if not self.chat:
             lps = plan.completion_logprobs(i, start, end, self.text_offsets[i])
             self.text_offsets[i] += len(text)
+            reason = plan.stop_reason(i) if finish is not None else None
             return self._wrap(
-                {"index": i, "text": text, "logprobs": lps, "finish_reason": finish, "stop_reason": None}
+                {"index": i, "text": text, "logprobs": lps, "finish_reason": finish, "stop_reason": reason}
             )
         delta: dict[str, Any] = {"role": "assistant"} if start == 0 else {}
         if plan.tool is not None:
@@ -165,7 +202,7 @@ class RichChunks:
             "finish_reason": finish,
         }
         if finish is not None:
-            choice["stop_reason"] = None
+            choice["stop_reason"] = plan.stop_reason(i)
         return self._wrap(choice)
 
     def usage_chunk(self, usage: dict[str, Any]) -> bytes:

@@ -27,9 +27,17 @@ _STRIDE = 7  # coprime with len(VOCAB): the cycle visits every word
 
 
 def render_chat(
-    messages: list[dict[str, Any]], tools: list[Any] | None = None, add_generation_prompt: bool = True
+    messages: list[dict[str, Any]],
+    tools: list[Any] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
-    """A simple deterministic template: tools as JSON first, then per message a role marker and content."""
+    """A simple deterministic template: tools as JSON first, then per message a role marker and content.
+
+    `continue_final_message` leaves the last message open, its end-of-turn dropped, so that generation
+    extends it: what vLLM's Hugging Face rendering does (the text cut right after the final message's
+    content) and what SGLang's gives (the template without that message, its generation prompt, then
+    the message's content)."""
     parts: list[str] = []
     if tools:
         parts.append("<|tools|>\n" + orjson.dumps(tools).decode() + "\n")
@@ -42,7 +50,9 @@ def render_chat(
         if m.get("tool_calls"):
             content += orjson.dumps(m["tool_calls"]).decode()
         parts.append(f"<|{m.get('role', 'user')}|>\n{content}\n")
-    if add_generation_prompt:
+    if continue_final_message and parts:
+        parts[-1] = parts[-1][:-1]
+    elif add_generation_prompt:
         parts.append("<|assistant|>\n")
     return "".join(parts)
 
@@ -52,8 +62,13 @@ def _part_text(part: Any) -> str:
     return text if isinstance(text, str) else ""
 
 
-def output_seed(prompt_len: int, index: int, seed: int | None) -> int:
-    return ((seed or 0) * 31 + prompt_len * 13 + index) % len(VOCAB)
+def output_seed(prompt: list[int], index: int, seed: int | None) -> int:
+    """Where choice `index`'s walk through the word cycle starts. A prompt that ends in an output word
+    (an answer being continued) takes the cycle's next word, whatever the seed: greedy decoding is a
+    function of the context, so a continued answer goes on exactly as the uninterrupted one would."""
+    if prompt and (word := _word_positions().get(prompt[-1])) is not None:
+        return (word + _STRIDE + index) % len(VOCAB)
+    return ((seed or 0) * 31 + len(prompt) * 13 + index) % len(VOCAB)
 
 
 def output_text(seed: int, start: int, end: int) -> str:
@@ -67,6 +82,12 @@ def vocab_token_ids() -> tuple[int, ...] | None:
     byte-level fallback), since output blocks then cannot be hashed the way a next turn's prompt is."""
     ids = [get_tokenizer().encode(w) for w in VOCAB]
     return tuple(i[0] for i in ids) if all(len(i) == 1 for i in ids) else None
+
+
+@lru_cache(maxsize=1)
+def _word_positions() -> dict[int, int]:
+    """Each output word's place in the vocabulary, by its token id."""
+    return {t: i for i, t in enumerate(vocab_token_ids() or ())}
 
 
 def output_token_ids(seed: int, start: int, end: int) -> list[int]:

@@ -144,7 +144,8 @@ class _Response:
                 self.dirty = False
                 parts: list[bytes] = []
                 for i, c in enumerate(self.children):
-                    start, end = self.sent[i], c.num_output
+                    start = self.sent[i]
+                    end = c.num_output if c.state == FINISHED else plan.held(i, c.num_output)
                     if end > start:
                         fin = plan.finish(c.finish_reason) if c.state == FINISHED else None
                         # A midstream fault counts chunks: then one token per chunk, never coalesced.
@@ -550,7 +551,10 @@ class Replica:
             if not req.messages:
                 # The chat template reads messages[0]; jinja's error becomes vLLM's 400.
                 raise HTTPError(400, "list object has no element 0", None, "BadRequestError")
-            return [enc(proto.render_chat(req.messages, body.get("tools")))]  # the tools as sent
+            text = proto.render_chat(  # the tools as sent
+                req.messages, body.get("tools"), req.add_generation_prompt, req.continue_final_message
+            )
+            return [enc(text)]
         if kind == "responses":
             return [enc(proto.render_chat(responses_messages(req.instructions, req.input)))]
         prompt = req.prompt
@@ -666,6 +670,8 @@ class Replica:
             remote_kv = True
 
         seed = req.seed if isinstance(getattr(req, "seed", None), int) else None
+        stop = getattr(req, "stop", None)
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
         salt = req.cache_salt
         bs = self.engine.block_size
         vocab_ids = proto.vocab_token_ids() is not None
@@ -673,7 +679,7 @@ class Replica:
             plan.prompt_tokens += len(ids)
             room_left = limit - len(ids)
             for i in range(n):
-                seed_i = proto.output_seed(len(ids), i, seed)
+                seed_i = proto.output_seed(ids, i, seed)
                 script = None if source is None else _script(source, seed_i)
                 plan.add_choice(seed_i, script)
                 natural = max_tokens is None
@@ -686,6 +692,10 @@ class Replica:
                 else:
                     mt = max_tokens if max_tokens is not None else min(o.default_max_tokens, room_left)
                     output_ids = partial(proto.output_token_ids, seed_i) if vocab_ids else None
+                    if stops and mt:
+                        stopped = plan.stop_at(len(plan.seeds) - 1, stops, mt)
+                        natural = natural or plan.stop_reason(len(plan.seeds) - 1) is not None
+                        mt = stopped
                 k = len(out.children)
                 child = Request(
                     rid if len(prompts) * n == 1 else f"{rid}-{k}",
@@ -759,7 +769,7 @@ class Replica:
             else:
                 choice["text"] = plan.text(i, 0, c.num_output)
                 choice["logprobs"] = plan.completion_logprobs(i, 0, c.num_output, 0)
-            choice.update(finish_reason=plan.finish(c.finish_reason), stop_reason=None)
+            choice.update(finish_reason=plan.finish(c.finish_reason), stop_reason=plan.stop_reason(i))
             choices.append(choice)
         result: dict[str, Any] = {
             "id": resp_id,

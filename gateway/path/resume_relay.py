@@ -1,0 +1,137 @@
+"""The relay of one attempt at a continuable answer (gateway/path/resume.py holds the answer's
+state): its events go to the client through `Resume.feed` (or are assembled, for a client that
+asked no stream), and a failure after the answer began raises `Cut`, for the proxy to send the
+continuation to another replica, while the answer can be continued."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import orjson
+
+from gateway.errors import GatewayError
+from gateway.path.claim import Claim
+from gateway.path.exchange import Exchange, Reply, StreamOut
+from gateway.path.model_names import ModelRename
+from gateway.path.request_record import USAGE_MARK, RequestRecord, read_usage
+from gateway.path.resume import Resume
+from gateway.path.sse_events import EventStream, sse_error_event
+from gateway.path.stream_end import StreamEnd
+from gateway.path.transports.base import Response
+from gateway.path.upstream import Upstream, UpstreamError
+
+log = logging.getLogger(__name__)
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class Cut(Exception):
+    """An answer's attempt failed after it began, and the answer can be continued elsewhere."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+async def relay_resumable(
+    upstream: Upstream,
+    request: Exchange,
+    resp: Response,
+    headers: dict[str, str],
+    claim: Claim,
+    rec: RequestRecord,
+    rename: ModelRename | None,
+    first: Callable[[], None] | None,
+    resume: Resume,
+) -> Reply | StreamOut:
+    """An attempt's stream, relayed (or assembled, for a non-streamed client) through `resume`:
+    a failure after the answer began raises `Cut` while the answer can be continued."""
+    events = EventStream(rename)
+    end = StreamEnd(rec.endpoint)
+    failure: str | None = None
+    finished = False
+    ejected: list[bool] = []
+
+    def eject() -> None:  # the replica's health checks failed: stop waiting for its bytes
+        ejected.append(True)
+        resp.close()
+
+    replica = claim.replica
+    replica.on_eject.add(eject)
+    try:
+        if resume.out is None and not resume.buffered:
+            resume.out = await request.stream(resp.status, headers)
+        out = resume.out
+        try:
+            async for chunk in upstream.chunks(resp):
+                if rec.first_byte_at is None:
+                    rec.first_byte_at = time.perf_counter()
+                    if first is not None:
+                        first()
+                chunk = resume.feed(events.feed(chunk))
+                if chunk:  # only ever for a client that streams
+                    assert out is not None
+                    if USAGE_MARK in chunk:
+                        read_usage(chunk, rec)
+                    await out.write(chunk)
+                    end.feed(chunk)
+                if resume.failure is not None:
+                    break
+            else:
+                tail = resume.feed(events.flush())
+                if tail:
+                    assert out is not None
+                    await out.write(tail)
+                    end.feed(tail)
+            failure = resume.failure or (None if resume.done else "closed_early")
+            if failure in ("malformed_event", "closed_early"):
+                what = "a malformed event" if failure == "malformed_event" else "no end to its stream"
+                resume.error_event = sse_error_event(f"engine sent {what}", "upstream_stream_error")
+        except UpstreamError as exc:
+            if exc.replica_fault:
+                claim.failed()
+            log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
+            failure = (
+                "ejected" if ejected else "idle_timeout" if exc.code == "upstream_timeout" else "disconnected"
+            )
+            resume.error_event = sse_error_event(str(exc), "upstream_stream_error")
+        if failure is not None and resume.whole:
+            # Only the stream's end was lost ([DONE], or the connection's close after it): the
+            # client has the whole answer, and gets the end it expects.
+            failure = None
+            if not resume.done and out is not None:
+                await out.write(_DONE)
+                end.feed(_DONE)
+        if failure is not None and resume.continuable:
+            raise Cut(failure)
+        if resume.buffered:
+            if failure is not None:
+                raise GatewayError(
+                    502, f"engine answer broke: {failure}", "upstream_error", "upstream_stream_error"
+                )
+            rec.completed = finished = True
+            read_usage(orjson.dumps({"usage": resume.usage}), rec)
+            body = resume.assembled()  # of events already renamed
+            headers["Content-Type"] = "application/json"
+            return Reply(resp.status, body, headers)
+        assert out is not None
+        if failure is not None:
+            rec.error_code = "upstream_stream_error"
+            await out.write(resume.error_event or sse_error_event(failure, "upstream_stream_error"))
+        await out.write_eof()
+        finished = True
+    except ConnectionResetError:
+        rec.completed = end.complete
+        if not rec.completed:
+            rec.client_disconnected = True
+            log.info("request %s: client went away mid-stream", rec.request_id)
+    finally:
+        replica.on_eject.discard(eject)
+        if finished:
+            resp.release()
+        else:
+            rec.completed = rec.completed or end.complete
+            resp.close()
+    return resume.out if resume.out is not None else Reply(499)

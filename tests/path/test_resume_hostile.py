@@ -1,0 +1,202 @@
+"""Mid-stream failover against hostile engines: for every way a stream can break after it began,
+the answer is continued on the other replica and the client gets one whole stream, nothing
+repeated; and what is not to be continued ends as before, with an error event.
+
+Replica r0 breaks its stream in the case's way; r1 answers. Their answers' texts are
+`<marker>:0`, `<marker>:1`, `<marker>:2`: a continuation that resent text would show it twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import SERVER_IMPLS, wait_until
+from tests.hostile_upstream import (
+    TRANSPORTS,
+    HostileUpstream,
+    assert_settled,
+    hostile_settings,
+    marker,
+    sse_events,
+)
+
+CASES = {
+    "close-mid-stream": "disconnected",
+    "reset-mid-stream": "disconnected",
+    "stall-body": "idle_timeout",
+    "malformed-mid-stream": "malformed_event",
+    "error-mid-stream": "engine_error",
+    "end-mid-stream": "closed_early",
+}
+
+
+@pytest.fixture(params=SERVER_IMPLS)
+def server_impl(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+async def pair():
+    servers: list[HostileUpstream] = []
+
+    async def make(mode: str) -> tuple[HostileUpstream, HostileUpstream]:
+        servers.extend([await HostileUpstream(mode).start(), await HostileUpstream("ok").start()])
+        return servers[0], servers[1]
+
+    yield make
+    for srv in servers:
+        await srv.stop()
+
+
+def _settings(urls: list[str], transport: str = "http1", **pool: object):
+    # round_robin sends the first request to r0, the breaking one.
+    return hostile_settings(urls, transport, pool={"policy": {"type": "round_robin"}, **pool})
+
+
+def _texts(r: httpx.Response) -> tuple[list[str], set[str]]:
+    events = sse_events(r)
+    assert events[-1] == "[DONE]", events
+    docs = [orjson.loads(e) for e in events[:-1]]
+    assert all("error" not in d for d in docs), docs
+    return [c["text"] for d in docs for c in d["choices"]], {d["id"] for d in docs}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("mode", sorted(CASES))
+async def test_a_broken_stream_is_continued_on_the_other_replica(
+    mode: str, transport: str, pair, gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "kvgate.access")
+    broken, ok = await pair(mode)
+    gw = await gateway(_settings([broken.url, ok.url], transport))
+    mark = marker()
+    async with httpx.AsyncClient(timeout=30) as c:
+        body = {"model": "m", "prompt": mark, "max_tokens": 4, "stream": True}
+        r = await c.post(gw.url + "/v1/completions", json=body)
+        metrics = (await c.get(gw.url + "/metrics")).text
+    assert r.status_code == 200
+    texts, ids = _texts(r)
+    assert "".join(texts) == f"{mark}:0{mark}:1{mark}:2"  # the seam: nothing twice, nothing lost
+    assert ids == {f"cmpl-{mark}"}
+    assert len(broken.deliveries) == 1 and len(ok.deliveries) == 1
+    sent = orjson.loads(ok.deliveries[0].body)
+    # No word boundary in what was sent: the continuation regenerates it all, and the budget stays.
+    assert sent["prompt"] == mark and sent["max_tokens"] == 4
+    assert f'kvgate_resumed_total{{pool="p",reason="{CASES[mode]}"}} 1.0' in metrics
+    (line,) = [r.fields for r in caplog.records if r.name == "kvgate.access"]  # type: ignore[attr-defined]
+    # Where it broke and why, where it ended; the continuation counts as a retry.
+    assert line["resumed"] == [f"{CASES[mode]}@r0"] and line["replica"] == "r1" and line["retries"] == 1
+    await assert_settled(gw)
+
+
+@pytest.mark.parametrize("mode", ["reset-after-usage", "reset-after-done"])
+async def test_an_answer_whose_stream_broke_after_it_was_whole_is_not_continued(
+    mode: str, pair, gateway
+) -> None:
+    """Only the end was lost: the client gets one [DONE] after the whole answer, nothing twice."""
+    broken, ok = await pair(mode)
+    gw = await gateway(_settings([broken.url, ok.url]))
+    mark = marker()
+    async with httpx.AsyncClient(timeout=30) as c:
+        body = {
+            "model": "m",
+            "prompt": mark,
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        r = await c.post(gw.url + "/v1/completions", json=body)
+    texts, _ = _texts(r)
+    assert "".join(texts) == f"{mark}:0{mark}:1{mark}:2" and sse_events(r).count("[DONE]") == 1
+    assert sum('"usage"' in e for e in sse_events(r)) == 1
+    assert ok.deliveries == []
+    await assert_settled(gw)
+
+
+async def test_a_non_streamed_answer_is_asked_as_a_stream_and_continued(pair, gateway) -> None:
+    broken, ok = await pair("reset-mid-stream")
+    gw = await gateway(_settings([broken.url, ok.url], failover={"non_streamed": True}))
+    mark = marker()
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": mark, "max_tokens": 4})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    doc = r.json()
+    assert doc["id"] == f"cmpl-{mark}" and doc["object"] == "text_completion"
+    assert doc["choices"][0]["text"] == f"{mark}:0{mark}:1{mark}:2"
+    first = orjson.loads(broken.deliveries[0].body)
+    assert first["stream"] is True and first["stream_options"] == {"include_usage": True}
+    await assert_settled(gw)
+
+
+@pytest.mark.parametrize(
+    ("extra", "headers", "pool"),
+    [
+        ({}, {"x-kvgate-no-resume": "1"}, {}),
+        ({}, {}, {"failover": {"mid_stream": False}}),
+        ({"n": 2}, {}, {}),
+        ({"logprobs": 1}, {}, {}),
+        ({"response_format": {"type": "json_object"}}, {}, {}),
+    ],
+    ids=["client-opt-out", "pool-off", "n2", "logprobs", "structured"],
+)
+async def test_what_is_not_continued_ends_with_the_error_event(
+    extra: dict[str, object], headers: dict[str, str], pool: dict[str, object], pair, gateway
+) -> None:
+    broken, ok = await pair("error-mid-stream")
+    gw = await gateway(_settings([broken.url, ok.url], **pool))
+    mark = marker()
+    async with httpx.AsyncClient(timeout=30) as c:
+        body = {"model": "m", "prompt": mark, "max_tokens": 4, "stream": True, **extra}
+        r = await c.post(gw.url + "/v1/completions", json=body, headers=headers)
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert orjson.loads(events[-2])["error"]["message"] == "engine dead: CUDA error"
+    assert len(broken.deliveries) == 1 and ok.deliveries == []
+    await assert_settled(gw)
+
+
+async def test_with_no_other_replica_the_engine_error_is_relayed(pair, gateway) -> None:
+    broken, _ = await pair("reset-mid-stream")
+    gw = await gateway(_settings([broken.url]))
+    async with httpx.AsyncClient(timeout=30) as c:
+        body = {"model": "m", "prompt": marker(), "max_tokens": 4, "stream": True}
+        r = await c.post(gw.url + "/v1/completions", json=body)
+    events = sse_events(r)
+    err = orjson.loads(events[-1])["error"]
+    assert err["code"] == "upstream_stream_error" and "mid-answer" in err["message"]
+    assert [orjson.loads(e)["choices"][0]["text"] for e in events[:2]] == [
+        f"{broken.markers()[0]}:{i}" for i in (0, 1)
+    ]
+    await assert_settled(gw)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_answer_on_a_replica_ejected_mid_stream_is_continued(transport: str, pair, gateway) -> None:
+    """Health checks eject a replica whose stream went silent: the answer goes on elsewhere long
+    before the idle timeout would have said anything."""
+    broken, ok = await pair("stall-body")
+    settings = hostile_settings(
+        [broken.url, ok.url],
+        "http1",
+        upstream={"idle_timeout_s": 300},
+        pool={"policy": {"type": "round_robin"}},
+    )
+    health = settings.health.model_copy(update={"enabled": True, "interval_s": 0.05})
+    gw = await gateway(settings.model_copy(update={"health": health}))
+    mark = marker()
+    async with httpx.AsyncClient(timeout=60) as c:
+        body = {"model": "m", "prompt": mark, "max_tokens": 4, "stream": True}
+        asking = asyncio.ensure_future(c.post(gw.url + "/v1/completions", json=body))
+        await wait_until(lambda: len(broken.deliveries) == 1, what="the answer under way on r0")
+        broken.healthy = False
+        r = await asking
+        metrics = (await c.get(gw.url + "/metrics")).text
+    texts, _ = _texts(r)
+    assert "".join(texts) == f"{mark}:0{mark}:1{mark}:2"
+    assert 'kvgate_resumed_total{pool="p",reason="ejected"} 1.0' in metrics
+    await assert_settled(gw)
