@@ -1,7 +1,8 @@
 """Per-replica circuit breaker: stop sending to a replica that keeps failing, probe it later.
 
-Which outcomes count is the callers' rule (see `gateway/path/claim.py` and the README's "Retries
-and circuit breaking"): only transport failures, never an answer the engine formed.
+Which outcomes count is the callers' rule (see `gateway/path/claim.py` and docs/untrusted-peers.md,
+"Retries, circuit breaking and engine connections"): only transport failures, never an answer the
+engine formed.
 """
 
 from __future__ import annotations

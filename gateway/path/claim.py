@@ -6,7 +6,8 @@ a task cancelled before it ever ran), releases the load and, unless a verdict wa
 frees the half-open probe. So no path can leave a circuit waiting forever on a probe that
 nobody will settle.
 
-The verdicts follow one rule (README, "Retries and circuit breaking"): `answered` when the
+The verdicts follow one rule (docs/untrusted-peers.md, "Retries, circuit breaking and engine
+connections"): `answered` when the
 engine formed an HTTP answer, whatever its status; `failed` for transport failures only
 (refused or timed-out connects, connections closed before or while answering, malformed
 responses, timeouts). A well-formed 500 is not held against the replica: vLLM answers 500
