@@ -37,7 +37,7 @@ from gateway.path.resume_relay import Cut, relay_resumable
 from gateway.path.retry_budget import RetryBudget
 from gateway.path.sanitize import upstream_headers
 from gateway.path.sse_events import EventStream, sse_error_event
-from gateway.path.stream_end import StreamEnd
+from gateway.path.stream_end import StreamEnd, client_left
 from gateway.path.trace import Tracer
 from gateway.path.transports.base import Response
 from gateway.path.upstream import ERROR_BODY_LIMIT, Upstream, UpstreamError
@@ -481,10 +481,7 @@ class Proxy:
             await out.write_eof()
             finished = True
         except ConnectionResetError:
-            rec.completed = end.complete
-            if not rec.completed:
-                rec.client_disconnected = True
-                log.info("request %s: client went away mid-stream", rec.request_id)
+            client_left(end, rec)
         finally:
             if finished:
                 resp.release()

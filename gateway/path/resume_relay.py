@@ -18,7 +18,7 @@ from gateway.path.model_names import ModelRename
 from gateway.path.request_record import USAGE_MARK, RequestRecord, read_usage
 from gateway.path.resume import Resume
 from gateway.path.sse_events import EventStream, sse_error_event
-from gateway.path.stream_end import StreamEnd
+from gateway.path.stream_end import StreamEnd, client_left
 from gateway.path.transports.base import Response
 from gateway.path.upstream import Upstream, UpstreamError
 
@@ -123,10 +123,7 @@ async def relay_resumable(
         await out.write_eof()
         finished = True
     except ConnectionResetError:
-        rec.completed = end.complete
-        if not rec.completed:
-            rec.client_disconnected = True
-            log.info("request %s: client went away mid-stream", rec.request_id)
+        client_left(end, rec)
     finally:
         replica.on_eject.discard(eject)
         if finished:

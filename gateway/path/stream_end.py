@@ -3,7 +3,14 @@ counts as served (200), not as a client that gave up (499)."""
 
 from __future__ import annotations
 
+import logging
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gateway.path.request_record import RequestRecord
+
+log = logging.getLogger("gateway.path.proxy")
 
 # Chat and completions streams end with `data: [DONE]`; it must be the last thing written.
 _DONE = re.compile(rb"(?:^|\n)data: \[DONE\]\r?\n\r?\n\Z")
@@ -35,3 +42,12 @@ class StreamEnd:
         if self._responses:  # an event ends with a blank line
             return self._last_event_seen and tail.endswith((b"\n\n", b"\r\n\r\n"))
         return _DONE.search(tail) is not None
+
+
+def client_left(end: StreamEnd, rec: RequestRecord) -> None:
+    """The client closed its side while the stream was relayed: served if the last event had been
+    written, a client that gave up otherwise."""
+    rec.completed = end.complete
+    if not rec.completed:
+        rec.client_disconnected = True
+        log.info("request %s: client went away mid-stream", rec.request_id)
