@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import httpx
 import pytest
 
 from gateway.config import ConfigError, load_config
+from gateway.fleet.pool import Pool
 from gateway.routing.kv_events import TokenBlockHasher
-from tests.conftest import gateway_settings, wait_until
+from gateway.routing.precise_prefix import PrecisePrefix
+from tests.conftest import STARTUP_S, gateway_settings, wait_until
 from tests.simfleet import sim_process
 
 SYSTEM = "You answer questions about the tides of the North Sea, briefly and exactly. " * 40
@@ -38,6 +41,21 @@ async def _engine_ids(url: str, body: dict[str, object]) -> list[int]:
         return r.json()["tokens"]
 
 
+async def _managed_precise(
+    gateway: Any, engines: dict[str, object], prefix: dict[str, object]
+) -> tuple[Any, Pool, PrecisePrefix]:
+    """A gateway launching two simulated replicas that publish KV events, in precise mode, once both
+    serve and their events are heard: (gateway, pool, precise index)."""
+    pool_cfg = {"endpoints": [], "engines": engines, "policy": {"type": "prefix_affinity"}, "prefix": prefix}
+    gw = await gateway(gateway_settings([], pool=pool_cfg))
+    pool = gw.runtime.pools["p"]
+    precise = gw.runtime.routers["p"].precise
+    assert precise is not None
+    await wait_until(lambda: len(pool.replicas) == 2, timeout=STARTUP_S, what="two managed replicas")
+    await wait_until(lambda: len(precise.subscribers) == 2, timeout=30, what="two KV event subscribers")
+    return gw, pool, precise
+
+
 async def test_routes_by_the_engines_events_and_forgets_what_it_drops(gateway, tmp_path) -> None:
     engines = {
         "kind": "sim",
@@ -47,18 +65,9 @@ async def test_routes_by_the_engines_events_and_forgets_what_it_drops(gateway, t
         "log_dir": str(tmp_path / "logs"),
         "sim": {"profile": "tiny", "speedup": 20},
     }
-    pool_cfg = {
-        "endpoints": [],
-        "engines": engines,
-        "policy": {"type": "prefix_affinity"},
-        "prefix": {"mode": "precise", "speculative_ttl_s": 0.2},
-    }
-    gw = await gateway(gateway_settings([], pool=pool_cfg))
-    pool = gw.runtime.pools["p"]
-    precise = gw.runtime.routers["p"].precise
-    assert precise is not None
-    await wait_until(lambda: len(pool.replicas) == 2, timeout=30, what="two managed replicas")
-    await wait_until(lambda: len(precise.subscribers) == 2, timeout=5, what="two KV event subscribers")
+    gw, pool, precise = await _managed_precise(
+        gateway, engines, {"mode": "precise", "speculative_ttl_s": 0.2}
+    )
 
     async with httpx.AsyncClient(timeout=30) as c:
         first = await c.post(gw.url + "/v1/chat/completions", json=_chat("When is high tide at Texel?"))
@@ -226,18 +235,8 @@ async def test_a_prefix_the_gpu_evicted_is_routed_to_the_replica_holding_it_in_c
         "log_dir": str(tmp_path / "logs"),
         "sim": {"profile": "tiny", "speedup": 20, "extra_args": ["--num-gpu-blocks-override", "64"]},
     }
-    pool_cfg = {
-        "endpoints": [],
-        "engines": engines,
-        "policy": {"type": "prefix_affinity"},  # with cpu_tier false it goes to the other replica
-        "prefix": {"mode": "precise"},
-    }
-    gw = await gateway(gateway_settings([], pool=pool_cfg))
-    pool = gw.runtime.pools["p"]
-    precise = gw.runtime.routers["p"].precise
-    assert precise is not None
-    await wait_until(lambda: len(pool.replicas) == 2, timeout=30, what="two managed replicas")
-    await wait_until(lambda: len(precise.subscribers) == 2, timeout=5, what="two KV event subscribers")
+    # prefix_affinity with its defaults; with cpu_tier false it goes to the other replica.
+    gw, pool, precise = await _managed_precise(gateway, engines, {"mode": "precise"})
 
     async with httpx.AsyncClient(timeout=30) as c:
         first = await c.post(gw.url + "/v1/chat/completions", json=_chat("When is high tide at Texel?"))
