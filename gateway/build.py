@@ -1,0 +1,34 @@
+"""Which of the request path's modules run compiled and which from their Python source.
+
+`pip install .` compiles the modules in `COMPILED` with mypyc when it can (setup.py says when), from
+the same source an editable install runs interpreted; the gateway reports which ran at start-up and
+in `/metrics`. Standard library only: setup.py reads `COMPILED` from this file before any of the
+gateway's dependencies is installed."""
+
+from __future__ import annotations
+
+import importlib
+from importlib.machinery import EXTENSION_SUFFIXES
+
+# On every request's path, and compiled by mypyc without a change of meaning (see the README's
+# "Compiled modules"); a module is added here only with a benchmark showing what it gains.
+COMPILED = (
+    "gateway.http.httptools_server",
+    "gateway.path.transports.http1",
+    "gateway.path.request",
+)
+
+
+def compiled_modules() -> list[str]:
+    """The modules of `COMPILED` that this process loaded from a compiled extension."""
+    return [
+        name
+        for name in COMPILED
+        if (importlib.import_module(name).__file__ or "").endswith(tuple(EXTENSION_SUFFIXES))
+    ]
+
+
+def build_kind() -> str:
+    """`compiled` (all of `COMPILED`), `interpreted` (none) or `mixed` (a partial or stale build)."""
+    count = len(compiled_modules())
+    return "compiled" if count == len(COMPILED) else "interpreted" if count == 0 else "mixed"
