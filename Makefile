@@ -36,10 +36,9 @@ test: $(STAMP) browser
 
 # The hot path's modules (gateway/build.py) compiled by mypyc from the same source, in a copy of the
 # tree (extensions beside the sources here would shadow the edits made to them), and the HTTP
-# suites, the end-to-end path tests and the build check run against them.
+# suites, the request path's and routing's suites and the build check run against them.
 COMPILED_TREE := build/compiled-tree
-COMPILED_TESTS := $(HTTP_TESTS) tests/path/test_proxy.py tests/path/test_pd.py tests/test_build.py \
-	tests/observe/test_metrics.py
+COMPILED_TESTS := tests/http tests/path tests/routing tests/test_build.py tests/observe/test_metrics.py
 
 test-compiled: $(STAMP)
 	rm -rf $(COMPILED_TREE) && mkdir -p $(COMPILED_TREE)

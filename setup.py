@@ -74,11 +74,15 @@ def ext_modules() -> list[Any]:
 
     paths = [str(Path(*name.split("."))) + ".py" for name in _compiled_names()]
     # The project's own type check (pyproject.toml, with the pydantic plugin) where the dependencies
-    # are installed (`make test-compiled`, a build without isolation); an isolated build environment
-    # has none of them, so there an empty configuration. Either way a third-party module missing is
-    # typed as Any, which mypyc treats as a plain Python object, as the interpreter would.
-    config = str(ROOT / "pyproject.toml") if importlib.util.find_spec("pydantic") else os.devnull
-    options = ["--config-file", config, "--ignore-missing-imports"]
+    # are installed (`make test-compiled`, a build without isolation). An isolated build environment
+    # has none of them, so there an empty configuration that reads no installed package's types
+    # (mypy would find those of the target environment, pydantic's without its plugin). A
+    # third-party module missing is typed as Any, which mypyc treats as a plain Python object.
+    if importlib.util.find_spec("pydantic") is not None:
+        options = ["--config-file", str(ROOT / "pyproject.toml")]
+    else:
+        options = ["--config-file", os.devnull, "--no-site-packages"]
+    options.append("--ignore-missing-imports")
     return mypycify([*options, *paths], opt_level="3", group_name="kvgate")
 
 

@@ -14,8 +14,20 @@ from importlib.machinery import EXTENSION_SUFFIXES
 # "Compiled modules"); a module is added here only with a benchmark showing what it gains.
 COMPILED = (
     "gateway.http.httptools_server",
+    "gateway.http.handling",
+    "gateway.http.request_body",
+    "gateway.http.conn_guard",
     "gateway.path.transports.http1",
     "gateway.path.request",
+    "gateway.path.exchange",
+    "gateway.path.prepare",
+    "gateway.path.deadlines",
+    "gateway.path.claim",
+    "gateway.path.request_record",
+    "gateway.path.sse_events",
+    "gateway.path.stream_end",
+    "gateway.routing.pool_router",
+    "gateway.routing.tokens",
 )
 
 
