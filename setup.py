@@ -1,8 +1,10 @@
-"""The build: the request path's modules (`gateway.build.COMPILED`) compiled with mypyc when it can.
+"""The build: the request path's modules (`gateway.build.COMPILED`) compiled with mypyc, on request.
 
-`KVGATE_COMPILE=1` compiles or fails; `KVGATE_COMPILE=0` never compiles; unset, a wheel or a plain
-`pip install .` compiles when mypyc imports and a C compiler builds a Python extension, and installs
-the pure-Python modules (the same source) otherwise. An editable install (`pip install -e`,
+`KVGATE_COMPILE=1` compiles or fails; `KVGATE_COMPILE=auto` compiles when mypyc imports and a C
+compiler builds a Python extension, and installs the pure-Python modules (the same source)
+otherwise; unset or `0`, it never compiles: compiled, these modules measured no faster than
+interpreted on a two-core machine (bench/results/overhead/README.md, "Compiled modules"), so a
+compiled build is opt-in until a quiet host shows a gain. An editable install (`pip install -e`,
 `make setup`) stays interpreted unless `KVGATE_COMPILE=1`: its extensions, built beside the
 sources, would shadow the edits made to them."""
 
@@ -50,7 +52,7 @@ def _compiler_works() -> bool:
 def _why_interpreted(mode: str) -> str | None:
     """Why this build installs the pure-Python modules; None to compile."""
     if mode == "0":
-        return "KVGATE_COMPILE=0"
+        return "KVGATE_COMPILE unset or 0 (set it to 1 or auto to compile)"
     if mode == "1":
         return None
     if "editable_wheel" in sys.argv:
@@ -63,7 +65,7 @@ def _why_interpreted(mode: str) -> str | None:
 
 
 def ext_modules() -> list[Any]:
-    mode = os.environ.get("KVGATE_COMPILE", "auto")
+    mode = os.environ.get("KVGATE_COMPILE", "0")
     if mode not in ("0", "1", "auto"):
         raise SystemExit(f"KVGATE_COMPILE must be 0, 1 or unset, not {mode!r}")
     reason = _why_interpreted(mode)
