@@ -13,6 +13,8 @@ The client is aiohttp on uvloop (an httpx client saturates a core near 900 reque
 so it would measure itself). `--transport both` puts one gateway per upstream transport
 (`upstream.transport`: http1, aiohttp) in front of the same upstream and interleaves all of
 them, so the transports are compared side by side in one run.
+`--variant NAME=PYTHON` (repeated) runs one gateway per interpreter, each its own install of kvgate:
+interpreted against compiled (mypyc) modules, side by side.
 `--server both` does the same for the data plane's HTTP server (`server.impl`: httptools, aiohttp),
 and `--peers sglang-router` adds SGLang's Rust router (`pip install -e ".[bench-peers]"`) in front of
 the same upstream, with a table of kvgate's figures over the router's.
@@ -30,6 +32,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -107,9 +110,12 @@ async def sequential(
         for _ in range(50):  # warm the keep-alive connections and every process
             for side, url in sides.items():
                 await _one(session, url, send[side], first_chunk)
-        # Interleaved so every side sees the same machine state (other load, CPU frequency).
-        for _ in range(n):
-            for side, url in sides.items():
+        # Interleaved so every side sees the same machine state (other load, CPU frequency), and in
+        # an order rotated each time: the side that follows another gateway meets that process's
+        # work after its answer (a two-core machine showed 0.1 ms at p50 between two equal sides).
+        order = list(sides.items())
+        for i in range(n):
+            for side, url in order[i % len(order) :] + order[: i % len(order)]:
                 lat[side].append(await _one(session, url, send[side], first_chunk))
     ms = {k: summary([v * 1e3 for v in vals]) for k, vals in lat.items()}
     return [Pair(f"{name} [{label}]", ms["direct"], ms[label]) for label in gateways]
@@ -242,17 +248,22 @@ def sglang_router_argv(upstream: str, port: int) -> list[str]:
     )
 
 
-def gateway_sides(args: argparse.Namespace) -> list[tuple[str, str, str]]:
-    """The kvgate configurations to run, as (label, HTTP server, upstream transport)."""
+def gateway_sides(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
+    """The kvgate configurations to run, as (label, HTTP server, upstream transport, interpreter)."""
     servers = ["httptools", "aiohttp"] if args.server == "both" else [args.server]
     transports = ["http1", "aiohttp"] if args.transport == "both" else [args.transport]
+    variants = [tuple(v.split("=", 1)) for v in args.variant] or [("", sys.executable)]
     sides = []
-    for server in servers:
-        for transport in transports:
-            parts = [f"{server} server"] * (len(servers) > 1) + [f"{transport} client"] * (
-                len(transports) > 1
-            )
-            sides.append((f"kvgate [{', '.join(parts)}]" if parts else "kvgate", server, transport))
+    for variant, python in variants:
+        for server in servers:
+            for transport in transports:
+                parts = (
+                    [variant] * bool(variant)
+                    + [f"{server} server"] * (len(servers) > 1)
+                    + [f"{transport} client"] * (len(transports) > 1)
+                )
+                label = f"kvgate [{', '.join(parts)}]" if parts else "kvgate"
+                sides.append((label, server, transport, python))
     return sides
 
 
@@ -260,6 +271,13 @@ def echo_flag(args: argparse.Namespace) -> list[str]:
     # An upstream that echoes X-Request-Id (vLLM as the launcher starts it) gets kept connections;
     # one that does not (SGLang) gets a connection per request: `--no-request-id-echo` measures that.
     return [] if args.no_request_id_echo else ["--enable-request-id-headers"]
+
+
+def variant(value: str) -> str:
+    name, sep, python = value.partition("=")
+    if not (name and sep and python):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected NAME=PYTHON")
+    return value
 
 
 def pinned(argv: list[str], core: int | None) -> list[str]:
@@ -293,12 +311,15 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     # label -> (base URL, readiness path, process)
     proxies: dict[str, tuple[str, str, Child]] = {}
     port = base
-    for label, server, transport in sides:
+    for i, (label, server, transport, python) in enumerate(sides):
         port += 1
-        cfg = workdir / f"gateway-{server}-{transport}.yaml"
+        cfg = workdir / f"gateway-{i}-{server}-{transport}.yaml"
         cfg.write_text(yaml.safe_dump(gateway_config(upstream_url, port, server, transport)))
-        argv = pinned(python_module("gateway", "serve", "--config", str(cfg)), cores.pop(0))
-        log_path = workdir / f"{server}-{transport}.log"
+        # A named variant runs its interpreter's installed kvgate (-P: not this checkout's sources,
+        # found from the working directory first).
+        serve = [python, *["-P"] * bool(args.variant), "-m", "gateway", "serve", "--config", str(cfg)]
+        argv = pinned(serve, cores.pop(0))
+        log_path = workdir / f"gateway-{i}-{server}-{transport}.log"
         proxies[label] = (f"http://{HOST}:{port}", "/ready", Child(label, argv, log_path))
     for peer in peers:
         port += 1
@@ -434,6 +455,15 @@ def main(argv: list[str] | None = None) -> int:
         choices=[SGLANG_ROUTER],
         default=[],
         help=f"other routers measured beside kvgate in one run ({SGLANG_ROUTER}: {SGLANG_ROUTER_INSTALL})",
+    )
+    parser.add_argument(
+        "--variant",
+        type=variant,
+        action="append",
+        default=[],
+        metavar="NAME=PYTHON",
+        help="a kvgate side run by this interpreter's install of kvgate (repeat: side by side), e.g. "
+        "interpreted=.venv/bin/python compiled=.venv-compiled/bin/python; default: this interpreter",
     )
     parser.add_argument("--no-rename", action="store_true", help="skip the model-rename pairs")
     parser.add_argument(

@@ -56,17 +56,21 @@ class _Refusal(Exception):
 
 
 class _Date:
-    """The Date header's value, formatted once a second."""
+    """The Date header's value, formatted once a second. One instance, not class attributes
+    reassigned at run time, which mypyc's compiled classes do not allow."""
 
-    second = -1
-    value = b""
+    def __init__(self) -> None:
+        self.second = -1
+        self.value = b""
 
-    @classmethod
-    def get(cls) -> bytes:
+    def get(self) -> bytes:
         now = int(time.time())
-        if now != cls.second:
-            cls.second, cls.value = now, formatdate(now, usegmt=True).encode()
-        return cls.value
+        if now != self.second:
+            self.second, self.value = now, formatdate(now, usegmt=True).encode()
+        return self.value
+
+
+_DATE = _Date()
 
 
 class Body:
@@ -215,7 +219,7 @@ def _head(status: int, headers: Mapping[str, str], length: int | None, close: bo
         if "\r" in value or "\n" in value:  # never split a header into two
             continue
         lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
-    lines.append(b"Date: %b\r\n" % _Date.get())
+    lines.append(b"Date: %b\r\n" % _DATE.get())
     if length is None:
         lines.append(b"Transfer-Encoding: chunked\r\n" if not close else b"")
     else:

@@ -20,7 +20,7 @@ class SharedTimeout:
     """One timeout value for many waits: `async with shared.wait():` raises TimeoutError after
     `seconds` (at most one tick more)."""
 
-    __slots__ = ("_loop", "_sweeper", "_thread", "_tick", "_waits", "seconds")
+    __slots__ = ("_loop", "_loop_thread", "_sweeper", "_tick", "_waits", "seconds")
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -28,7 +28,8 @@ class SharedTimeout:
         self._waits: dict[_Wait, float] = {}  # insertion order is deadline order
         self._sweeper: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the sweeper's
-        self._thread = 0  # the sweeper's loop's
+        # Not `_thread`: mypyc names the C field `__thread`, a keyword of GCC's C.
+        self._loop_thread = 0  # the sweeper's loop's
 
     def wait(self) -> _Wait:
         return _Wait(self)
@@ -36,7 +37,7 @@ class SharedTimeout:
     def _add(self, wait: _Wait, loop: asyncio.AbstractEventLoop) -> None:
         self._waits[wait] = loop.time() + self.seconds
         if self._sweeper is None or self._loop is not loop:  # a sweeper on a closed loop never runs
-            self._loop, self._thread = loop, threading.get_ident()
+            self._loop, self._loop_thread = loop, threading.get_ident()
             self._sweeper = loop.call_later(self._tick, self._sweep)
 
     def _sweep(self) -> None:
@@ -67,7 +68,7 @@ class _Wait:
         # is a getpid() system call. One with no task current is not running: then it is looked up.
         owner = self._owner
         loop = owner._loop
-        here = loop is not None and owner._thread == threading.get_ident()
+        here = loop is not None and owner._loop_thread == threading.get_ident()
         task = asyncio.current_task(loop) if here else None
         if task is None or loop is None:  # (no task without a loop: the second test is for the type checker)
             loop = asyncio.get_running_loop()

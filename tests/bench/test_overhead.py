@@ -6,23 +6,29 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 
 import pytest
 
 from bench.overhead import Pair, gateway_sides, merge_rounds, peer_ratios, pin_plan, pinned
 
 
-def test_one_gateway_per_server_and_transport_named_by_what_differs():
-    def sides(server: str, transport: str) -> list[tuple[str, str, str]]:
-        return gateway_sides(argparse.Namespace(server=server, transport=transport))
+def test_one_gateway_per_variant_server_and_transport_named_by_what_differs():
+    def sides(server: str, transport: str, variant: list[str] | None = None) -> list[tuple[str, ...]]:
+        return gateway_sides(argparse.Namespace(server=server, transport=transport, variant=variant or []))
 
-    assert sides("httptools", "http1") == [("kvgate", "httptools", "http1")]
-    assert [label for label, _, _ in sides("both", "http1")] == [
+    assert sides("httptools", "http1") == [("kvgate", "httptools", "http1", sys.executable)]
+    assert [label for label, *_ in sides("both", "http1")] == [
         "kvgate [httptools server]",
         "kvgate [aiohttp server]",
     ]
     assert len(sides("both", "both")) == 4
-    assert sides("aiohttp", "both")[1] == ("kvgate [aiohttp client]", "aiohttp", "aiohttp")
+    assert sides("aiohttp", "both")[1] == ("kvgate [aiohttp client]", "aiohttp", "aiohttp", sys.executable)
+    both = sides("httptools", "http1", ["interpreted=/a/python", "compiled=/b/python"])
+    assert both == [
+        ("kvgate [interpreted]", "httptools", "http1", "/a/python"),
+        ("kvgate [compiled]", "httptools", "http1", "/b/python"),
+    ]
 
 
 def test_rounds_add_up_counts_and_cpu_and_take_the_median_latency():
