@@ -64,7 +64,7 @@ class _Stack:
 @pytest.fixture(scope="module")
 def stack() -> Iterator[_Stack]:
     # A module's fixture, started while other modules' processes may load the machine.
-    with sim_fleet(replicas=2, speedup=50.0, timeout=60.0) as fleet:
+    with sim_fleet(replicas=2, speedup=50.0) as fleet:
         s = _Stack(fleet.urls)
         try:
             yield s
