@@ -20,7 +20,7 @@ import ssl
 import termios
 from array import array
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 from gateway.config import Target
@@ -221,11 +221,7 @@ class AnswerProof:
 def request_id(headers: Mapping[str, str]) -> str | None:
     """The `X-Request-Id` the gateway sends (spelled so by gateway/path/sanitize.py)."""
     rid = headers.get("X-Request-Id")
-    if rid is None:
-        for k, v in headers.items():
-            if k.lower() == "x-request-id":
-                return v
-    return rid
+    return rid if rid is not None else find_header(headers.items(), "x-request-id")
 
 
 # -- connections ------------------------------------------------------------------------------
@@ -299,7 +295,7 @@ class Transport(Protocol):
     async def close(self) -> None: ...
 
 
-def find_header(headers: list[tuple[str, str]], name: str) -> str | None:
+def find_header(headers: Iterable[tuple[str, str]], name: str) -> str | None:
     name = name.lower()
     for k, v in headers:
         if k.lower() == name:
