@@ -34,8 +34,8 @@ from typing import Any
 import orjson
 
 from gateway.config import FailoverConfig
-from gateway.errors import error_body
 from gateway.path.exchange import StreamOut
+from gateway.path.sse_events import sse_error_event
 
 NO_RESUME_HEADER = "x-kvgate-no-resume"
 _DONE = b"[DONE]"
@@ -298,9 +298,7 @@ class Resume:
             else:
                 self.blocked = self.failure = "diverged"
                 message = "the answer's continuation disagreed with the text already sent"
-                self.error_event = (
-                    b"data: " + error_body(message, "upstream_error", "upstream_resume_diverged") + b"\n\n"
-                )
+                self.error_event = sse_error_event(message, "upstream_resume_diverged")
                 return None
             holder[field] = text
         self.text.append(text)
