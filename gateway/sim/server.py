@@ -842,7 +842,7 @@ class Replica:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         error = proto.error_body(500, message, err_type="InternalServerError")
-        await resp.write(b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n")
+        await resp.write(b"data: " + orjson.dumps(error) + b"\n\n" + proto.DONE)
         return resp
 
     async def pd_lease(self, request: web.Request) -> web.Response:

@@ -226,3 +226,22 @@ async def test_decode_with_recompute_policy_prefills_a_lost_kv_itself(gateway):
         assert '"error"' not in text
         (leg,) = await seen(decode)
     assert leg["kv_transfer_params"]["remote_request_id"]  # one try, the hand-off's: recomputed there
+
+
+async def test_streamed_decode_that_cannot_load_the_kv_tells_the_client(gateway):
+    # vLLM (kv_load_failure_policy: fail) begins the stream, then ends it with an error event.
+    # With one decode replica no other can continue the answer: the client is told, never left
+    # with a stream that just stops.
+    with (
+        sim_process(*PRODUCER, env=GONE_AFTER_ANSWERING) as prefill,
+        sim_process(*_consumer("fail")) as decode,
+    ):
+        gw = await gateway(pd_settings(prefill, decode))
+        async with httpx.AsyncClient() as c:
+            body = {"model": "m", "prompt": LONG, "max_tokens": 4, "stream": True}
+            async with c.stream("POST", gw.url + "/v1/completions", json=body) as r:
+                text = (await r.aread()).decode()
+    assert r.status_code == 200
+    events = [e for e in text.split("\n\n") if e.strip()]
+    assert json.loads(events[0].removeprefix("data: "))["error"]["message"] == "Internal server error"
+    assert events[-1] == "data: [DONE]"
