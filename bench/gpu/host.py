@@ -140,6 +140,11 @@ def admin_pools(control: str, kg: Path) -> dict[str, dict[str, Any]]:
     return {name: r for pool in json.loads(body)["pools"].values() for name, r in pool["replicas"].items()}
 
 
+def replica_pid(kg: Path, name: str, tag: str) -> int:
+    """The process (group) the launcher last started for replica `name`, from fleet `tag`'s log."""
+    return int([p for n, p in _STARTED.findall((kg / f"gateway_{tag}.log").read_text()) if n == name][-1])
+
+
 def _alive(pid_file: Path) -> bool:
     try:
         os.kill(int(pid_file.read_text().strip()), 0)
@@ -444,8 +449,7 @@ async def _kill_test(
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         tasks = [asyncio.create_task(sender(session)), asyncio.create_task(monitor())]
         await asyncio.sleep(opts.warm_s)
-        pids = _STARTED.findall((kg / f"gateway_{opts.tag}.log").read_text())
-        pid = int([p for name, p in pids if name == victim][-1])
+        pid = replica_pid(kg, victim, opts.tag)
         result["pid"] = pid
         result["t_kill"] = rel()
         os.killpg(pid, signal.SIGKILL)  # the launcher gave the engine its own process group

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from bench import engine_metrics, text
-from bench.gpu.host import MODEL, _endpoints, _write_json
+from bench.gpu.host import MODEL, _endpoints, _write_json, replica_pid
 
 KV_FIRST = {"do_remote_decode": True, "do_remote_prefill": False}
 
@@ -149,12 +149,6 @@ def check(kg: Path, gateway: str, reference: str, n: int) -> int:
     return 0 if summary["answered"] == len(rows) else 1
 
 
-def _pid(kg: Path, name: str, tag: str) -> int:
-    from bench.gpu.host import _STARTED
-
-    return int([p for n, p in _STARTED.findall((kg / f"gateway_{tag}.log").read_text()) if n == name][-1])
-
-
 def gone(kg: Path, tag: str, prefill: str, decode: str, how: str, timeout_s: float) -> int:
     """The prefill leg answers, then its replica is killed (`kill`) or stopped (`stop`) before the
     decode leg asks for the KV: what the decode replica answers, and after how long."""
@@ -171,7 +165,7 @@ def gone(kg: Path, tag: str, prefill: str, decode: str, how: str, timeout_s: flo
         )
         params = leg.json().get("kv_transfer_params")
         result["kv_transfer_params"] = params
-        pid = _pid(kg, prefill, tag)
+        pid = replica_pid(kg, prefill, tag)
         os.killpg(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         started = time.perf_counter()
         try:
