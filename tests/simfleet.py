@@ -4,6 +4,7 @@ replicas for the simulator's own tests are tests/sim/conftest.py's `replica`).""
 
 from __future__ import annotations
 
+import os
 import re
 import select
 import subprocess
@@ -79,20 +80,24 @@ def sim_command(
 
 
 def _listening(proc: subprocess.Popen[bytes], replicas: int, log: Path, timeout: float) -> list[str]:
-    """The replicas' URLs, as the simulator prints them once each serves."""
+    """The replicas' URLs, as the simulator prints them once each serves. The pipe is read with
+    os.read, not readline: a buffered reader can take several lines in one read and keep the rest
+    where select() cannot see them, so a fleet whose replicas print together would seem silent."""
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
     deadline = time.monotonic() + timeout
+    pending = b""
     urls: list[str] = []
     while len(urls) < replicas:
         left = deadline - time.monotonic()
-        ready = select.select([proc.stdout], [], [], max(0.0, left))[0] if left > 0 else []
-        line = proc.stdout.readline() if ready else b""
-        if not line:
+        ready = select.select([fd], [], [], max(0.0, left))[0] if left > 0 else []
+        chunk = os.read(fd, 65536) if ready else b""
+        if not chunk:
             proc.kill()
             proc.wait()
             raise RuntimeError(f"simulator did not start: {log.read_text(errors='replace')[-2000:]}")
-        if m := _LISTENING.search(line.decode(errors="replace")):
-            urls.append(m.group(1))
+        *lines, pending = (pending + chunk).split(b"\n")
+        urls += [m.group(1) for line in lines if (m := _LISTENING.search(line.decode(errors="replace")))]
     return urls
 
 

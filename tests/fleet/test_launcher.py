@@ -180,7 +180,7 @@ DRIVER = textwrap.dedent(
         spec = EngineSpec(kind="sim", replicas=2, log_dir=sys.argv[1])
         launcher = FleetLauncher("orphan", spec, "tiny", lambda r: None, lambda n: None)
         await launcher.start()
-        replicas = await launcher.wait_ready(30)
+        replicas = await launcher.wait_ready(float(sys.argv[2]))
         print(" ".join(str(r.pid) for r in replicas), flush=True)
         await asyncio.sleep(600)
 
@@ -191,7 +191,10 @@ DRIVER = textwrap.dedent(
 
 async def test_engines_die_when_the_gateway_is_killed(tmp_path: Path) -> None:
     gateway = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, str(tmp_path / "logs")], stdout=subprocess.PIPE, cwd=REPO, text=True
+        [sys.executable, "-c", DRIVER, str(tmp_path / "logs"), str(STARTUP_S)],
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+        text=True,
     )
     pids: list[int] = []
     try:
