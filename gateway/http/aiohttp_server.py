@@ -6,22 +6,29 @@ other than chunked; `100 Continue` only once the body is read)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
+from aiohttp.http_parser import RawRequestMessage
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from gateway.config import ServerConfig
 from gateway.errors import error_body
-from gateway.http.conn_guard import GuardedConnection
+from gateway.http.conn_guard import GuardedConnection, is_probe
 from gateway.http.handling import failure_reply, route_error, unsupported_coding
 from gateway.path.exchange import Handler, Reply, Route, StreamOut
 
 AiohttpHandler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger(__name__)
+
+
+def _probe(method: str, path: str) -> bool:
+    return is_probe(method.encode(), path.encode(errors="surrogateescape"))
 
 
 class AiohttpExchange:
@@ -80,6 +87,8 @@ async def connection_state(request: web.Request, handler: AiohttpHandler) -> web
         return await handler(request)
     finally:
         conn.guard.request_finished(conn)
+        if isinstance(conn.inner, _Handler):
+            conn.inner.answered(request)
 
 
 async def _no_continue(request: web.Request) -> None:
@@ -106,6 +115,37 @@ class _Handler(RequestHandler):
     """aiohttp's connection protocol with its refusals of malformed requests in the OpenAI error
     form, and the statuses the lean server gives them: 414 for a request line over the limit, 431
     for a header line or count over it (aiohttp answers all three 400, in plain text)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Requests read and not yet answered, counted where aiohttp's queue cannot tell (a request
+        # taken off the queue is not yet its current one): probes, and everything else.
+        self.probes = 0
+        self.others = 0
+
+    def data_received(self, data: bytes) -> None:
+        queued = len(self._messages)
+        super().data_received(data)
+        for message, _ in itertools.islice(self._messages, queued, None):
+            probe = isinstance(message, RawRequestMessage) and _probe(message.method, message.path)
+            self.probes += probe
+            self.others += not probe
+
+    def answered(self, request: web.Request) -> None:
+        if _probe(request.method, request.path):
+            self.probes -= 1
+        else:
+            self.others -= 1
+
+    # aiohttp types it `-> None`; asyncio.Protocol's True keeps the write side open.
+    def eof_received(self) -> bool | None:  # type: ignore[override]
+        """A probe sent and then half-closed (`printf 'GET /health ...' | nc -N`) still gets its
+        answer, as on the lean server, and the connection closes after it. Anything else: the
+        client has left, and the transport's close cancels what is in progress for it."""
+        if self.others or not self.probes:
+            return None
+        self.close()  # once the probes are answered
+        return True
 
     def handle_error(
         self,

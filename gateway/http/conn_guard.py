@@ -46,6 +46,13 @@ log = logging.getLogger(__name__)
 WARN_INTERVAL_S = 10.0
 FD_MARGIN = 256  # descriptors kept for everything but client and upstream connections
 PROBE_PATHS = (b"/health", b"/ready", b"/live")
+
+
+def is_probe(method: bytes, path: bytes) -> bool:
+    """A health probe: GET or HEAD of a probe path or one below it (`/ready/{model}`)."""
+    return method in (b"GET", b"HEAD") and any(path == p or path.startswith(p + b"/") for p in PROBE_PATHS)
+
+
 MAX_REQUEST_LINE = 2048  # an overflow connection's request line, read to see if it is a probe
 _OVERLOADED = error_body(
     "the gateway has too many client connections; retry shortly",
@@ -129,7 +136,7 @@ class GuardedConnection(asyncio.Protocol):
             return
         method, _, rest = self._line[:end].strip().partition(b" ")
         path = rest.partition(b" ")[0].partition(b"?")[0]
-        if method in (b"GET", b"HEAD") and any(path == p or path.startswith(p + b"/") for p in PROBE_PATHS):
+        if is_probe(method, path):
             line, self._line = self._line, b""
             self.start()
             assert self.inner is not None
