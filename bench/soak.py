@@ -5,7 +5,8 @@ clients in a closed loop for `--minutes`. Most requests are streaming chats with
 their own after one of `--groups` shared system prompts, so the gateway's bounded caches (token
 counts, prompt pieces, the prefix index) fill up over the run; the rest walk the other paths: a
 client that leaves after the first chunk, a model that does not exist (a new name each time), a
-body that is not JSON. The gateway's RSS (VmRSS) is read every `--sample-s` seconds.
+body that is not JSON, `/tokenize`, `/v1/responses` (a question of its own) and `/v1/models`.
+The gateway's RSS (VmRSS) is read every `--sample-s` seconds.
 
 The bound reported is max - min RSS after `--warmup-min` minutes. Run:
 `python -m bench.soak --minutes 30 [--server aiohttp] [--small-caches]` (`--minutes 3 --sample-s 10`
@@ -35,7 +36,15 @@ from bench.loadgen import run_sync
 from bench.procs import HOST, Child, free_port_range, python_module
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-MIX = (("chat", 0.90), ("abandon", 0.04), ("unknown_model", 0.03), ("bad_json", 0.03))
+MIX = (
+    ("chat", 0.84),
+    ("abandon", 0.04),
+    ("unknown_model", 0.03),
+    ("bad_json", 0.03),
+    ("tokenize", 0.02),
+    ("responses", 0.02),
+    ("models", 0.02),
+)
 
 
 def rss_mb(pid: int) -> float:
@@ -85,11 +94,21 @@ async def client(worker: int, url: str, load: FaultLoad, deadline: float, counts
                 await stream_chat(session, url, body, rec, drop=kind == "abandon")
                 counts[f"{kind}:{rec.outcome}"] = counts.get(f"{kind}:{rec.outcome}", 0) + 1
                 continue
-            data = orjson.dumps({"model": f"nope-{rng.getrandbits(64):x}", "prompt": "x"})
-            if kind == "bad_json":
+            method, path, data = "POST", "/v1/completions", b""
+            if kind == "unknown_model":
+                data = orjson.dumps({"model": f"nope-{rng.getrandbits(64):x}", "prompt": "x"})
+            elif kind == "bad_json":
                 data = b'{"model": "' + MODEL.encode() + b'", "prompt": '
+            elif kind == "tokenize":
+                path, data = "/tokenize", orjson.dumps({"model": MODEL, "prompt": f"question {worker}-{n}"})
+            elif kind == "responses":
+                question = f"question {worker}-{n}: what is {rng.random()}?"
+                path = "/v1/responses"
+                data = orjson.dumps({"model": MODEL, "input": question, "max_output_tokens": load.max_tokens})
+            else:
+                method, path = "GET", "/v1/models"
             try:
-                async with session.post(url + "/v1/completions", data=data) as r:
+                async with session.request(method, url + path, data=data or None) as r:
                     await r.read()
                     counts[f"{kind}:{r.status}"] = counts.get(f"{kind}:{r.status}", 0) + 1
             except (aiohttp.ClientError, TimeoutError) as exc:
