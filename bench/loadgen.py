@@ -136,6 +136,19 @@ def _new_record(req: BenchRequest, load: LoadSpec, scheduled: float) -> RequestR
     )
 
 
+async def drain(tasks: list[asyncio.Task[Any]], timeout_s: float) -> int:
+    """Wait up to `timeout_s` for the requests in flight, then cancel the rest (`send` records them
+    as running at the drain deadline, before a closing session would cut them as disconnects);
+    how many were cancelled."""
+    if not tasks:
+        return 0
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    return len(pending)
+
+
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine on a fresh event loop: uvloop when installed (the client then keeps its
     schedule at higher rates), else asyncio's own."""
@@ -221,15 +234,10 @@ async def run(
                 f"the workload's {len(chosen)} requests ran out after {last_send:.1f} s "
                 f"of the {load.duration_s:g} s duration"
             )
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=load.drain_timeout_s)
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
-                notes.append(
-                    f"{len(pending)} requests still running {load.drain_timeout_s:g} s after the last send"
-                )
+        if unfinished := await drain(tasks, load.drain_timeout_s):
+            notes.append(
+                f"{unfinished} requests still running {load.drain_timeout_s:g} s after the last send"
+            )
         wall = time.perf_counter() - t0
     for record in records:
         if record.status == STATUS_TIMEOUT and record.e2e is None and record.sent is not None:
