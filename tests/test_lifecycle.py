@@ -141,7 +141,9 @@ async def test_sigterm_fails_readiness_first_serves_through_the_delay_then_close
     port = free_port()
     cfg = tmp_path / "gw.yaml"
     pool = {"name": "p", "model": "m", "policy": {"type": "round_robin"}, "endpoints": [{"url": up.url}]}
-    server = {"port": port, "grace_period_s": 5, "shutdown_delay_s": 2}
+    # A delay long enough that a loaded machine still checks readiness and serves within it.
+    delay = 5
+    server = {"port": port, "grace_period_s": 5, "shutdown_delay_s": delay}
     cfg.write_text(yaml.safe_dump({"server": server, "pools": [pool]}))
     proc = subprocess.Popen(
         [PYTHON, "-m", "gateway", "serve", "--config", str(cfg)],
@@ -160,12 +162,11 @@ async def test_sigterm_fails_readiness_first_serves_through_the_delay_then_close
                 ready = await fresh.get(url + "/ready")
             if ready.status_code == 503:
                 break
-            assert time.monotonic() - signalled < 1.5, "readiness did not fail"
+            assert time.monotonic() - signalled < delay, "readiness did not fail within the delay"
         assert ready.json()["draining"] is True
         async with httpx.AsyncClient() as fresh:
             r = await fresh.post(url + "/v1/completions", json={"model": "m", "prompt": "p"})
-        assert r.status_code == 200
-        assert time.monotonic() - signalled < 2, "checked within the delay"
+        assert r.status_code == 200  # a fresh connection: the listener is still open
 
         async def closed() -> bool:
             try:
@@ -175,8 +176,8 @@ async def test_sigterm_fails_readiness_first_serves_through_the_delay_then_close
                 return True
             return False
 
-        await wait_until(closed, 10, "the listener to close", 0.05)
-        assert time.monotonic() - signalled >= 2, "the listener closed after the delay"
+        await wait_until(closed, delay + 30, "the listener to close", 0.05)
+        assert time.monotonic() - signalled >= delay, "the listener closed after the delay"
         assert proc.wait(timeout=15) == 0
     finally:
         if proc.poll() is None:

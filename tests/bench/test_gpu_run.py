@@ -23,6 +23,7 @@ from bench.report import write_reports
 from bench.scenario import ExistingFleet, Fleet, FleetGroup, FleetSpec, run_scenario, scenario_from_dict
 from gateway.config import load_config
 from gateway.fleet.launcher import dry_run
+from tests.conftest import STARTUP_S
 
 REPO = Path(__file__).resolve().parents[2]
 STUB = "tests.bench.stub_engine"
@@ -208,7 +209,7 @@ def test_kill_test_a_launched_replica_is_restarted_and_rejoins(tmp_path: Path) -
         start_new_session=True,
     )
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + STARTUP_S
         while len([r for r in host.admin_pools(control, kg).values() if r["healthy"]]) < 2:
             assert proc.poll() is None and time.time() < deadline, (kg / "gateway_fp8.log").read_text()[
                 -3000:
@@ -230,7 +231,9 @@ def test_kill_test_a_launched_replica_is_restarted_and_rejoins(tmp_path: Path) -
         proc.wait(timeout=30)
         log.close()
     assert result["gateway_routes_again_s"] is not None, result
-    assert 0 <= result["traffic_off_s"] < 1.0  # the supervisor saw the exit: no health-check delay
+    assert result["traffic_off_s"] >= 0
+    # The supervisor saw the exit and took the replica out itself, not its failing health checks.
+    assert "managed replica h200-1 went down" in (kg / "gateway_fp8.log").read_text()
     assert result["traffic_off_s"] <= result["gateway_routes_again_s"]
     # The monitor polls every 0.25 s: the gateway may route to the victim a moment before it looks.
     assert result["first_request_served_again_s"] >= result["gateway_routes_again_s"] - 1.0
