@@ -5,6 +5,8 @@ Header syntax: comma-separated items, applied together:
   stall=SECONDS  wait SECONDS (wall clock, not divided by --speedup) before sending response headers
   midstream=N    (streaming) send N SSE chunks, then drop the connection without `data: [DONE]`
   crash          the engine dies at once: the process exits (or, with --replicas, that replica's port closes)
+  lease_stall=SECONDS  (a PD prefill leg) the decode replica's fetch of this request's KV waits
+                 SECONDS first: a prefill replica that hangs once the decode asked for the KV
 e.g. `x-sim-fault: stall=2,status=503`.
 """
 
@@ -26,6 +28,7 @@ class FaultSpec:
     stall_s: float = 0.0
     midstream: int | None = None
     crash: bool = False
+    lease_stall_s: float = 0.0
 
     @classmethod
     def parse(cls, header: str) -> FaultSpec:
@@ -41,6 +44,8 @@ class FaultSpec:
                     spec.midstream = int(value)
                 elif key == "crash":
                     spec.crash = True
+                elif key == "lease_stall":
+                    spec.lease_stall_s = float(value)
                 elif key:
                     raise FaultSyntaxError(f"unknown {HEADER} item {key!r}")
             except ValueError as exc:

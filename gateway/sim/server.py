@@ -47,8 +47,12 @@ from gateway.sim.protocol import HTTPError
 from gateway.sim.serving_flags import ServingOptions
 
 log = logging.getLogger("gateway.sim")
-# How long a decode replica waits for a prefill replica that stopped answering before its KV load fails.
-_KV_FETCH_TIMEOUT = ClientTimeout(total=10)
+# A decode replica's KV fetch fails at once when the prefill replica is gone (vLLM recomputed in
+# 0.17 s on the H200), but waits without a deadline on one that accepted it and hangs: a stopped
+# vLLM prefill replica held the request until its client gave up (bench/results/gpu/2026-12-02-pd).
+_KV_FETCH_TIMEOUT = ClientTimeout(total=None, sock_connect=10)
+# vLLM's text for a request whose KV could not be loaded (`kv_load_failure_policy: fail`).
+_KV_LOAD_FAILED = "Internal server error"
 
 RING_SIZE = 256
 _ECHO_HEADERS = ("x-request-id", "x-vllm-priority", FAULT_HEADER, "authorization", "traceparent")
@@ -198,6 +202,7 @@ class Replica:
         self.engine_id = f"sim-{uuid.uuid4().hex[:12]}"
         self.requests: deque[dict[str, Any]] = deque(maxlen=RING_SIZE)
         self.rooms: OrderedDict[int, asyncio.Future[int]] = OrderedDict()  # SGLang bootstrap rooms
+        self.lease_stalls: OrderedDict[str, float] = OrderedDict()  # the `lease_stall` fault, by request
         self.kv_pub: KVEventPublisher | None = None
         self.started_at = 0.0
         self.crashed = False
@@ -649,16 +654,21 @@ class Replica:
 
         out = _Response(stream, plan)
         remote_kv = kv_lease = False
+        fetch: dict[str, Any] | None = None  # a decode leg's kv_transfer_params: the KV to load
         ktp = body.get("kv_transfer_params") if o.kv_role else None
         if isinstance(ktp, dict):
             if ktp.get("do_remote_decode"):
                 kv_lease, max_tokens, n = True, 1, 1
             elif ktp.get("remote_block_ids"):
-                remote_kv = await self._remote_kv_reachable(ktp)
-                if remote_kv:
-                    out.release = ktp
-                elif o.kv_load_failure_policy == "fail":
-                    return await self._kv_load_failed(request, bool(body.get("stream")))
+                fetch = ktp
+        if fetch is not None and not stream:
+            # vLLM answers a non-streamed request once it is done; a streamed one gets its head
+            # first and waits for the KV after it (below).
+            remote_kv = await self._remote_kv_reachable(fetch)
+            if remote_kv:
+                out.release = fetch
+            elif o.kv_load_failure_policy == "fail":
+                return self._error(500, _KV_LOAD_FAILED, err_type="InternalServerError")
         room = body.get("bootstrap_room")
         if isinstance(room, list):
             room = room[0] if room else None
@@ -714,6 +724,11 @@ class Replica:
                     child.finish_reason = "stop"  # a natural end, as an unbounded request would have
                 out.children.append(child)
                 out.sent.append(0)
+        if kv_lease and spec.lease_stall_s:
+            for c in out.children:
+                self.lease_stalls[c.id] = spec.lease_stall_s
+            while len(self.lease_stalls) > 4096:
+                self.lease_stalls.popitem(last=False)
         created = proto.now_s()
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-", "responses": "resp_"}[kind]
         resp_id = prefix + rid
@@ -735,6 +750,17 @@ class Replica:
                     headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
                 )
                 await resp.prepare(request)
+                if fetch is not None:
+                    if await self._remote_kv_reachable(fetch):
+                        out.release = fetch
+                        for c in out.children:
+                            c.remote_kv = True
+                    elif o.kv_load_failure_policy == "fail":
+                        # vLLM's `fail` policy: the request ends with finish reason `error`, an
+                        # error event in the begun 200 stream.
+                        error = proto.error_body(500, _KV_LOAD_FAILED, err_type="InternalServerError")
+                        await resp.write(b"data: " + orjson.dumps(error) + b"\n\n" + proto.DONE)
+                        return resp
                 if opening:
                     await resp.write(opening)
                 out.resp = resp
@@ -833,21 +859,13 @@ class Replica:
             log.warning("KV load from %s failed: %s", url, exc)
             return False
 
-    async def _kv_load_failed(self, request: web.Request, stream: bool) -> web.StreamResponse:
-        """vLLM with `kv_load_failure_policy: fail`: the request ends with finish reason `error`,
-        a 500 when not streamed, an error event in an already-begun 200 stream when streamed."""
-        message = "Internal server error"
-        if not stream:
-            return self._error(500, message, err_type="InternalServerError")
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        error = proto.error_body(500, message, err_type="InternalServerError")
-        await resp.write(b"data: " + orjson.dumps(error) + b"\n\n" + proto.DONE)
-        return resp
-
     async def pd_lease(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
-        return self._json({"held": str(body.get("remote_request_id")) in self.engine.leased})
+        rid = str(body.get("remote_request_id"))
+        stall = self.lease_stalls.pop(rid, 0.0)
+        if stall:
+            await asyncio.sleep(stall)
+        return self._json({"held": rid in self.engine.leased})
 
     async def pd_release(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
