@@ -129,7 +129,10 @@ class PDHandoff:
         claim: Claim | None = None
         for candidate in prefills:
             replica = router.replica(candidate)
-            if replica is not None and (claim := Claim.take(replica, tokens)) is not None:
+            # `available` again: a continuation's candidates were ranked before its prefill was lost.
+            if replica is None or not replica.available:
+                continue
+            if (claim := Claim.take(replica, tokens)) is not None:
                 break
         if claim is None:
             return DecodePlan(raw, raw)  # no prefill capacity: the decode replica does it all

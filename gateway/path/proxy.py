@@ -33,7 +33,7 @@ from gateway.path.prepare import Preparation
 from gateway.path.request import InferenceRequest
 from gateway.path.request_record import USAGE_MARK, RequestRecord, read_usage
 from gateway.path.resume import Resume, resumable
-from gateway.path.resume_relay import Cut, relay_resumable
+from gateway.path.resume_relay import HANDOFF_FAILURES, PREFILL_LOST, Cut, relay_resumable
 from gateway.path.retry_budget import RetryBudget
 from gateway.path.sanitize import upstream_headers
 from gateway.path.sse_events import EventStream, sse_error_event
@@ -227,7 +227,26 @@ class Proxy:
                             resend = deliveries + 2 <= max_attempts
                             rec.sent_at = time.perf_counter()
                             opening = self.upstream.open("POST", url, body, up.headers, resend=resend)
-                            resp = await (opening if guard is None else _beside_prefill(opening, guard))
+                            kv_from = plan.prefill if handoff and guard is None else None
+                            if guard is not None:
+                                resp = await _beside_prefill(opening, guard)
+                            elif kv_from is not None:
+                                resp = await _unless_ejected(opening, kv_from)
+                            else:
+                                resp = await opening
+                        except PrefillLost:
+                            deliveries += 1
+                            log.warning(
+                                "request %s: prefill %s ejected before decode %s had the KV; again without"
+                                " the hand-off",
+                                request_id,
+                                plan.prefill.name if plan.prefill is not None else "?",
+                                replica.name,
+                            )
+                            body = plan.alone if resume is None else resume.first_body(plan.alone)
+                            handoff = False
+                            rec.pd = "decode_only"
+                            continue
                         except UpstreamError as exc:
                             deliveries += exc.sent
                             if exc.replica_fault:
@@ -282,28 +301,43 @@ class Proxy:
                             else None
                         )
                         try:
-                            response = await self._relay(request, resp, claim, rec, req.rename, first, resume)
+                            response = await self._relay(
+                                request, resp, claim, rec, req.rename, first, resume, kv_from
+                            )
                         except Cut as cut:
                             assert resume is not None
                             doc = resume.continuation()
                             rec.resumed.append(f"{cut.reason}@{replica.name}")
+                            # A decode replica whose KV never came is not at fault itself.
+                            keep = cut.reason in HANDOFF_FAILURES
                             log.warning(
-                                "request %s: answer from %s broke (%s); continuing it elsewhere",
+                                "request %s: answer from %s broke (%s); continuing it %s",
                                 request_id,
                                 replica.name,
                                 cut.reason,
+                                "without the hand-off" if keep else "elsewhere",
                             )
                             learned = router.features(
                                 doc, req.endpoint, rec.engine_request_id, request.headers
                             )
                             # The continuation's own ranking: its prompt holds the original's.
-                            others = [c for c in router.rank(learned) if c.replica.name != replica.name]
+                            others = [
+                                c for c in router.rank(learned) if keep or c.replica.name != replica.name
+                            ]
                             tries[attempt + 1 :] = _tries(others, max_attempts) if others else []
                             if plan.pending:
                                 await plan.finish()
                             plan = await self._continuation_plan(
-                                router, prefills, learned, doc, others[:1], request.path, headers
+                                router,
+                                [] if keep else prefills,
+                                learned,
+                                doc,
+                                others[:1],
+                                request.path,
+                                headers,
                             )
+                            if keep:
+                                rec.pd = "decode_only"
                             body, guard = plan.body, plan.guard
                             handoff = body is not plan.alone
                             resumed_at, deliveries, refused, failure = attempt + 1, 0, None, None
@@ -406,9 +440,11 @@ class Proxy:
         rename: ModelRename | None,
         first: Callable[[], None] | None,
         resume: Resume | None = None,
+        kv_from: Replica | None = None,
     ) -> Reply | StreamOut:
         """Relay the engine's answer; `first` is called once at a streamed answer's first bytes;
-        `resume`, when the answer may be continued elsewhere, follows it (raising `Cut`)."""
+        `resume`, when the answer may be continued elsewhere, follows it (raising `Cut`);
+        `kv_from`, a hand-off's prefill replica, ends the wait for the first byte if ejected."""
         rec.status = resp.status
         if resp.status >= 400:
             # Rewritten in the OpenAI form, decoded: the engine's Content-Encoding no longer applies.
@@ -433,9 +469,9 @@ class Proxy:
             return Reply(resp.status, raw, headers)
         if resume is not None:
             return await relay_resumable(
-                self.upstream, request, resp, headers, claim, rec, rename, first, resume
+                self.upstream, request, resp, headers, claim, rec, rename, first, resume, kv_from
             )
-        return await self._relay_stream(request, resp, headers, claim, rec, rename, first)
+        return await self._relay_stream(request, resp, headers, claim, rec, rename, first, kv_from)
 
     async def _relay_stream(
         self,
@@ -446,11 +482,21 @@ class Proxy:
         rec: RequestRecord,
         rename: ModelRename | None,
         first: Callable[[], None] | None,
+        kv_from: Replica | None,
     ) -> Reply | StreamOut:
         out: StreamOut | None = None
         finished = False
         events = EventStream(rename)
         end = StreamEnd(rec.endpoint)
+        lost: list[bool] = []
+
+        def prefill_lost() -> None:  # vLLM's decode waits on a hung prefill's KV without a deadline
+            if rec.first_byte_at is None:
+                lost.append(True)
+                resp.close()
+
+        if kv_from is not None:
+            kv_from.on_eject.add(prefill_lost)
         try:
             out = await request.stream(resp.status, headers)
             try:
@@ -476,13 +522,15 @@ class Proxy:
                 # Never truncate silently: the client learns the stream broke.
                 log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
                 rec.error_code = "upstream_stream_error"
-                message = exc.client_message(claim.replica.name)
+                message = PREFILL_LOST if lost else exc.client_message(claim.replica.name)
                 await out.write(sse_error_event(message, "upstream_stream_error"))
             await out.write_eof()
             finished = True
         except ConnectionResetError:
             client_left(end, rec)
         finally:
+            if kv_from is not None:
+                kv_from.on_eject.discard(prefill_lost)
             if finished:
                 resp.release()
             else:
@@ -567,6 +615,35 @@ async def _beside_prefill(opening: Coroutine[Any, Any, Response], guard: asyncio
     except BaseException:
         await _abandon(decode)
         raise
+
+
+class PrefillLost(Exception):
+    """A hand-off's prefill replica was ejected before its decode leg answered."""
+
+
+async def _unless_ejected(opening: Coroutine[Any, Any, Response], prefill: Replica) -> Response:
+    """Open a decode leg that takes its KV from `prefill`. vLLM's decode replica waits on that
+    fetch without a deadline (a hung prefill replica held a request until its client gave up, on
+    the H200): should `prefill` be ejected by its health checks first, stop waiting."""
+    decode = asyncio.ensure_future(opening)
+    lost = asyncio.get_running_loop().create_future()
+
+    def ejected() -> None:
+        if not lost.done():
+            lost.set_result(None)
+
+    prefill.on_eject.add(ejected)
+    try:
+        await asyncio.wait({decode, lost}, return_when=asyncio.FIRST_COMPLETED)
+        if not decode.done():
+            raise PrefillLost
+        return await decode
+    except BaseException:
+        await _abandon(decode)
+        raise
+    finally:
+        prefill.on_eject.discard(ejected)
+        lost.cancel()
 
 
 async def _abandon(opening: asyncio.Future[Response]) -> None:

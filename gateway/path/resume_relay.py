@@ -12,6 +12,7 @@ from collections.abc import Callable
 import orjson
 
 from gateway.errors import GatewayError
+from gateway.fleet.replica import Replica
 from gateway.path.claim import Claim
 from gateway.path.exchange import Exchange, Reply, StreamOut
 from gateway.path.model_names import ModelRename
@@ -25,6 +26,13 @@ from gateway.path.upstream import Upstream, UpstreamError
 log = logging.getLogger(__name__)
 
 _DONE = b"data: [DONE]\n\n"
+
+
+# What a client is told when a hand-off's prefill replica was lost and the answer was not continued.
+PREFILL_LOST = "the prefill replica holding the prompt's KV was lost before the answer began"
+# Cuts of a hand-off's decode leg before its answer began: the KV did not arrive, the decode
+# replica is not at fault, and the request goes again whole, without a hand-off.
+HANDOFF_FAILURES = frozenset({"prefill_lost", "kv_load_failed"})
 
 
 class Cut(Exception):
@@ -45,27 +53,40 @@ async def relay_resumable(
     rename: ModelRename | None,
     first: Callable[[], None] | None,
     resume: Resume,
+    kv_from: Replica | None = None,
 ) -> Reply | StreamOut:
     """An attempt's stream, relayed (or assembled, for a non-streamed client) through `resume`:
-    a failure after the answer began raises `Cut` while the answer can be continued."""
+    a failure after the answer began raises `Cut` while the answer can be continued. `kv_from`,
+    the prefill replica a hand-off's decode leg takes its KV from: should it be ejected before
+    the first byte, the attempt is cut (`prefill_lost`)."""
     events = EventStream(rename)
     end = StreamEnd(rec.endpoint)
     failure: str | None = None
     finished = False
-    ejected: list[bool] = []
+    ejected: list[str] = []
+    heard: list[bool] = []  # this attempt's first bytes came
+    text_before = len(resume.sent_text()) if kv_from is not None else 0
 
     def eject() -> None:  # the replica's health checks failed: stop waiting for its bytes
-        ejected.append(True)
+        ejected.append("ejected")
         resp.close()
+
+    def prefill_lost() -> None:
+        if not heard:
+            ejected.append("prefill_lost")
+            resp.close()
 
     replica = claim.replica
     replica.on_eject.add(eject)
+    if kv_from is not None:
+        kv_from.on_eject.add(prefill_lost)
     try:
         if resume.out is None and not resume.buffered:
             resume.out = await request.stream(resp.status, headers)
         out = resume.out
         try:
             async for chunk in upstream.chunks(resp):
+                heard.append(True)
                 if rec.first_byte_at is None:
                     rec.first_byte_at = time.perf_counter()
                     if first is not None:
@@ -86,6 +107,10 @@ async def relay_resumable(
                     await out.write(tail)
                     end.feed(tail)
             failure = resume.failure or (None if resume.done else "closed_early")
+            if failure == "engine_error" and kv_from is not None and len(resume.sent_text()) == text_before:
+                # An error before any text of a decode leg that was to load its prompt's KV:
+                # vLLM's `kv_load_failure_policy: fail`. The decode replica can serve it whole.
+                failure = "kv_load_failed"
             if failure in ("malformed_event", "closed_early"):
                 what = "a malformed event" if failure == "malformed_event" else "no end to its stream"
                 resume.error_event = sse_error_event(f"engine sent {what}", "upstream_stream_error")
@@ -93,10 +118,10 @@ async def relay_resumable(
             if exc.replica_fault:
                 claim.failed()
             log.warning("request %s: stream from upstream failed: %s", rec.request_id, exc)
-            failure = (
-                "ejected" if ejected else "idle_timeout" if exc.code == "upstream_timeout" else "disconnected"
-            )
-            resume.error_event = sse_error_event(str(exc), "upstream_stream_error")
+            timed_out = exc.code == "upstream_timeout"
+            failure = ejected[0] if ejected else "idle_timeout" if timed_out else "disconnected"
+            message = PREFILL_LOST if failure == "prefill_lost" else str(exc)
+            resume.error_event = sse_error_event(message, "upstream_stream_error")
         if failure is not None and resume.whole:
             # Only the stream's end was lost ([DONE], or the connection's close after it): the
             # client has the whole answer, and gets the end it expects.
@@ -126,6 +151,8 @@ async def relay_resumable(
         client_left(end, rec)
     finally:
         replica.on_eject.discard(eject)
+        if kv_from is not None:
+            kv_from.on_eject.discard(prefill_lost)
         if finished:
             resp.release()
         else:

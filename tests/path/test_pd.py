@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 
 import httpx
 import openai
 import pytest
 
 from gateway.fleet.breaker import Admission, BreakerState
+from gateway.path.resume_relay import PREFILL_LOST
 from tests.conftest import gateway_settings, wait_until
 from tests.hostile_upstream import HostileUpstream
-from tests.simfleet import seen, sim_process
+from tests.simfleet import seen, sim_fleet, sim_process
 
 LONG = "Summarize the following text. " + "The quick brown fox jumps over the lazy dog. " * 80
 PRODUCER = ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"}))
@@ -228,10 +232,10 @@ async def test_decode_with_recompute_policy_prefills_a_lost_kv_itself(gateway):
     assert leg["kv_transfer_params"]["remote_request_id"]  # one try, the hand-off's: recomputed there
 
 
-async def test_streamed_decode_that_cannot_load_the_kv_tells_the_client(gateway):
-    # vLLM (kv_load_failure_policy: fail) begins the stream, then ends it with an error event.
-    # With one decode replica no other can continue the answer: the client is told, never left
-    # with a stream that just stops.
+async def test_streamed_decode_that_cannot_load_the_kv_is_served_whole_by_it(gateway):
+    # vLLM (kv_load_failure_policy: fail) begins the stream, then ends it with an error event
+    # before any text. The decode replica is not at fault: it serves the request again, whole,
+    # without the hand-off, and the client gets one uninterrupted answer.
     with (
         sim_process(*PRODUCER, env=GONE_AFTER_ANSWERING) as prefill,
         sim_process(*_consumer("fail")) as decode,
@@ -241,7 +245,54 @@ async def test_streamed_decode_that_cannot_load_the_kv_tells_the_client(gateway)
             body = {"model": "m", "prompt": LONG, "max_tokens": 4, "stream": True}
             async with c.stream("POST", gw.url + "/v1/completions", json=body) as r:
                 text = (await r.aread()).decode()
+        legs = await seen(decode)
     assert r.status_code == 200
     events = [e for e in text.split("\n\n") if e.strip()]
-    assert json.loads(events[0].removeprefix("data: "))["error"]["message"] == "Internal server error"
-    assert events[-1] == "data: [DONE]"
+    assert '"error"' not in text and events[-1] == "data: [DONE]"
+    assert len([e for e in events if '"text"' in e]) == 4
+    assert [leg["kv_transfer_params"] is not None for leg in legs] == [True, False]
+
+
+@pytest.mark.parametrize(
+    ("stream", "failover"),
+    [(False, True), (True, True), (True, False)],
+    ids=["answer", "stream", "stream-no-failover"],
+)
+async def test_a_decode_leg_waiting_on_a_hung_prefill_replica_is_not_left_waiting(gateway, stream, failover):
+    """On the H200 a stopped vLLM prefill replica held the decode leg's KV fetch until the client
+    gave up. Here the prefill answers its leg, hangs once the decode asks for the KV (the
+    `lease_stall` fault), and is stopped: its health checks eject it, the decode leg is dropped,
+    and the decode replica serves the request whole (a stream without failover: the client is told)."""
+    with sim_fleet(*PRODUCER) as prefill, sim_process(*CONSUMER) as decode:
+        pool = {"client_passthrough": {"headers": ["x-sim-fault"]}, "failover": {"mid_stream": failover}}
+        gw = await gateway(pd_settings(prefill.url, decode, **pool))
+        body = {"model": "m", "prompt": LONG, "max_tokens": 4, "stream": stream}
+        async with httpx.AsyncClient(timeout=120) as c:
+
+            async def ask() -> httpx.Response:
+                headers = {"x-sim-fault": "lease_stall=600"}
+                return await c.post(gw.url + "/v1/completions", json=body, headers=headers)
+
+            answer = asyncio.create_task(ask())
+            try:
+
+                async def decode_leg_sent() -> bool:
+                    return any(leg["kv_transfer_params"] for leg in await seen(decode))
+
+                await wait_until(decode_leg_sent, what="the decode leg, its KV fetch hanging")
+                os.kill(prefill.proc.pid, signal.SIGSTOP)
+                r = await answer
+            finally:
+                os.kill(prefill.proc.pid, signal.SIGCONT)
+                answer.cancel()
+        legs = await seen(decode)
+    assert r.status_code == 200, r.text
+    if not stream:
+        assert r.json()["usage"]["completion_tokens"] == 4
+    elif failover:
+        assert '"error"' not in r.text and r.text.rstrip().endswith("data: [DONE]")
+    else:
+        assert json.loads(r.text.split("\n\n")[0].removeprefix("data: "))["error"]["message"] == PREFILL_LOST
+        assert [leg["kv_transfer_params"] is not None for leg in legs] == [True]
+        return
+    assert [leg["kv_transfer_params"] is not None for leg in legs] == [True, False]
