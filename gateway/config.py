@@ -557,6 +557,14 @@ class FailoverConfig(_Strict):
 
 class PDConfig(_Strict):
     min_uncached_tokens: int = Field(512, ge=0, description="Disaggregate only above this many new tokens")
+    max_transfer_tokens: int = Field(
+        0,
+        ge=0,
+        description="Disaggregate only while the prompts of hand-offs whose decode leg has not begun to"
+        " answer (their KV in transfer) hold fewer tokens than this; beyond, the decode replica prefills"
+        " the request itself (0: no bound). Size it as the link's bytes/s over the KV bytes per token,"
+        " times the queueing accepted (docs/engines.md)",
+    )
     prefill_policy: PolicyConfig | None = Field(
         None,
         description="Deprecated (removed in the next release): a second policy for the prefill leg. "

@@ -49,6 +49,8 @@ class Pool:
         self.passthrough_fields = frozenset(cfg.client_passthrough.body_fields)
         self.passthrough_headers = frozenset(h.lower() for h in cfg.client_passthrough.headers)
         self._names = itertools.count()
+        # Prompt tokens of PD hand-offs whose decode leg has not begun to answer: KV in transfer.
+        self.transfer_tokens = 0
         self._listeners: list[PoolListener] = []
         # Managed pools know their engine exactly; unmanaged ones by each endpoint's kind.
         self.adapter = adapter_for_spec(cfg.engines) if cfg.engines is not None else None

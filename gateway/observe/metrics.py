@@ -259,7 +259,8 @@ class GatewayMetrics:
         self.pd = LoopFamily(
             "kvgate_pd_requests",
             "Requests of prefill/decode pools by how they ran: handoff, skipped (the decode replica "
-            "held enough of the prompt) or decode_only (no prefill leg could be used)",
+            "held enough of the prompt), link_full (pd.max_transfer_tokens in transfer) or decode_only "
+            "(no prefill leg could be used, or its KV never came)",
             ["pool", "path"],
         )
         self.decisions = LoopFamily(

@@ -86,15 +86,24 @@ class DecodePlan:
     prefill: Replica | None = None
     guard: asyncio.Task[None] | None = None  # SGLang's concurrent prefill leg
     claim: Claim | None = None  # the guard's claim on the prefill replica
+    pool: Pool | None = None  # where `transfer` tokens are counted
+    transfer: int = 0  # prompt tokens counted in `pool.transfer_tokens` until the decode leg answers
 
     @property
     def pending(self) -> bool:
         """Whether `finish` has anything to do: a prefill leg ran for this plan."""
-        return self.guard is not None or self.claim is not None
+        return self.guard is not None or self.claim is not None or self.transfer > 0
+
+    def transferred(self) -> None:
+        """The decode leg began to answer (or was given up): its KV is no longer in transfer."""
+        if self.transfer and self.pool is not None:
+            self.pool.transfer_tokens -= self.transfer
+        self.transfer = 0
 
     async def finish(self) -> None:
         """After the decode leg: a prefill leg still running is no longer needed, and its claim
         is settled even if its task was cancelled before it ever ran."""
+        self.transferred()
         try:
             if self.guard is not None:
                 self.guard.cancel()
@@ -110,10 +119,23 @@ class PDHandoff:
         self.resend = resend  # may a prefill leg cost a stale connection's silent resend
 
     @staticmethod
-    def wanted(pool: Pool, features: RequestFeatures, decode: Candidate) -> bool:
-        """Disaggregate only when the decode replica would have to prefill enough new tokens."""
+    def skip(pool: Pool, features: RequestFeatures, decode: Candidate) -> str | None:
+        """Why the decode replica serves the request whole (None: disaggregate): `skipped`, it
+        would not have to prefill enough new tokens; `link_full`, the hand-offs whose KV is in
+        transfer hold `pd.max_transfer_tokens` (one always may: a long prompt is not barred)."""
         uncached = features.prompt_tokens - decode.matched_tokens
-        return pool.pd_protocol is not None and uncached >= pool.cfg.pd.min_uncached_tokens
+        if pool.pd_protocol is None or uncached < pool.cfg.pd.min_uncached_tokens:
+            return "skipped"
+        cap = pool.cfg.pd.max_transfer_tokens
+        if cap and pool.transfer_tokens and pool.transfer_tokens + features.prompt_tokens > cap:
+            return "link_full"
+        return None
+
+    @staticmethod
+    def _in_transfer(plan: DecodePlan, pool: Pool, tokens: int) -> DecodePlan:
+        plan.pool, plan.transfer = pool, tokens
+        pool.transfer_tokens += tokens
+        return plan
 
     async def prepare(
         self,
@@ -145,9 +167,10 @@ class PDHandoff:
                 claim.close()
                 raise
             guard = asyncio.create_task(self._sglang_prefill(claim, path, leg, headers))
-            return DecodePlan(leg, raw, prefill, guard, claim)
+            return self._in_transfer(DecodePlan(leg, raw, prefill, guard, claim), router.pool, tokens)
         with claim:
-            return await self._vllm_prefill(claim, body, raw, path, headers, features)
+            plan = await self._vllm_prefill(claim, body, raw, path, headers, features)
+        return plan if plan.body is plan.alone else self._in_transfer(plan, router.pool, tokens)
 
     async def _vllm_prefill(
         self,

@@ -175,8 +175,9 @@ class Proxy:
         # all, a stale keep-alive connection's silent resend included.
         deliveries = 0
         try:
-            if prefills and not self.pd.wanted(pool, features, ranked[0]):
-                rec.pd = "skipped"
+            skip = self.pd.skip(pool, features, ranked[0]) if prefills else None
+            if skip is not None:
+                rec.pd = skip
             elif prefills:
                 try:
                     plan = await self.pd.prepare(
@@ -246,6 +247,7 @@ class Proxy:
                             body = plan.alone if resume is None else resume.first_body(plan.alone)
                             handoff = False
                             rec.pd = "decode_only"
+                            plan.transferred()
                             continue
                         except UpstreamError as exc:
                             deliveries += exc.sent
@@ -277,6 +279,7 @@ class Proxy:
                             body = plan.alone if resume is None else resume.first_body(plan.alone)
                             handoff = False
                             rec.pd = "decode_only"
+                            plan.transferred()
                             continue
                         if resp.status in retry_cfg.retry_statuses or (
                             resume is not None and resume.continuing and resp.status >= 400
@@ -295,11 +298,13 @@ class Proxy:
                             route_reason(candidate, ranked) if router.policy.uses_prefix_match else None
                         )
                         track.error = "upstream_error"  # should reading a whole answer fail
-                        first = (
+                        first: Callable[[], None] | None = (
                             functools.partial(router.first_token, features, replica)
                             if router.first_token_heard()
                             else None
                         )
+                        if plan.transfer:  # the decode leg's first bytes: its KV has arrived
+                            first = _then(plan.transferred, first)
                         try:
                             response = await self._relay(
                                 request, resp, claim, rec, req.rename, first, resume, kv_from
@@ -400,7 +405,7 @@ class Proxy:
         """How a continuation goes out: through a fresh prefill/decode hand-off when the decode
         replica it goes to lacks enough of its prompt (PD pools), else whole to that replica."""
         body = orjson.dumps(doc)
-        if not prefills or not decode or not self.pd.wanted(router.pool, features, decode[0]):
+        if not prefills or not decode or self.pd.skip(router.pool, features, decode[0]) is not None:
             return DecodePlan(body, body)
         try:
             return await self.pd.prepare(router, features, prefills, doc, body, path, headers)
@@ -590,6 +595,17 @@ def route_reason(chosen: Candidate, ranked: list[Candidate]) -> str:
     if best == 0:
         return "cold"
     return "cache_hit" if chosen.matched_tokens == best else "spill"
+
+
+def _then(first: Callable[[], None], then: Callable[[], None] | None) -> Callable[[], None]:
+    if then is None:
+        return first
+
+    def both() -> None:
+        first()
+        then()
+
+    return both
 
 
 def _tries(ranked: list[Candidate], attempts: int) -> list[Candidate]:

@@ -296,3 +296,44 @@ async def test_a_decode_leg_waiting_on_a_hung_prefill_replica_is_not_left_waitin
         assert [leg["kv_transfer_params"] is not None for leg in legs] == [True]
         return
     assert [leg["kv_transfer_params"] is not None for leg in legs] == [True, False]
+
+
+async def test_hand_offs_past_the_transfer_bound_are_served_whole_until_the_bound_frees(gateway):
+    """`pd.max_transfer_tokens`: while one hand-off's KV is in transfer (its decode leg has not
+    begun to answer), another request is served whole by the decode replica; once that hand-off
+    is given up (its client left), the bound is free again."""
+    with sim_process(*PRODUCER) as prefill, sim_process(*CONSUMER) as decode:
+        pd = {"min_uncached_tokens": 64, "max_transfer_tokens": 1}
+        gw = await gateway(
+            pd_settings(prefill, decode, pd=pd, client_passthrough={"headers": ["x-sim-fault"]})
+        )
+        pool = gw.runtime.fleet.pools["p"]
+        async with httpx.AsyncClient(timeout=60) as c:
+
+            async def ask(prompt: str, **headers: str) -> httpx.Response:
+                body = {"model": "m", "prompt": prompt, "max_tokens": 2}
+                return await c.post(gw.url + "/v1/completions", json=body, headers=headers)
+
+            held = asyncio.create_task(ask(LONG, **{"x-sim-fault": "lease_stall=600"}))
+            try:
+
+                async def in_transfer() -> bool:
+                    return any(leg["kv_transfer_params"] for leg in await seen(decode))
+
+                await wait_until(in_transfer, what="the first hand-off's decode leg, its KV fetch held")
+                assert pool.transfer_tokens > 0
+                whole = await ask("Another document. " + LONG)
+                assert whole.status_code == 200, whole.text
+            finally:
+                held.cancel()
+            await wait_until(
+                lambda: pool.transfer_tokens == 0, what="the given-up hand-off to leave the bound"
+            )
+            after = await ask("A third document. " + LONG)
+            assert after.status_code == 200, after.text
+            metrics = (await c.get(gw.url + "/metrics")).text
+        prefill_legs = await seen(prefill)
+        decode_legs = await seen(decode)
+    assert [leg["kv_transfer_params"] is not None for leg in decode_legs] == [True, False, True]
+    assert len(prefill_legs) == 2  # the first and the third: the second was never handed off
+    assert 'kvgate_pd_requests_total{path="link_full",pool="p"} 1.0' in metrics
