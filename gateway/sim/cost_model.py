@@ -79,7 +79,7 @@ class CostModel:
         return self.profile.frontend_s + self.profile.frontend_per_token_s * prompt_tokens
 
     def transfer_time(self, tokens: int) -> float:
-        """PD KV hand-off of `tokens` tokens over the profile's link (one transfer at a time)."""
+        """PD KV hand-off of `tokens` tokens over the profile's link, alone on it (the engine shares it)."""
         return self.profile.transfer_t0_s + tokens * self.kv_bpt / self.profile.transfer_bw
 
     def num_gpu_blocks(

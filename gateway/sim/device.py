@@ -9,7 +9,8 @@ included, not only its kernels' roofline time: a context keeps its slice through
 2026-12-01 H200 run (four vLLMs on one GPU) fits that and not the kernels alone. Context switches cost
 a fraction of the time while more than one replica has work (the profile's `timeslice_efficiency`).
 
-`TimeSlicedGPU` is that model on any clock (bench.sim_calibration runs it on a virtual one);
+`TimeSlicedGPU` is that model on any clock (bench.sim_calibration runs it on a virtual one; at efficiency
+1 it is plain processor sharing, which is also how a decode replica's KV transfers share its link, engine.py);
 `SharedDevice` runs it on the event loop's clock for the replicas of one simulator process.
 """
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from gateway.sim.cost_model import CostModel, StepShape
 from gateway.sim.cpu_tier import CpuTier
-from gateway.sim.device import SharedDevice
+from gateway.sim.device import SharedDevice, TimeSlicedGPU
 from gateway.sim.kv_cache import BlockPool, block_hashes, chain_hash, root_hash
 from gateway.sim.lora import AdapterSlots, LoraConfig
 from gateway.sim.metrics import EngineMetrics
@@ -200,12 +200,16 @@ class Engine:
         self.metrics = EngineMetrics()
         self.running: list[Request] = []
         self.waiting = _WaitQueue(c.scheduling_policy == "priority")
-        self._pending: list[tuple[float, int, Request]] = []  # not yet schedulable: front end, KV transfer
+        self._pending: list[tuple[float, int, Request]] = []  # not yet past the front end
         self._pending_live = 0  # the entries of _pending not aborted
         self._leases: dict[str, Request] = {}
         self._lease_heap: list[tuple[float, str]] = []
         self._seq = itertools.count()
-        self._link_free_at = 0.0
+        # The KV link of a decode replica: vLLM posts the read of every request whose blocks it allocated
+        # (NixlConnectorWorker.start_load_kv) and UCX moves them together, so transfers in flight share
+        # the link's bandwidth (processor sharing) instead of queueing for it one at a time.
+        self._link = TimeSlicedGPU()
+        self._transfers: dict[int, tuple[float, Request]] = {}  # link job -> (start, request)
         self.on_output: Callable[[list[Request]], None] | None = None
         self.on_step: Callable[[], None] | None = None  # after each step (KV events flush)
         self.steps = 0
@@ -240,6 +244,10 @@ class Engine:
             self.waiting.live -= 1
         elif req.state in (PENDING, TRANSFER):
             self._pending_live -= 1
+            for job, (_, r) in list(self._transfers.items()):
+                if r is req:  # its share of the link goes to the others
+                    del self._transfers[job]
+                    self._link.cancel(job)
         if req.blocks:
             self.pool.free(req.blocks)
             req.blocks = []
@@ -267,30 +275,47 @@ class Engine:
             _, _, req = heapq.heappop(pend)
             if req.aborted:
                 continue
-            if req.remote_kv and req.state == PENDING:
+            if req.remote_kv:
                 hit = len(self.pool.match_prefix(req.hashes)) * self.block_size
-                req.transfer_s = self.cost.transfer_time(max(req.prompt_len - hit, 0))
-                self._link_free_at = max(self._link_free_at, req.ready_at) + req.transfer_s
+                job = next(self._seq)
+                self._link.start(job, self.cost.transfer_time(max(req.prompt_len - hit, 0)), req.ready_at)
+                self._transfers[job] = (req.ready_at, req)
                 req.state = TRANSFER
-                heapq.heappush(pend, (self._link_free_at, next(self._seq), req))
                 continue
-            req.remote_kv_loaded = req.state == TRANSFER
-            if req.remote_kv_loaded:
-                self.metrics.kv_transfer_time.observe(req.transfer_s)
-            req.state = WAITING
-            self._pending_live -= 1
-            self.waiting.push(req)
+            self._to_waiting(req)
+        self._link.advance(now)
+        for job in [j for j in self._transfers if j in self._link.done]:
+            start, req = self._transfers.pop(job)
+            req.transfer_s = self._link.done.pop(job) - start
+            req.remote_kv_loaded = True
+            self.metrics.kv_transfer_time.observe(req.transfer_s)
+            self._to_waiting(req)
         while self._lease_heap and self._lease_heap[0][0] <= now:
             _, rid = heapq.heappop(self._lease_heap)
             self.release_lease(rid)
+
+    def _to_waiting(self, req: Request) -> None:
+        req.state = WAITING
+        self._pending_live -= 1
+        self.waiting.push(req)
+
+    def _next_arrival(self) -> float | None:
+        """When the next request becomes schedulable: past its front end, or its KV transfer done."""
+        times = [
+            t
+            for t in (self._pending[0][0] if self._pending else None, self._link.next_end())
+            if t is not None
+        ]
+        return min(times) if times else None
 
     def has_work(self) -> bool:
         return bool(self.running) or self.waiting.peek() is not None
 
     def next_event_time(self) -> float | None:
         times = []
-        if self._pending:
-            times.append(self._pending[0][0])
+        nxt = self._next_arrival()
+        if nxt is not None:
+            times.append(nxt)
         if self._lease_heap:
             times.append(self._lease_heap[0][0])
         return min(times) if times else None
@@ -546,9 +571,10 @@ class Engine:
         while self.now < limit_s:
             if self.step():
                 continue
-            if not self._pending:
+            nxt = self._next_arrival()
+            if nxt is None:
                 return  # nothing will change any more (only leases left, or work that cannot fit)
-            self.now = max(self.now, self._pending[0][0])
+            self.now = max(self.now, nxt)
 
     def state(self) -> dict[str, Any]:
         p = self.pool
