@@ -502,6 +502,8 @@ class Proxy:
 
         if kv_from is not None:
             kv_from.on_eject.add(prefill_lost)
+            if not kv_from.healthy:  # ejected before this leg's head came
+                prefill_lost()
         try:
             out = await request.stream(resp.status, headers)
             try:
@@ -641,6 +643,9 @@ async def _unless_ejected(opening: Coroutine[Any, Any, Response], prefill: Repli
     """Open a decode leg that takes its KV from `prefill`. vLLM's decode replica waits on that
     fetch without a deadline (a hung prefill replica held a request until its client gave up, on
     the H200): should `prefill` be ejected by its health checks first, stop waiting."""
+    if not prefill.healthy:  # ejected between its answer and now
+        opening.close()
+        raise PrefillLost
     decode = asyncio.ensure_future(opening)
     lost = asyncio.get_running_loop().create_future()
 

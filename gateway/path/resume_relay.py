@@ -80,6 +80,8 @@ async def relay_resumable(
     replica.on_eject.add(eject)
     if kv_from is not None:
         kv_from.on_eject.add(prefill_lost)
+        if not kv_from.healthy:  # ejected before this leg's head came
+            prefill_lost()
     try:
         if resume.out is None and not resume.buffered:
             resume.out = await request.stream(resp.status, headers)
