@@ -248,6 +248,10 @@ class Proxy:
                             handoff = False
                             rec.pd = "decode_only"
                             plan.transferred()
+                            # What the client is told should no attempt without the hand-off follow.
+                            failure = GatewayError(
+                                502, PREFILL_LOST, "upstream_error", "upstream_prefill_lost"
+                            )
                             continue
                         except UpstreamError as exc:
                             deliveries += exc.sent
