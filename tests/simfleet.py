@@ -118,3 +118,13 @@ async def seen(url: str, last: int = 16) -> list[dict[str, Any]]:
     """The request bodies a simulated replica received, oldest first."""
     async with httpx.AsyncClient() as c:
         return (await c.get(url + "/sim/requests", params={"last": last})).json()
+
+
+async def metric_values(c: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """A simulated replica's `/metrics` samples by name, labels dropped (buckets left out)."""
+    text = (await c.get(f"{url}/metrics")).text
+    return {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#") and "_bucket" not in line
+    }

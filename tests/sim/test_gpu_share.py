@@ -16,7 +16,7 @@ import pytest
 from gateway.sim.cli import parse_args, replica_options
 from gateway.sim.cost_model import CostModel, StepShape
 from gateway.sim.profiles import get_profile
-from tests.simfleet import sim_fleet
+from tests.simfleet import metric_values, sim_fleet
 
 PROFILE = get_profile("h200-llama3.1-8b")
 COST = CostModel(PROFILE)
@@ -45,12 +45,7 @@ async def complete(c: httpx.AsyncClient, url: str, ids: list[int], max_tokens: i
 
 async def timings(c: httpx.AsyncClient, url: str) -> dict[str, float]:
     """The mean prefill time (scheduled to first token) and inter-token latency, simulated seconds."""
-    text = (await c.get(f"{url}/metrics")).text
-    v = {
-        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#") and "_bucket" not in line
-    }
+    v = await metric_values(c, url)
     prefill, itl = "vllm:request_prefill_time_seconds", "vllm:inter_token_latency_seconds"
     return {
         "prefill": v[f"{prefill}_sum"] / v[f"{prefill}_count"],

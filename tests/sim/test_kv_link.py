@@ -16,7 +16,7 @@ import pytest
 
 from gateway.sim.cost_model import CostModel
 from gateway.sim.profiles import get_profile
-from tests.simfleet import sim_fleet
+from tests.simfleet import metric_values, sim_fleet
 
 BW = 4e8  # bytes/s: the H200 run's link (bench/results/gpu/2026-12-02-pd)
 PROFILE = get_profile("tiny", transfer_bw=BW)
@@ -44,12 +44,7 @@ async def decode_legs(c: httpx.AsyncClient, url: str, *seeds: int) -> None:
 
 async def transfer_seconds(c: httpx.AsyncClient, url: str) -> tuple[float, int]:
     """The sum and count of the replica's KV transfer times."""
-    text = (await c.get(f"{url}/metrics")).text
-    v = {
-        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#") and "_bucket" not in line
-    }
+    v = await metric_values(c, url)
     return v["vllm:nixl_xfer_time_seconds_sum"], int(v["vllm:nixl_xfer_time_seconds_count"])
 
 
