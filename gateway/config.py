@@ -398,6 +398,13 @@ class EndpointConfig(_Strict):
         description="Engines that name the same device share one GPU (time-sliced between their "
         "processes): load-aware policies count their requests together",
     )
+    kv_side_channel_host: str | None = Field(
+        None,
+        min_length=1,
+        max_length=253,
+        description="A vLLM prefill engine's VLLM_NIXL_SIDE_CHANNEL_HOST: a prefill answer naming another "
+        "host for its KV is not relayed to a decode engine (launched engines: set by the launcher)",
+    )
 
     @field_validator("kv_events", mode="before")
     @classmethod

@@ -73,6 +73,7 @@ class Fleet:
         managed: bool = False,
         kv_events: KVEventsSource | None = None,
         device: str | None = None,
+        kv_side_channel_host: str | None = None,
     ) -> Replica:
         """Add a replica to a pool and start watching its engine's load (and KV events)."""
         replica = pool.add_replica(
@@ -84,6 +85,7 @@ class Fleet:
             managed=managed,
             kv_events=kv_events,
             device=device,
+            kv_side_channel_host=kv_side_channel_host,
         )
         adapter = pool.adapter_for(replica)
         if adapter is not None:
@@ -101,6 +103,7 @@ class Fleet:
             ep.bootstrap_port,
             kv_events=ep.kv_events,
             device=ep.device,
+            kv_side_channel_host=ep.kv_side_channel_host,
         )
 
     def unregister(self, pool: Pool, name: str) -> Replica | None:
@@ -124,6 +127,7 @@ class Fleet:
                 if launched.kv_events_endpoint
                 else None,
                 device=launched.device,
+                kv_side_channel_host=launched.kv_side_channel_host,
             )
 
         return on_ready

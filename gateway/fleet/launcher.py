@@ -94,6 +94,7 @@ class LaunchedReplica:
     pid: int
     kv_events_endpoint: str | None = None
     device: str | None = None
+    kv_side_channel_host: str | None = None  # what it names as its KV's host, as the launcher set it
 
 
 @dataclass(slots=True)
@@ -388,6 +389,7 @@ class FleetLauncher:
             pid=replica.proc.pid,
             kv_events_endpoint=plan.kv_events_endpoint,
             device=plan.device,
+            kv_side_channel_host=plan.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST"),
         )
 
     async def _set_state(self, replica: _Replica, state: ReplicaState) -> None:

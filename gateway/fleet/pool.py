@@ -102,6 +102,7 @@ class Pool:
         healthy: bool = True,
         kv_events: KVEventsSource | None = None,
         device: str | None = None,
+        kv_side_channel_host: str | None = None,
     ) -> Replica:
         if name is None:
             name = f"{self.name}-{next(self._names)}"
@@ -121,6 +122,7 @@ class Pool:
             healthy=healthy,
             stale_after_s=self._scrape_cfg.stale_after_s,
             device=device,
+            kv_side_channel_host=kv_side_channel_host,
         )
         self.replicas[name] = replica
         self._members.clear()

@@ -39,6 +39,7 @@ class Replica:
         "inflight_requests",
         "inflight_tokens",
         "kind",
+        "kv_side_channel_host",
         "managed",
         "name",
         "on_eject",
@@ -66,6 +67,7 @@ class Replica:
         healthy: bool = True,
         stale_after_s: float = 3.0,
         device: str | None = None,
+        kv_side_channel_host: str | None = None,
     ) -> None:
         self.name = name
         self.url = url.rstrip("/")
@@ -77,6 +79,9 @@ class Replica:
         self.managed = managed
         # Replicas naming the same device time-share one GPU (None: a device of its own).
         self.device = device
+        # The host a vLLM prefill replica names for its KV (VLLM_NIXL_SIDE_CHANNEL_HOST), where
+        # known: a prefill answer naming another is not relayed to a decode replica.
+        self.kv_side_channel_host = kv_side_channel_host
         self.healthy = healthy
         self.draining = False
         self.inflight_requests = 0

@@ -212,7 +212,18 @@ class PDHandoff:
             kv = orjson.loads(answer).get("kv_transfer_params")
         except (orjson.JSONDecodeError, AttributeError):
             kv = None
-        if kv is None:  # the decode replica then does the full prefill itself
+        if not isinstance(kv, dict):  # the decode replica then does the full prefill itself
+            return DecodePlan(raw, raw, prefill)
+        expected = prefill.kv_side_channel_host
+        if expected is not None and kv.get("remote_host") != expected:
+            # An engine's answer must not send another engine elsewhere for its KV.
+            log.warning(
+                "request %s: prefill %s named %r for its KV, not its side channel %r; decode-only",
+                features.request_id,
+                prefill.name,
+                str(kv.get("remote_host"))[:80],
+                expected,
+            )
             return DecodePlan(raw, raw, prefill)
         return DecodePlan(orjson.dumps(vllm_decode_body(body, kv)), raw, prefill)
 

@@ -106,3 +106,31 @@ async def test_replicas_launched_on_one_gpu_join_with_a_shared_device(gateway, t
         "p-2": None,
         "ext": "gpu:7",
     }
+
+
+async def test_a_launched_pd_pool_hands_off_through_the_side_channel_it_set(gateway, tmp_path):
+    """The launcher gives each vLLM-speaking prefill replica its side channel
+    (VLLM_NIXL_SIDE_CHANNEL_HOST) and the gateway holds prefill answers to it: the host the engine
+    names for its KV is the one set, so hand-offs go through (and one naming another would not)."""
+    engines = {
+        "kind": "sim",
+        "replicas": 2,
+        "roles": {"prefill": 1, "decode": 1},
+        "startup_timeout_s": STARTUP_S,
+        "log_dir": str(tmp_path / "logs"),
+        "sim": {"profile": "tiny", "speedup": 20},
+    }
+    pool_cfg = {"endpoints": [], "engines": engines, "pd": {"min_uncached_tokens": 64}}
+    gw = await gateway(gateway_settings([], pool=pool_cfg))
+    pool = gw.runtime.pools["p"]
+    await wait_until(
+        lambda: len(pool.replicas) == 2, timeout=STARTUP_S, what="the prefill and decode replicas"
+    )
+    (prefill,) = [r for r in pool.replicas.values() if r.role == "prefill"]
+    assert prefill.kv_side_channel_host == "127.0.0.1"
+    prompt = "Summarize the following text. " + "The quick brown fox jumps over the lazy dog. " * 80
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        metrics = (await c.get(gw.url + "/metrics")).text
+    assert 'kvgate_pd_requests_total{path="handoff",pool="p"} 1.0' in metrics

@@ -337,3 +337,29 @@ async def test_hand_offs_past_the_transfer_bound_are_served_whole_until_the_boun
     assert [leg["kv_transfer_params"] is not None for leg in decode_legs] == [True, False, True]
     assert len(prefill_legs) == 2  # the first and the third: the second was never handed off
     assert 'kvgate_pd_requests_total{path="link_full",pool="p"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("advertised", [None, "10.9.9.9"], ids=["its-own-host", "another-host"])
+async def test_a_prefill_answer_naming_another_host_for_its_kv_is_not_relayed(gateway, advertised):
+    """An engine's answer must not send another engine elsewhere: with the prefill endpoint's side
+    channel known (`kv_side_channel_host`; the launcher sets it for engines it starts), a prefill
+    answer naming another host for its KV goes no further, and the decode replica serves the
+    request whole."""
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": advertised} if advertised else None
+    with sim_process(*PRODUCER, env=env) as prefill, sim_process(*CONSUMER) as decode:
+        endpoints = [
+            {"url": prefill, "name": "prefill-0", "role": "prefill", "kv_side_channel_host": "127.0.0.1"},
+            {"url": decode, "name": "decode-0", "role": "decode"},
+        ]
+        pool = {"endpoints": endpoints, "pd": {"min_uncached_tokens": 64}}
+        gw = await gateway(gateway_settings([], pool=pool))
+        async with httpx.AsyncClient() as c:
+            r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        (p_leg,) = await seen(prefill)
+        (d_leg,) = await seen(decode)
+    assert p_leg["body"]["kv_transfer_params"]["do_remote_decode"] is True
+    if advertised:
+        assert d_leg["kv_transfer_params"] is None
+    else:
+        assert d_leg["kv_transfer_params"]["remote_host"] == "127.0.0.1"

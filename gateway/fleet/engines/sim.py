@@ -21,7 +21,13 @@ from typing import ClassVar, Literal
 
 from gateway.config import EngineSpec
 from gateway.fleet.engine_load import EngineLoad
-from gateway.fleet.engines.base import BOOTSTRAP_PORT, KV_EVENTS_PORT, ReplicaSlot, kv_events_port_needed
+from gateway.fleet.engines.base import (
+    BOOTSTRAP_PORT,
+    KV_EVENTS_PORT,
+    ReplicaSlot,
+    connect_host,
+    kv_events_port_needed,
+)
 from gateway.fleet.engines.sglang import SGLangAdapter
 from gateway.fleet.engines.vllm import VLLMAdapter
 from gateway.fleet.replica import Role
@@ -74,6 +80,10 @@ class SimAdapter(VLLMAdapter):
         if spec.sim.max_waiting is not None:
             argv += ["--max-waiting", str(spec.sim.max_waiting)]
         argv += spec.sim.extra_args
+        if self.api == "vllm" and slot.role != "mixed":
+            # As vLLM's: the host its prefill answers name for the KV (it serves the lease on its
+            # HTTP port, so no side-channel port of its own).
+            env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", connect_host(slot.host))
         # Unbuffered, so a crashing simulator's last words reach its log file.
         return argv, {"PYTHONUNBUFFERED": "1"} | env
 

@@ -46,7 +46,8 @@ def test_sim_argv_uses_vllm_flags_and_own_options() -> None:
         "--scheduling-policy", "priority",
         "--profile", "h200-llama3.1-8b", "--speedup", "20", "--max-waiting", "50", "--seed", "1",
     ]  # fmt: skip
-    assert env == {"PYTHONUNBUFFERED": "1"}  # no CUDA_VISIBLE_DEVICES, no NIXL side channel
+    # No CUDA_VISIBLE_DEVICES and no side-channel port; the host its prefill answers name, as vLLM's.
+    assert env == {"PYTHONUNBUFFERED": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
     assert sim.aux_port_names(s, "prefill") == ()
 
 
