@@ -253,49 +253,50 @@ async def test_streamed_decode_that_cannot_load_the_kv_is_served_whole_by_it(gat
     assert [leg["kv_transfer_params"] is not None for leg in legs] == [True, False]
 
 
-@pytest.mark.parametrize(
-    ("stream", "failover"),
-    [(False, True), (True, True), (True, False)],
-    ids=["answer", "stream", "stream-no-failover"],
-)
-async def test_a_decode_leg_waiting_on_a_hung_prefill_replica_is_not_left_waiting(gateway, stream, failover):
+@pytest.mark.parametrize("failover", [True, False], ids=["failover", "no-failover"])
+async def test_a_decode_leg_waiting_on_a_hung_prefill_replica_is_not_left_waiting(gateway, failover):
     """On the H200 a stopped vLLM prefill replica held the decode leg's KV fetch until the client
-    gave up. Here the prefill answers its leg, hangs once the decode asks for the KV (the
-    `lease_stall` fault), and is stopped: its health checks eject it, the decode leg is dropped,
-    and the decode replica serves the request whole (a stream without failover: the client is told)."""
+    gave up. Here the prefill answers its legs, hangs once the decode asks for the KV (the
+    `lease_stall` fault), and is stopped: its health checks eject it, the decode legs are dropped,
+    and the decode replica serves the requests whole, an answer and a stream (a stream without
+    failover cannot be: its client is told)."""
     with sim_fleet(*PRODUCER) as prefill, sim_process(*CONSUMER) as decode:
         pool = {"client_passthrough": {"headers": ["x-sim-fault"]}, "failover": {"mid_stream": failover}}
         gw = await gateway(pd_settings(prefill.url, decode, **pool))
-        body = {"model": "m", "prompt": LONG, "max_tokens": 4, "stream": stream}
+        streams = [False, True] if failover else [True]
         async with httpx.AsyncClient(timeout=120) as c:
 
-            async def ask() -> httpx.Response:
+            async def ask(stream: bool) -> httpx.Response:
+                body = {"model": "m", "prompt": f"{stream} {LONG}", "max_tokens": 4, "stream": stream}
                 headers = {"x-sim-fault": "lease_stall=600"}
                 return await c.post(gw.url + "/v1/completions", json=body, headers=headers)
 
-            answer = asyncio.create_task(ask())
+            answers = [asyncio.create_task(ask(stream)) for stream in streams]
             try:
 
-                async def decode_leg_sent() -> bool:
-                    return any(leg["kv_transfer_params"] for leg in await seen(decode))
+                async def decode_legs_sent() -> bool:
+                    legs = await seen(decode)
+                    return sum(bool(leg["kv_transfer_params"]) for leg in legs) == len(streams)
 
-                await wait_until(decode_leg_sent, what="the decode leg, its KV fetch hanging")
+                await wait_until(decode_legs_sent, what="the decode legs, their KV fetches hanging")
                 os.kill(prefill.proc.pid, signal.SIGSTOP)
-                r = await answer
+                replies = await asyncio.gather(*answers)
             finally:
                 os.kill(prefill.proc.pid, signal.SIGCONT)
-                answer.cancel()
+                for answer in answers:
+                    answer.cancel()
         legs = await seen(decode)
-    assert r.status_code == 200, r.text
-    if not stream:
-        assert r.json()["usage"]["completion_tokens"] == 4
-    elif failover:
-        assert '"error"' not in r.text and r.text.rstrip().endswith("data: [DONE]")
-    else:
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    if not failover:
+        (r,) = replies
         assert json.loads(r.text.split("\n\n")[0].removeprefix("data: "))["error"]["message"] == PREFILL_LOST
         assert [leg["kv_transfer_params"] is not None for leg in legs] == [True]
         return
-    assert [leg["kv_transfer_params"] is not None for leg in legs] == [True, False]
+    answer, stream = replies
+    assert answer.json()["usage"]["completion_tokens"] == 4
+    assert '"error"' not in stream.text and stream.text.rstrip().endswith("data: [DONE]")
+    # Each request: its hand-off's decode leg, then the decode replica serving it whole.
+    assert sorted(leg["kv_transfer_params"] is not None for leg in legs) == [False, False, True, True]
 
 
 async def test_hand_offs_past_the_transfer_bound_are_served_whole_until_the_bound_frees(gateway):
