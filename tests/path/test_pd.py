@@ -278,7 +278,9 @@ async def test_a_decode_leg_waiting_on_a_hung_prefill_replica_is_not_left_waitin
                     legs = await seen(decode)
                     return sum(bool(leg["kv_transfer_params"]) for leg in legs) == len(streams)
 
-                await wait_until(decode_legs_sent, what="the decode legs, their KV fetches hanging")
+                await wait_until(
+                    decode_legs_sent, timeout=30, what="the decode legs, their KV fetches hanging"
+                )
                 os.kill(prefill.proc.pid, signal.SIGSTOP)
                 replies = await asyncio.gather(*answers)
             finally:
@@ -321,14 +323,16 @@ async def test_hand_offs_past_the_transfer_bound_are_served_whole_until_the_boun
                 async def in_transfer() -> bool:
                     return any(leg["kv_transfer_params"] for leg in await seen(decode))
 
-                await wait_until(in_transfer, what="the first hand-off's decode leg, its KV fetch held")
+                await wait_until(
+                    in_transfer, timeout=30, what="the first hand-off's decode leg, its KV fetch held"
+                )
                 assert pool.transfer_tokens > 0
                 whole = await ask("Another document. " + LONG)
                 assert whole.status_code == 200, whole.text
             finally:
                 held.cancel()
             await wait_until(
-                lambda: pool.transfer_tokens == 0, what="the given-up hand-off to leave the bound"
+                lambda: pool.transfer_tokens == 0, timeout=30, what="the given-up hand-off to leave the bound"
             )
             after = await ask("A third document. " + LONG)
             assert after.status_code == 200, after.text
