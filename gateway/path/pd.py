@@ -29,6 +29,7 @@ from gateway.errors import GatewayError, normalize_error_body
 from gateway.fleet.engines.base import SGLANG_CONCURRENT
 from gateway.fleet.replica import Replica
 from gateway.path.claim import Claim
+from gateway.path.transports.base import Response
 from gateway.path.upstream import Upstream, UpstreamError
 from gateway.routing.policy import Candidate, RequestFeatures
 
@@ -46,6 +47,36 @@ _NO_REMOTE = {
     "remote_host": None,
     "remote_port": None,
 }
+
+
+# What a client is told when a hand-off's prefill replica was lost and the answer was not continued.
+PREFILL_LOST = "the prefill replica holding the prompt's KV was lost before the answer began"
+
+
+class PrefillWatch:
+    """A hand-off's decode leg, until its first bytes: vLLM's decode replica waits on the prefill
+    replica's KV without a deadline (a stopped prefill held a request until its client gave up, on
+    the H200), so should health checks eject `prefill` (None: no hand-off, nothing to watch)
+    before then, the leg's answer is closed and `prefill_lost` recorded in `cuts`."""
+
+    __slots__ = ("cuts", "heard", "prefill", "resp")
+
+    def __init__(self, prefill: Replica | None, resp: Response, cuts: list[str]) -> None:
+        self.prefill, self.resp, self.cuts = prefill, resp, cuts
+        self.heard = False  # the leg's first bytes came: its KV arrived
+        if prefill is not None:
+            prefill.on_eject.add(self._ejected)
+            if not prefill.healthy:  # ejected before this leg's head came
+                self._ejected()
+
+    def _ejected(self) -> None:
+        if not self.heard:
+            self.cuts.append("prefill_lost")
+            self.resp.close()
+
+    def close(self) -> None:
+        if self.prefill is not None:
+            self.prefill.on_eject.discard(self._ejected)
 
 
 def vllm_prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,12 +28,12 @@ from gateway.fleet.replica import Replica
 from gateway.path.claim import Claim
 from gateway.path.exchange import Exchange, Reply, StreamOut
 from gateway.path.model_names import ModelRename
-from gateway.path.pd import DecodePlan, PDHandoff
+from gateway.path.pd import PREFILL_LOST, DecodePlan, PDHandoff, PrefillWatch
 from gateway.path.prepare import Preparation
 from gateway.path.request import InferenceRequest
 from gateway.path.request_record import USAGE_MARK, RequestRecord, read_usage
 from gateway.path.resume import Resume, resumable
-from gateway.path.resume_relay import HANDOFF_FAILURES, PREFILL_LOST, Cut, relay_resumable
+from gateway.path.resume_relay import HANDOFF_FAILURES, Cut, relay_resumable
 from gateway.path.retry_budget import RetryBudget
 from gateway.path.sanitize import upstream_headers
 from gateway.path.sse_events import EventStream, sse_error_event
@@ -497,22 +497,14 @@ class Proxy:
         finished = False
         events = EventStream(rename)
         end = StreamEnd(rec.endpoint)
-        lost: list[bool] = []
-
-        def prefill_lost() -> None:  # vLLM's decode waits on a hung prefill's KV without a deadline
-            if rec.first_byte_at is None:
-                lost.append(True)
-                resp.close()
-
-        if kv_from is not None:
-            kv_from.on_eject.add(prefill_lost)
-            if not kv_from.healthy:  # ejected before this leg's head came
-                prefill_lost()
+        lost: list[str] = []
+        watch = PrefillWatch(kv_from, resp, lost)
         try:
             out = await request.stream(resp.status, headers)
             try:
                 async for chunk in self.upstream.chunks(resp):
                     if rec.first_byte_at is None:
+                        watch.heard = True
                         rec.first_byte_at = time.perf_counter()
                         if first is not None:
                             first()
@@ -540,8 +532,7 @@ class Proxy:
         except ConnectionResetError:
             client_left(end, rec)
         finally:
-            if kv_from is not None:
-                kv_from.on_eject.discard(prefill_lost)
+            watch.close()
             if finished:
                 resp.release()
             else:

@@ -16,6 +16,7 @@ from gateway.fleet.replica import Replica
 from gateway.path.claim import Claim
 from gateway.path.exchange import Exchange, Reply, StreamOut
 from gateway.path.model_names import ModelRename
+from gateway.path.pd import PREFILL_LOST, PrefillWatch
 from gateway.path.request_record import USAGE_MARK, RequestRecord, read_usage
 from gateway.path.resume import Resume
 from gateway.path.sse_events import EventStream, sse_error_event
@@ -28,8 +29,6 @@ log = logging.getLogger(__name__)
 _DONE = b"data: [DONE]\n\n"
 
 
-# What a client is told when a hand-off's prefill replica was lost and the answer was not continued.
-PREFILL_LOST = "the prefill replica holding the prompt's KV was lost before the answer began"
 # Cuts of a hand-off's decode leg before its answer began: the KV did not arrive, the decode
 # replica is not at fault, and the request goes again whole, without a hand-off.
 HANDOFF_FAILURES = frozenset({"prefill_lost", "kv_load_failed"})
@@ -64,31 +63,22 @@ async def relay_resumable(
     failure: str | None = None
     finished = False
     ejected: list[str] = []
-    heard: list[bool] = []  # this attempt's first bytes came
     text_before = len(resume.sent_text()) if kv_from is not None else 0
 
     def eject() -> None:  # the replica's health checks failed: stop waiting for its bytes
         ejected.append("ejected")
         resp.close()
 
-    def prefill_lost() -> None:
-        if not heard:
-            ejected.append("prefill_lost")
-            resp.close()
-
     replica = claim.replica
     replica.on_eject.add(eject)
-    if kv_from is not None:
-        kv_from.on_eject.add(prefill_lost)
-        if not kv_from.healthy:  # ejected before this leg's head came
-            prefill_lost()
+    watch = PrefillWatch(kv_from, resp, ejected)
     try:
         if resume.out is None and not resume.buffered:
             resume.out = await request.stream(resp.status, headers)
         out = resume.out
         try:
             async for chunk in upstream.chunks(resp):
-                heard.append(True)
+                watch.heard = True
                 if rec.first_byte_at is None:
                     rec.first_byte_at = time.perf_counter()
                     if first is not None:
@@ -153,8 +143,7 @@ async def relay_resumable(
         client_left(end, rec)
     finally:
         replica.on_eject.discard(eject)
-        if kv_from is not None:
-            kv_from.on_eject.discard(prefill_lost)
+        watch.close()
         if finished:
             resp.release()
         else:
