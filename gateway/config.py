@@ -554,6 +554,13 @@ class FailoverConfig(_Strict):
         True, description="Continue chat and completions answers whose attempt failed after it began"
     )
     max_resumes: int = Field(1, ge=0, description="Continuations one answer may take")
+    max_kept_bytes: int = Field(
+        1 << 20,
+        ge=0,
+        description="Bytes of a streamed answer kept to continue it: past them the answer is relayed on"
+        ' without failover (kvgate_resume_blocked_total{reason="too_long"}). A non-streamed answer'
+        " assembled here is bounded by upstream.max_response_bytes instead",
+    )
     non_streamed: bool = Field(
         False,
         description="Continue non-streamed answers too: engines are asked for them as streams, assembled "

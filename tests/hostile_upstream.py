@@ -14,6 +14,7 @@ body's `prompt`), then answered as `mode` says. Modes, one per misbehaviour:
   malformed-mid-stream two SSE events, then one that is not JSON, then the rest
   error-mid-stream     two SSE events, then an engine error event and [DONE] (as vLLM ends a failed stream)
   end-mid-stream       two SSE events, then a clean end of the body without [DONE]
+  long-then-close      `max_tokens` SSE events of 1 KiB of text each, then close (no terminating chunk)
   reset-after-usage    a whole answer (finish reason, usage chunk) but for [DONE], then a TCP RST
   reset-after-done     a whole answer through [DONE], then a TCP RST instead of the last chunk
   extra-response       the answer and, in the same write, a second answer nobody asked for
@@ -207,6 +208,17 @@ async def _reset_mid_stream(srv: HostileUpstream, d: Delivery, r: Reader, w: Wri
     await _mid_stream(srv, d, r, w)
     await w.drain()
     return await _reset(srv, d, r, w)
+
+
+@mode("long-then-close")
+async def _long_then_close(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    count = int(orjson.loads(d.body).get("max_tokens") or 1)
+    w.write(sse_head(d))
+    for i in range(count):
+        doc = {"id": f"cmpl-{d.marker}", "choices": [{"index": 0, "text": f" {i:04d}" + "x" * 1019}]}
+        w.write(chunk(b"data: " + orjson.dumps(doc) + b"\n\n"))
+        await w.drain()
+    return False
 
 
 _BROKEN_EVENTS = {

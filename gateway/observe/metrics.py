@@ -282,6 +282,13 @@ class GatewayMetrics:
             "Answers continued on another replica after their attempt broke mid-answer, by why it broke",
             ["pool", "reason"],
         )
+        self.resume_blocked = LoopFamily(
+            "kvgate_resume_blocked",
+            "Answers failover followed that could no longer be continued, by why (too_long: past"
+            " failover.max_kept_bytes; too_large: an assembled answer past upstream.max_response_bytes;"
+            " tool_call, reasoning, diverged)",
+            ["pool", "reason"],
+        )
         self.shed = LoopFamily(
             "kvgate_shed_requests", "Requests refused by admission control", ["pool", "priority", "reason"]
         )
@@ -301,6 +308,7 @@ class GatewayMetrics:
                     self.matched_tokens,
                     self.retries,
                     self.resumed,
+                    self.resume_blocked,
                     self.shed,
                     self.disconnects,
                 ]
@@ -364,6 +372,8 @@ class GatewayMetrics:
             bound.retries.inc(rec.retries)
         for resumed in rec.resumed:  # rare: not worth a bound child
             self.resumed.labels(rec.pool or NONE, resumed.partition("@")[0]).inc()
+        if rec.resume_blocked is not None:  # rare: not worth a bound child
+            self.resume_blocked.labels(rec.pool or NONE, rec.resume_blocked).inc()
         if bound.shed is not None:
             bound.shed.inc()
         if rec.client_disconnected:

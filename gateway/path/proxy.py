@@ -386,15 +386,14 @@ class Proxy:
         track.error = "no_replica"
         raise self._no_replica(f"no replica of pool `{pool.name}` accepted the request")
 
-    @staticmethod
-    def _resume(request: Exchange, req: InferenceRequest) -> Resume | None:
+    def _resume(self, request: Exchange, req: InferenceRequest) -> Resume | None:
         """The answer's continuation state when its pool continues answers like it, else None."""
         pool = req.router.pool
         cfg = pool.cfg.failover
         if not resumable(req.endpoint, req.body, request.headers, cfg):
             return None
         count = (req.router.tokenizer or get_tokenizer()).count
-        return Resume(req.endpoint, req.body, cfg, count)
+        return Resume(req.endpoint, req.body, cfg, count, self.upstream.cfg.max_response_bytes)
 
     async def _continuation_plan(
         self,

@@ -24,6 +24,11 @@ engine as a stream and assembled here, so that it can be continued the same way.
 
 What is not continued (`blocked`) ends as before: n > 1, logprobs, echo, token-id prompts,
 structured output, a tool call or reasoning being streamed, a client's `x-kvgate-no-resume: 1`.
+
+Memory stays bounded whatever an engine sends: a streamed answer keeps at most
+`failover.max_kept_bytes` of its events; past them what was kept is dropped and the answer is
+relayed on without failover (`too_long`). A non-streamed answer assembled here is bounded by
+`upstream.max_response_bytes`, as a plain one is (`too_large`: 502 `upstream_response_too_large`).
 """
 
 from __future__ import annotations
@@ -87,11 +92,21 @@ class Resume:
     """One answer across its attempts: what was sent, and how the next attempt continues it."""
 
     def __init__(
-        self, endpoint: str, body: dict[str, Any], cfg: FailoverConfig, count: Callable[[str], int]
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        cfg: FailoverConfig,
+        count: Callable[[str], int],
+        max_response_bytes: int,
     ) -> None:
         self.chat = endpoint == "chat"
         self.body = body  # as the engines are sent it (the model's upstream name in it)
         self.buffered = not body.get("stream")  # the client wants one JSON body: assembled here
+        # What may be kept of the answer's events: all of an assembled answer, up to the bound of
+        # any answer read whole; enough of a streamed one to continue it.
+        self.max_kept = max_response_bytes if self.buffered else cfg.max_kept_bytes
+        self.kept = 0  # bytes of events fed so far, while they are kept
+        self.keep = True  # False once past `max_kept`: events go by unread where they can
         self.left = cfg.max_resumes
         self.count = count
         self.out: StreamOut | None = None  # the client's stream, once opened
@@ -168,8 +183,16 @@ class Resume:
     def feed(self, events: bytes) -> bytes:
         """Whole SSE events from the current attempt; what of them the client gets (b"" while
         assembling a non-streamed answer). Stops at the first event that fails the attempt."""
+        if self.keep:
+            self.kept += len(events)
+            if self.kept > self.max_kept:
+                if self.buffered:
+                    self.blocked = self.failure = "too_large"
+                    return b""
+                self._forget()
         if self._plain(events):
-            self.text.append(events)
+            if self.keep:
+                self.text.append(events)
             return b"" if self.buffered else events
         out: list[bytes] = []
         for event in events.split(b"\n\n"):
@@ -181,6 +204,13 @@ class Resume:
             if kept is not None and not self.buffered:
                 out.append(kept + b"\n\n")
         return b"".join(out)
+
+    def _forget(self) -> None:
+        """Past `max_kept`: what was kept goes, and so does the chance to continue the answer."""
+        self.settle()
+        self.text, self.reasoning = [], []
+        self.keep = False
+        self.blocked = self.blocked or "too_long"
 
     def sent_text(self) -> str:
         """The answer's text so far (the events kept as they came read now)."""
@@ -277,7 +307,8 @@ class Resume:
             if delta.get("tool_calls") or delta.get("function_call"):
                 self.blocked = "tool_call"  # arguments cannot be continued safely
             if delta.get("reasoning_content") or delta.get("reasoning"):
-                self.reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
+                if self.keep:
+                    self.reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
                 self.blocked = "reasoning"
             if self.continuing:
                 delta.pop("role", None)
@@ -301,7 +332,8 @@ class Resume:
                 self.error_event = sse_error_event(message, "upstream_resume_diverged")
                 return None
             holder[field] = text
-        self.text.append(text)
+        if self.keep:
+            self.text.append(text)
         return text
 
     def _encode(self, doc: dict[str, Any], event: bytes) -> bytes:

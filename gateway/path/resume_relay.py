@@ -124,6 +124,13 @@ async def relay_resumable(
         if failure is not None and resume.continuable:
             raise Cut(failure)
         if resume.buffered:
+            if failure == "too_large":
+                raise GatewayError(
+                    502,
+                    f"engine response exceeds {resume.max_kept} bytes",
+                    "upstream_error",
+                    "upstream_response_too_large",
+                )
             if failure is not None:
                 raise GatewayError(
                     502, f"engine answer broke: {failure}", "upstream_error", "upstream_stream_error"
@@ -142,6 +149,7 @@ async def relay_resumable(
     except ConnectionResetError:
         client_left(end, rec)
     finally:
+        rec.resume_blocked = resume.blocked
         replica.on_eject.discard(eject)
         watch.close()
         if finished:

@@ -22,6 +22,7 @@ from tests.hostile_upstream import (
     assert_settled,
     hostile_settings,
     marker,
+    openai_error,
     sse_events,
 )
 
@@ -199,4 +200,42 @@ async def test_an_answer_on_a_replica_ejected_mid_stream_is_continued(transport:
     texts, _ = _texts(r)
     assert "".join(texts) == f"{mark}:0{mark}:1{mark}:2"
     assert 'kvgate_resumed_total{pool="p",reason="ejected"} 1.0' in metrics
+    await assert_settled(gw)
+
+
+@pytest.mark.parametrize(("events", "continued"), [(8, True), (64, False)], ids=["below", "past"])
+async def test_a_stream_past_max_kept_bytes_is_relayed_without_failover(
+    events: int, continued: bool, pair, gateway
+) -> None:
+    """What failover keeps of a stream is bounded: past `failover.max_kept_bytes` the answer is
+    relayed on (every byte of it) and a later break ends it with an error event, as without failover."""
+    broken, ok = await pair("long-then-close")
+    gw = await gateway(_settings([broken.url, ok.url], failover={"max_kept_bytes": 16384}))
+    mark = marker()
+    async with httpx.AsyncClient(timeout=30) as c:
+        body = {"model": "m", "prompt": mark, "max_tokens": events, "stream": True}
+        r = await c.post(gw.url + "/v1/completions", json=body)
+        metrics = (await c.get(gw.url + "/metrics")).text
+    sent = sse_events(r)
+    texts = [orjson.loads(e)["choices"][0]["text"] for e in sent[:events]]
+    assert [t[:5] for t in texts] == [f" {i:04d}" for i in range(events)]  # all of it, in order
+    assert len(ok.deliveries) == (1 if continued else 0)
+    blocked = 'kvgate_resume_blocked_total{pool="p",reason="too_long"} 1.0' in metrics
+    assert blocked is not continued
+    if not continued:
+        assert orjson.loads(sent[-1])["error"]["code"] == "upstream_stream_error"
+    await assert_settled(gw)
+
+
+async def test_an_assembled_answer_is_bounded_by_max_response_bytes(pair, gateway) -> None:
+    """A non-streamed answer assembled for failover is held to `upstream.max_response_bytes`
+    (1 MiB here), as an answer read whole is: 502 past it, nothing assembled beyond."""
+    broken, ok = await pair("long-then-close")
+    gw = await gateway(_settings([broken.url, ok.url], failover={"non_streamed": True}))
+    async with httpx.AsyncClient(timeout=30) as c:
+        body = {"model": "m", "prompt": marker(), "max_tokens": 2048}  # 2 MiB of events
+        r = await c.post(gw.url + "/v1/completions", json=body)
+    assert r.status_code == 502
+    assert openai_error(r)["code"] == "upstream_response_too_large"
+    assert ok.deliveries == []
     await assert_settled(gw)
