@@ -21,6 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
+import xxhash
+
 from bench import text
 from bench.workloads import SharedPrefix
 from gateway.config import load_config
@@ -112,6 +114,9 @@ def measure(
     cpu: list[float] = []  # CPU time of this thread: what the decision costs without other processes' noise
     stages: dict[str, list[float]] = {stage: [] for stage in STAGES}
     best_match = 0
+    # The decisions themselves, in order: the same seed and code make the same digest (a
+    # restructuring of the routing code must leave it unchanged where it leaves the pool unsampled).
+    digest = xxhash.xxh64()
     excess: list[float] = []  # requests in flight on the busiest replica beyond the mean, per decision
     gc.collect()
     gc.disable()
@@ -141,6 +146,7 @@ def measure(
             # best replica of the whole pool (a shortlist may have left that one out)?
             deepest = max(pool.prefix_index.match(features.block_hashes, pool.pool.replicas).values())
             best_match += ranked[0].matched_blocks >= deepest
+            digest.update(f"{chosen.name}:{ranked[0].matched_tokens};".encode())
             most = max(r.inflight_requests for r in pool.pool.replicas.values())
             excess.append(most - (len(inflight) + 1) / replicas)
             pool.learn(features, chosen)
@@ -165,6 +171,7 @@ def measure(
         "best_match": best_match / iterations,
         "excess_inflight": statistics.mean(excess),
         "max_candidates": max_candidates,
+        "decisions": digest.hexdigest(),
         "chars": len(features.text),
         "prompt_tokens": features.prompt_tokens,
     }
@@ -207,11 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.iterations} requests); wall clock, and this thread's CPU time",
         "",
         "best match: decisions whose replica holds as much of the prompt as the pool's best holder; "
-        "excess: requests in flight on the busiest replica beyond the mean (8), averaged over decisions",
+        "excess: requests in flight on the busiest replica beyond the mean (8), averaged over decisions; "
+        "decisions: a digest of the replicas chosen and the tokens they matched, in order (seeded: the "
+        "same code decides the same; a pool larger than max_candidates samples at random)",
         "",
         "| replicas | max_candidates | p50 ms | p99 ms | max ms | CPU p50 ms | CPU p99 ms | best match "
-        "| excess | target p99 |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| excess | decisions | target p99 |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in rows:
         target = TARGET_MS.get(int(r["replicas"]))
@@ -219,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"| {r['replicas']} | {r['max_candidates'] or 'all'} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
             f"| {r['max_ms']:.3f} | {r['cpu_p50_ms']:.3f} | {r['cpu_p99_ms']:.3f} | {r['best_match']:.1%} "
-            f"| {r['excess_inflight']:.1f} | {verdict} |"
+            f"| {r['excess_inflight']:.1f} | {r['decisions']} | {verdict} |"
         )
     if args.breakdown:
         lines += [
