@@ -28,7 +28,7 @@ COMPILED = (
     "gateway.path.sse_events",
     "gateway.path.stream_end",
     "gateway.routing.pool_router",
-    "gateway.routing.tokens",
+    "gateway.prompt.tokens",
 )
 
 

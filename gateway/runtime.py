@@ -43,7 +43,7 @@ from gateway.path.upstream import Upstream
 from gateway.routing.lora import LoraWatch
 from gateway.routing.model_catalog import ModelCatalog
 from gateway.routing.pool_router import PoolRouter
-from gateway.routing.rollout import Router
+from gateway.routing.rollout import Rollouts
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
@@ -67,8 +67,8 @@ class Runtime:
         # Each pool's router listens to its pool before any replica joins.
         self.routers: dict[str, PoolRouter] = {name: PoolRouter(pool) for name, pool in self.pools.items()}
         self.fleet.add_configured_endpoints()
-        self.router = Router(settings.routes, {p.name: p.model for p in self.pools.values()})
-        self.catalog = ModelCatalog(self.routers, self.router)
+        self.rollouts = Rollouts(settings.routes, {p.name: p.model for p in self.pools.values()})
+        self.catalog = ModelCatalog(self.routers, self.rollouts)
         # LoRA adapters: each replica's list read from its /v1/models, and loads on demand.
         self.lora = LoraWatch((r.lora for r in self.routers.values()), tls=control_tls)
         self.upstream = Upstream(settings.upstream)
@@ -76,7 +76,7 @@ class Runtime:
         # competes with at most one other holder of the GIL.
         self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-prepare")
         # State shared with other gateway instances (Redis), or this instance's own (memory).
-        self.state = make_state(settings.state, self.fleet, self.router)
+        self.state = make_state(settings.state, self.fleet, self.rollouts)
         for router in self.routers.values():
             # Precise mode needs nothing shared: every instance subscribes to the same KV events.
             if router.precise is None:
@@ -93,7 +93,7 @@ class Runtime:
         self.view = GatewayView(
             pools=self.pools,
             routers=self.routers,
-            routes=self.router,
+            routes=self.rollouts,
             catalog=self.catalog,
             scheduler_stats=self.scheduler.stats,
             draining=lambda: self.draining,
@@ -111,7 +111,7 @@ class Runtime:
         self.audit = AuditTrail()
         # Reloads (admin API, SIGHUP) re-read `config_path`; the command line's server.* values win.
         self.reloader = Reloader(
-            settings, self.fleet, self.router, self.state, self.audit, config_path, server_overrides
+            settings, self.fleet, self.rollouts, self.state, self.audit, config_path, server_overrides
         )
         self.dashboard = Dashboard(
             self.view, self.metrics, tracing=self.tracing is not None, check_admin=self.auth.admin
@@ -145,7 +145,7 @@ class Runtime:
             self.auth,
             self.observe,
             tracer,
-            self.router,
+            self.rollouts,
             self.pools,
             lambda: self.draining,
             TenantCaps(settings),
@@ -166,7 +166,7 @@ class Runtime:
         # FastAPI takes about half a second to import: only a gateway with a control plane pays it.
         from gateway.control.admin import Admin
 
-        admin = Admin(self.fleet, self.router, self.state, self.reloader, self.audit, self.variant_stats)
+        admin = Admin(self.fleet, self.rollouts, self.state, self.reloader, self.audit, self.variant_stats)
         return admin.app(check_admin)
 
     @property

@@ -4,7 +4,7 @@ Every module of `gateway` belongs to one part (its subpackage, or a named top-le
 each part may import only the parts `MAY_IMPORT` names, so imports run one way:
 
     top (cli, server, runtime: the composition root) -> http | control | observe -> path
-        -> admission -> routing -> fleet -> base (build, config, errors, logs)
+        -> admission -> routing -> prompt | fleet -> base (build, config, errors, logs)
 
 with `sim` beside them, sharing only the token counter. Imports made for type checking only count
 too. Nothing may import in a circle: not at run time anywhere, and not even for type checking
@@ -23,23 +23,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BASE = frozenset({"gateway.build", "gateway.config", "gateway.errors", "gateway.logs"})
 TOP = frozenset({"gateway", "gateway.__main__", "gateway.cli", "gateway.server", "gateway.runtime"})
-SUBPACKAGES = ("http", "control", "observe", "path", "admission", "routing", "fleet", "sim")
-LOWER = ("path", "admission", "routing", "fleet", "base")
+SUBPACKAGES = ("http", "control", "observe", "path", "admission", "routing", "prompt", "fleet", "sim")
+LOWER = ("path", "admission", "routing", "prompt", "fleet", "base")
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "top": frozenset({"top", "http", "control", "observe", *LOWER, "facade", "sim"}),
     "http": frozenset({"http", *LOWER}),
     "control": frozenset({"control", *LOWER}),
     "observe": frozenset({"observe", *LOWER}),
-    "path": frozenset({"path", "admission", "routing", "fleet", "base"}),
-    "admission": frozenset({"admission", "routing", "fleet", "base"}),
-    "routing": frozenset({"routing", "fleet", "base"}),
+    "path": frozenset({"path", "admission", "routing", "prompt", "fleet", "base"}),
+    "admission": frozenset({"admission", "routing", "prompt", "fleet", "base"}),
+    "routing": frozenset({"routing", "prompt", "fleet", "base"}),
+    "prompt": frozenset({"prompt", "base"}),
     "fleet": frozenset({"fleet", "base"}),
     "base": frozenset({"base"}),
     "facade": frozenset({"routing"}),  # gateway.policy: the plugin API's public path
     "sim": frozenset({"sim"}),
 }
 # Single modules a part may import beyond its rule: what the simulator shares with the gateway.
-SHARED = {"sim": frozenset({"gateway.routing.tokens"})}
+SHARED = {"sim": frozenset({"gateway.prompt.tokens"})}
 
 
 def part(module: str) -> str:
@@ -147,6 +148,7 @@ def rules_text() -> str:
         "path",
         "admission",
         "routing",
+        "prompt",
         "fleet",
         "base",
         "facade",

@@ -87,7 +87,7 @@ kvgate_install() {
   [ -f "$KG/admin_key" ] || (umask 077; $PY -c "import secrets; print(secrets.token_hex(16))" > "$KG/admin_key")
   (cd "$KG" && $PY -c "
 import gateway.server, gateway.fleet.launcher, gateway.routing.kv_events, gateway.control.admin, bench.gpu.host, zmq, msgpack, orjson, redis, pydantic
-from gateway.routing.tokens import get_tokenizer
+from gateway.prompt.tokens import get_tokenizer
 assert get_tokenizer().name.startswith('tiktoken'), get_tokenizer().name
 print('kvgate', gateway.__file__, 'tokenizer', get_tokenizer().name, 'pydantic', pydantic.VERSION, 'zmq', zmq.__version__)
 ") && touch "$KVSITE/.ok"

@@ -240,7 +240,7 @@ def calib(kg: Path, gateway: str | None, out_name: str) -> int:
     from bench import text
     from bench.scenario import ExistingFleet
     from gateway.fleet.engines.vllm import VLLMAdapter
-    from gateway.routing.tokens import get_tokenizer
+    from gateway.prompt.tokens import get_tokenizer
 
     eps = _endpoints(kg)
     urls = eps["urls"]

@@ -39,7 +39,7 @@ from gateway.fleet.fleet import Fleet
 from gateway.fleet.pool import Pool
 from gateway.fleet.replica import Replica
 from gateway.logs import clip
-from gateway.routing.rollout import Router
+from gateway.routing.rollout import Rollouts
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class Admin:
     def __init__(
         self,
         fleet: Fleet,
-        router: Router,
+        router: Rollouts,
         state: StateBackend,
         reloader: Reloader,
         audit: AuditTrail,

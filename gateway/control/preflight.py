@@ -16,10 +16,10 @@ from gateway.config import ConfigError, PoolConfig, Settings
 from gateway.fleet.engines import adapter_for_spec
 from gateway.fleet.engines.base import ReplicaSlot
 from gateway.fleet.replica import Role
-from gateway.routing.canonicalize import compile_rules
+from gateway.prompt.canonicalize import compile_rules
+from gateway.prompt.tokens import TokenizerError
 from gateway.routing.policy import PolicyLoadError, load_policy
 from gateway.routing.pool_router import pool_tokenizer
-from gateway.routing.tokens import TokenizerError
 
 
 def preflight(settings: Settings) -> None:

@@ -13,7 +13,7 @@ from gateway.control.audit import AuditTrail
 from gateway.control.preflight import preflight
 from gateway.control.state import StateBackend
 from gateway.fleet.fleet import Fleet
-from gateway.routing.rollout import Router
+from gateway.routing.rollout import Rollouts
 
 
 class ReloadRejected(Exception):
@@ -50,7 +50,7 @@ class Reloader:
         self,
         settings: Settings,
         fleet: Fleet,
-        router: Router,
+        router: Rollouts,
         state: StateBackend,
         audit: AuditTrail,
         config_path: str | None = None,
@@ -74,7 +74,7 @@ class Reloader:
             raise ReloadRejected(f"these cannot change without a restart: {', '.join(problems)}")
         pools = self.fleet.pools
         try:
-            router = Router(new.routes, {p.name: p.model for p in pools.values()})
+            router = Rollouts(new.routes, {p.name: p.model for p in pools.values()})
         except ValueError as exc:
             raise ReloadRejected(f"routes: {exc}") from None
         plan: list[tuple[str, list[str], list[EndpointConfig]]] = []
@@ -106,7 +106,7 @@ class Reloader:
             pool.cfg = new.pool(name)
         if router.describe() != self.router.describe():
             changes.append("routes replaced")
-        # The one Router everyone holds takes the new rules (pools, and so direct models, are unchanged).
+        # The one Rollouts everyone holds takes the new rules (pools, and so direct models, are unchanged).
         self.router.routes = router.routes
         self.settings = new
         self.audit.record(who, "config reloaded: " + ("; ".join(changes) or "no changes"))

@@ -13,7 +13,7 @@ from gateway.admission.scheduler import SchedulerStats
 from gateway.fleet.pool import Pool
 from gateway.routing.model_catalog import ModelCatalog
 from gateway.routing.pool_router import PoolRouter
-from gateway.routing.rollout import Router
+from gateway.routing.rollout import Rollouts
 
 
 class ConnectionFigures(Protocol):
@@ -28,7 +28,7 @@ class ConnectionFigures(Protocol):
 class GatewayView:
     pools: Mapping[str, Pool]
     routers: Mapping[str, PoolRouter]
-    routes: Router
+    routes: Rollouts
     catalog: ModelCatalog
     scheduler_stats: Callable[[], SchedulerStats]
     draining: Callable[[], bool]

@@ -35,9 +35,9 @@ from gateway.path.sanitize import new_request_id
 from gateway.path.trace import Tracer
 from gateway.path.upstream import Upstream, UpstreamError
 from gateway.path.work_bounds import sequences
-from gateway.routing.canonicalize import canonicalize
+from gateway.prompt.canonicalize import canonicalize
+from gateway.prompt.prefix_hash import PrefixHasher
 from gateway.routing.model_catalog import ModelCatalog, Target
-from gateway.routing.prefix_hash import PrefixHasher
 
 log = logging.getLogger(__name__)
 

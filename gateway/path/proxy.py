@@ -41,10 +41,10 @@ from gateway.path.stream_end import StreamEnd, client_left
 from gateway.path.trace import Tracer
 from gateway.path.transports.base import Response
 from gateway.path.upstream import ERROR_BODY_LIMIT, Upstream, UpstreamError
+from gateway.prompt.tokens import get_tokenizer
 from gateway.routing.lora import LoraWatch
 from gateway.routing.policy import Candidate, Outcome, RequestFeatures
 from gateway.routing.pool_router import PoolRouter
-from gateway.routing.tokens import get_tokenizer
 
 log = logging.getLogger(__name__)
 

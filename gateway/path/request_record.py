@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.routing.tokens import engine_prompt_tokens, usage_figure
+from gateway.prompt.tokens import engine_prompt_tokens, usage_figure
 
 
 @dataclass(slots=True)

@@ -18,15 +18,7 @@ from typing import Any
 
 from gateway.config import ServerConfig
 from gateway.errors import client_error
-
-_PROMPTS = {"completions": ("prompt",)}
-_INPUTS = {
-    "embeddings": ("input",),
-    "pooling": ("input",),
-    "classify": ("input",),
-    "rerank": ("documents",),
-    "score": ("text_1", "text_2", "queries", "documents", "items"),
-}
+from gateway.prompt.endpoints import BY_NAME
 
 
 def _count(value: Any) -> int:
@@ -42,7 +34,8 @@ def sequences(body: Mapping[str, Any], endpoint: str, cfg: ServerConfig) -> int:
     if isinstance(n, int) and not isinstance(n, bool) and n > cfg.max_n:
         raise client_error(f"`n` is {n}; at most {cfg.max_n} (server.max_n)", "too_many_choices", "n")
     prompts = 1
-    for name in _PROMPTS.get(endpoint, ()):
+    spec = BY_NAME[endpoint]
+    for name in spec.prompts:
         prompts = _count(body.get(name))
         if prompts > cfg.max_prompts:
             raise client_error(
@@ -50,7 +43,7 @@ def sequences(body: Mapping[str, Any], endpoint: str, cfg: ServerConfig) -> int:
                 "too_many_prompts",
                 name,
             )
-    for name in _INPUTS.get(endpoint, ()):
+    for name in spec.inputs:
         inputs = _count(body.get(name))
         if inputs > cfg.max_inputs:
             raise client_error(

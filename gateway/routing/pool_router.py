@@ -20,12 +20,13 @@ from typing import Any
 from gateway.config import KVEventsSource, PoolConfig
 from gateway.fleet.pool import Pool
 from gateway.fleet.replica import Replica
+from gateway.prompt.endpoints import Endpoint
+from gateway.prompt.prefix_hash import PrefixHasher, batch_tokens, prompt_pieces
+from gateway.prompt.tokens import Tokenizer, TokenizerError, get_tokenizer, load_tokenizer, model_tokenizer
 from gateway.routing.lora import PoolLora
 from gateway.routing.policy import Candidate, Outcome, Pair, Policy, RequestFeatures, load_policy
 from gateway.routing.precise_prefix import PrecisePrefix
-from gateway.routing.prefix_hash import Endpoint, PrefixHasher, batch_tokens, prompt_pieces
 from gateway.routing.prefix_index import PrefixIndex
-from gateway.routing.tokens import Tokenizer, TokenizerError, get_tokenizer, load_tokenizer, model_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from gateway.routing.tokens import TokenizerError, load_tokenizer, use_tokenizer
+from gateway.prompt.tokens import TokenizerError, load_tokenizer, use_tokenizer
 from gateway.sim.device import SharedDevice
 from gateway.sim.engine import EngineConfig
 from gateway.sim.faults import FaultConfig

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 from aiohttp import ClientSession, ClientTimeout, web
 
-from gateway.routing.tokens import get_tokenizer
+from gateway.prompt.tokens import get_tokenizer
 from gateway.sim import protocol as proto
 from gateway.sim import structured
 from gateway.sim import validation as V

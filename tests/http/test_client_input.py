@@ -14,7 +14,7 @@ import pytest
 
 from gateway.logs import TextFormatter
 from gateway.path.stream_end import StreamEnd
-from gateway.routing.prefix_hash import PrefixHasher
+from gateway.prompt.prefix_hash import PrefixHasher
 from tests.conftest import gateway_settings, wait_until
 from tests.rawhttp import closed_within, exchange, post, read_response
 

@@ -14,8 +14,7 @@ import pytest
 
 from gateway.config import load_config
 from gateway.fleet.pool import Pool
-from gateway.routing.pool_router import PoolRouter
-from gateway.routing.tokens import (
+from gateway.prompt.tokens import (
     WordTokenizer,
     engine_prompt_tokens,
     get_tokenizer,
@@ -23,6 +22,7 @@ from gateway.routing.tokens import (
     model_tokenizer,
     usage_figure,
 )
+from gateway.routing.pool_router import PoolRouter
 from tests.conftest import gateway_settings, wait_until
 from tests.simfleet import sim_process
 

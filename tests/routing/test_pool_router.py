@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from gateway.fleet.engine_load import EngineLoad
-from gateway.routing.prefix_hash import PrefixHasher, prompt_text
-from gateway.routing.tokens import get_tokenizer
+from gateway.prompt.prefix_hash import PrefixHasher, prompt_text
+from gateway.prompt.tokens import get_tokenizer
 from tests.routing.helpers import pool_router, prose
 
 

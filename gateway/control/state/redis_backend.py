@@ -45,7 +45,7 @@ from gateway.routing.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
     from gateway.fleet.fleet import Fleet
-    from gateway.routing.rollout import Router
+    from gateway.routing.rollout import Rollouts
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class SharedPrefixIndex(PrefixIndex):
 class RedisState(StateBackend):
     name = "redis"
 
-    def __init__(self, cfg: StateConfig, fleet: Fleet, router: Router) -> None:
+    def __init__(self, cfg: StateConfig, fleet: Fleet, router: Rollouts) -> None:
         super().__init__(cfg, fleet, router)
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         # Blocking pool: a burst of counter calls waits for a connection instead of failing.

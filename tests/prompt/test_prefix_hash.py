@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.config import CanonicalizeConfig, CanonicalizeRule
-from gateway.routing.canonicalize import canonicalize
-from gateway.routing.prefix_hash import PrefixHasher, chain_seed, prompt_pieces, prompt_text
-from gateway.routing.tokens import get_tokenizer
+from gateway.prompt.canonicalize import canonicalize
+from gateway.prompt.prefix_hash import PrefixHasher, chain_seed, prompt_pieces, prompt_text
+from gateway.prompt.tokens import get_tokenizer
 
 BC = 16
 words = st.text(alphabet="abcdefgh .,\n", min_size=0, max_size=200)

@@ -4,7 +4,7 @@ Leading system/developer messages (and tools) are kept whole because they carry 
 shared, cacheable prefix; the newest turn (from the last user message on) is always kept because it is the
 question being asked. Turns are dropped oldest first, a user message together with the assistant/tool
 messages answering it, so that the conversation never starts with an orphaned tool result. Counts use
-the same serialization and tokenizer as the request's features (gateway.routing.prefix_hash), so the limit
+the same serialization and tokenizer as the request's features (gateway.prompt.prefix_hash), so the limit
 means the same thing everywhere.
 """
 
@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.routing.prefix_hash import Endpoint, message_text, prompt_text
-from gateway.routing.tokens import count_tokens
+from gateway.prompt.endpoints import BY_NAME, Endpoint
+from gateway.prompt.prefix_hash import message_text, prompt_text
+from gateway.prompt.tokens import count_tokens
 
 _KEPT_ROLES = frozenset({"system", "developer"})
 
@@ -38,7 +39,7 @@ def fit_window(body: dict[str, Any], endpoint: Endpoint, limit: int) -> int | No
     Returns the new prompt size, or None when it cannot fit (not a conversation, or the kept system
     prompt plus the newest turn alone exceed the limit); the body is left unchanged then.
     """
-    key = "messages" if endpoint == "chat" else "input" if endpoint == "responses" else None
+    key = BY_NAME[endpoint].conversation
     if key is None or not isinstance(messages := body.get(key), list) or not messages:
         return None
     head = 0

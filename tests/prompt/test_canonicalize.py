@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.config import CanonicalizeConfig, CanonicalizeRule, load_config
-from gateway.routing.canonicalize import (
+from gateway.prompt.canonicalize import (
     BUILTIN_PATTERNS,
     canonicalize,
     compile_rules,

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.config import CanonicalizeConfig
 
 if TYPE_CHECKING:
-    from gateway.routing.prefix_hash import Endpoint
+    from gateway.prompt.endpoints import Endpoint
 
 _MONTH = (
     r"(?:Jan(?:uary)?|Feb(?:ruary)?|Mar(?:ch)?|Apr(?:il)?|May|June?|July?|Aug(?:ust)?"

@@ -27,23 +27,17 @@ import json
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 import xxhash
 
-from gateway.routing.tokens import get_tokenizer
+from gateway.prompt.endpoints import BY_NAME, Endpoint
+from gateway.prompt.tokens import get_tokenizer
 
-Endpoint = Literal["chat", "completions", "responses", "embeddings", "pooling", "classify", "score", "rerank"]
-# Where each non-chat endpoint carries its prompt(s): a string, a list of strings, token ids, or a
-# list of token-id lists.
+# Where each endpoint that is no conversation carries its prompt(s) (the endpoint table).
 _PROMPT_FIELDS: dict[str, tuple[str, ...]] = {
-    "completions": ("prompt",),
-    "embeddings": ("input",),
-    "pooling": ("input",),
-    "classify": ("input",),
-    "score": ("queries", "data_1", "text_1"),
-    "rerank": ("query",),
+    e.name: e.prompt_fields for e in BY_NAME.values() if e.prompt_fields
 }
 
 _xxh64 = xxhash.xxh64_intdigest

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.admission.prompt_window import fit_window
-from gateway.routing.prefix_hash import prompt_text
-from gateway.routing.tokens import count_tokens
+from gateway.prompt.prefix_hash import prompt_text
+from gateway.prompt.tokens import count_tokens
+from gateway.prompt.window import fit_window
 
 
 def _conversation(turns: int) -> list[dict[str, Any]]:
