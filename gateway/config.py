@@ -579,11 +579,17 @@ class PDConfig(_Strict):
         " the request itself (0: no bound). Size it as the link's bytes/s over the KV bytes per token,"
         " times the queueing accepted (docs/engines.md)",
     )
-    prefill_policy: PolicyConfig | None = Field(
-        None,
-        description="Deprecated (removed in the next release): a second policy for the prefill leg. "
-        "Unset, the pool's policy picks both legs (select_pair; by default the prefill leg by least load)",
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_prefill_policy(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "prefill_policy" in data:
+            raise ValueError(
+                "prefill_policy was removed (deprecated since the last release): the pool's policy "
+                "picks both legs (Policy.select_pair; by default the prefill leg by least load); "
+                "remove the key, and move a custom prefill ranking into your policy's select_pair"
+            )
+        return data
 
 
 Task = Literal["generate", "embed", "classify", "score"]

@@ -8,6 +8,7 @@ record. No part is handed the runtime itself.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -79,8 +80,7 @@ class Runtime:
         self.state = make_state(settings.state, self.fleet, self.rollouts)
         for router in self.routers.values():
             # Precise mode needs nothing shared: every instance subscribes to the same KV events.
-            if router.precise is None:
-                router.prefix_index = self.state.share_index(router.name, router.prefix_index)
+            router.match.share(functools.partial(self.state.share_index, router.name))
         # Rate limits are charged through the state backend, so with Redis they hold fleet-wide.
         self.scheduler = Scheduler(settings.scheduler, settings.tenants, take=self.state.take)
         self.retry_budget = RetryBudget(settings.retry.budget_ratio)

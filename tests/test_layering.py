@@ -16,6 +16,7 @@ outside the simulator. The README's module map is checked against `MAY_IMPORT`.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -220,3 +221,57 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))
+
+
+# What only an engine adapter (gateway/fleet/engines/) may say: engine kinds and their hand-off
+# protocols. The request path and routing speak through adapters, so a new engine kind is one
+# adapter module and its test.
+ENGINE_WORDS = re.compile(r"vllm|sglang|nixl|bootstrap|mooncake", re.IGNORECASE)
+ENGINE_KINDS = frozenset({"vllm", "sglang", "sim", "openai"})
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def engine_names(path: Path) -> list[str]:
+    """Engine names in a module's code (identifiers and strings; docstrings and comments explain)."""
+    tree = ast.parse(path.read_text())
+    explaining = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        text = None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in explaining:
+            if ENGINE_WORDS.search(node.value) or node.value in ENGINE_KINDS:
+                text = node.value
+        elif isinstance(
+            node, ast.Name | ast.arg | ast.alias | ast.Attribute | ast.FunctionDef | ast.ClassDef
+        ):
+            name = {ast.Name: "id", ast.arg: "arg", ast.Attribute: "attr"}.get(type(node), "name")
+            if ENGINE_WORDS.search(getattr(node, name)):
+                text = getattr(node, name)
+        if text is not None:
+            found.append(f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}: {text[:60]!r}")
+    return found
+
+
+def test_no_engine_is_named_in_the_request_path_or_routing() -> None:
+    named = [
+        hit
+        for sub in ("path", "routing")
+        for p in sorted((REPO / "gateway" / sub).rglob("*.py"))
+        for hit in engine_names(p)
+    ]
+    assert not named, (
+        "engine names outside gateway/fleet/engines/ (say it through an adapter):\n" + "\n".join(named)
+    )
+
+
+def test_the_engine_name_check_sees_what_it_forbids() -> None:
+    assert engine_names(REPO / "gateway" / "fleet" / "engines" / "nixl.py")  # the connector names itself

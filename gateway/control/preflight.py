@@ -1,7 +1,7 @@
 """Everything `serve` resolves beyond the settings' own validation, checked before it starts.
 
 `load_config` validates the settings' shape. Serving also resolves references: each pool's
-routing policy (and a deprecated `pd.prefill_policy`; entry point or `module:Class`) and its
+routing policy (entry point or `module:Class`) and its
 `args`, canonicalize rules, an explicitly named tokenizer, a managed fleet's command lines, and
 the optional packages a feature needs (precise mode's ZMQ and msgpack). `preflight` does all of
 that exactly as the runtime will, so that `kvgate check-config` fails where `kvgate serve` would,
@@ -26,13 +26,10 @@ def preflight(settings: Settings) -> None:
     """Raise ConfigError naming the first reference that `serve` could not resolve."""
     for i, pool in enumerate(settings.pools):
         where = f"pools.{i} ({pool.name})"
-        for key, policy in (("policy", pool.policy), ("pd.prefill_policy", pool.pd.prefill_policy)):
-            if policy is None:
-                continue
-            try:
-                load_policy(policy.type, policy.args)
-            except PolicyLoadError as exc:
-                raise ConfigError(f"{where}.{key}: {exc}") from None
+        try:
+            load_policy(pool.policy.type, pool.policy.args)
+        except PolicyLoadError as exc:
+            raise ConfigError(f"{where}.policy: {exc}") from None
         try:
             compile_rules(pool.canonicalize)
         except ValueError as exc:

@@ -88,7 +88,7 @@ class Fleet:
             kv_side_channel_host=kv_side_channel_host,
         )
         adapter = pool.adapter_for(replica)
-        if adapter is not None:
+        if adapter.load_path is not None:  # an engine that reports its load
             self.scraper.add(replica.name, replica.url, adapter)
         return replica
 

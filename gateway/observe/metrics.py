@@ -671,7 +671,7 @@ class FleetCollector(Collector):
             "kvgate_token_count_cache_entries", "Prompt blocks whose token count is cached", labels=["pool"]
         )
         for name, router in list(view.routers.items()):
-            index.add_metric([name], router.prefix_index.entries())
+            index.add_metric([name], router.match.index.entries())
             tokens.add_metric([name], router.hasher.cached_blocks())
         yield from (index, tokens)
 

@@ -4,10 +4,11 @@ The gateway sees every event it relays, so it knows the text already sent. When 
 after the answer began (the connection reset or closed early, a malformed event, an engine error
 event, no bytes for the idle timeout), the next replica is asked to *continue* it:
 
-- chat: the original messages plus an assistant message holding the text sent so far, with
-  `continue_final_message: true, add_generation_prompt: false` (vLLM's switch; SGLang reads the
-  same `continue_final_message` and renders the open message the same way);
-- completions: the prompt followed by the text sent so far.
+- chat: the original messages plus an assistant message holding the text sent so far, left open;
+- completions: the prompt followed by the text sent so far,
+
+in the engines' dialect (the pool's engine adapter's `continuation`; an engine that cannot continue
+an answer, such as a plain OpenAI-compatible server, gets no failover).
 
 The continuation starts from the sent text cut back to its last word boundary: the engine may
 tokenize a half-sent word differently from how it generated it, so the tail is generated again
@@ -42,6 +43,8 @@ from gateway.config import FailoverConfig
 from gateway.path.exchange import StreamOut
 from gateway.path.sse_events import sse_error_event
 
+# Asks an engine to go on from an answer's text: (body, chat, text) -> the continuation's body.
+Continuation = Callable[[Mapping[str, Any], bool, str], dict[str, Any]]
 NO_RESUME_HEADER = "x-kvgate-no-resume"
 _DONE = b"[DONE]"
 # Fields whose output a continuation cannot reproduce from text alone (besides response_format).
@@ -60,7 +63,8 @@ _STRUCTURED = (
 def resumable(
     endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str], cfg: FailoverConfig
 ) -> bool:
-    """Whether an answer to this request may be continued on another replica."""
+    """Whether an answer to this request may be continued on another replica (by an engine that
+    can continue answers)."""
     if not cfg.mid_stream or cfg.max_resumes < 1 or headers.get(NO_RESUME_HEADER, "").strip() == "1":
         return False
     if not body.get("stream") and not cfg.non_streamed:
@@ -98,8 +102,10 @@ class Resume:
         cfg: FailoverConfig,
         count: Callable[[str], int],
         max_response_bytes: int,
+        continue_body: Continuation,
     ) -> None:
         self.chat = endpoint == "chat"
+        self.continue_body = continue_body  # the engines' way to ask them to go on from a text
         self.body = body  # as the engines are sent it (the model's upstream name in it)
         self.buffered = not body.get("stream")  # the client wants one JSON body: assembled here
         # What may be kept of the answer's events: all of an assembled answer, up to the bound of
@@ -163,14 +169,8 @@ class Resume:
         if self.buffered:
             doc["stream"] = True
             doc["stream_options"] = {"include_usage": True}
-        if not start:
-            pass  # nothing to continue from: the request as it was, its first word regenerated
-        elif self.chat:
-            doc["messages"] = [*self.body["messages"], {"role": "assistant", "content": start}]
-            doc["continue_final_message"] = True
-            doc["add_generation_prompt"] = False
-        else:
-            doc["prompt"] = self.body["prompt"] + start
+        if start:  # else nothing to continue from: the request as it was, its first word regenerated
+            doc = self.continue_body(doc, self.chat, start)
         for key in ("max_tokens", "max_completion_tokens"):
             if isinstance(doc.get(key), int):
                 doc[key] = max(1, doc[key] - self.base_tokens)

@@ -88,7 +88,7 @@ class ModelCatalog:
             return None
         fit = found[0]
         if wanted is not None and len(found) > 1:
-            fit = next((r for r in found if not wanted.isdisjoint(r.cfg.tasks)), fit)
+            fit = next((r for r in found if not wanted.isdisjoint(r.pool.cfg.tasks)), fit)
         return Choice(fit.name, None if fit.pool.model == model else model)
 
     def only_model(self) -> str | None:

@@ -103,7 +103,7 @@ async def test_weight_change_rollback_stats_and_status_cli(upstreams, gateway, c
 
     argv = ["--admin", gw.control_url, "--admin-key", KEY]
     assert await asyncio.to_thread(rollout_main, ["weights", *argv, "llama", "canary=25", "stable=75"]) == 0
-    assert gw.runtime.router.weights("llama") == {"stable": 75.0, "canary": 25.0}
+    assert gw.runtime.rollouts.weights("llama") == {"stable": 75.0, "canary": 25.0}
     capsys.readouterr()
     assert await asyncio.to_thread(rollout_main, ["status", *argv]) == 0
     out = capsys.readouterr().out
@@ -299,7 +299,7 @@ async def test_reload_valid_invalid_and_inflight_survives(upstreams, gateway, tm
         r = await client.post(gw.control_url + "/admin/reload", headers=AUTH)
         assert r.status_code == 409 and "invalid YAML" in r.json()["error"]["message"]
         # Nothing of a rejected reload was applied.
-        assert gw.runtime.router.weights("llama") == {"stable": 0.0, "canary": 100.0}
+        assert gw.runtime.rollouts.weights("llama") == {"stable": 0.0, "canary": 100.0}
         assert gw.runtime.settings.server.max_body_bytes != 1000
 
 

@@ -31,7 +31,7 @@ def config(tmp_path: Path, **pool: Any) -> str:
             "args.prefill_tokens_per_sec: Extra inputs are not permitted",
         ),
         ({"policy": {"type": "no_such_module:Policy"}}, "cannot import 'no_such_module'"),
-        ({"pd": {"prefill_policy": {"type": "fastest"}}}, "pools.0 (p).pd.prefill_policy: unknown policy"),
+        ({"pd": {"prefill_policy": {"type": "least_load"}}}, "prefill_policy was removed"),
         ({"tokenizer": "/no/such/tokenizer.json"}, "pools.0 (p).tokenizer: tokenizer '/no/such"),
         ({"tokenizer": "builtin:bpe"}, "unknown; built-in: builtin:cl100k, builtin:words"),
         (

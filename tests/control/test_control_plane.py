@@ -145,7 +145,7 @@ async def test_every_route_needs_the_key_checked_in_constant_time(
     assert len(compared) == 2 * len(ROUTES)
     # Nothing the unauthenticated calls asked for happened.
     assert not gw.runtime.audit.changes
-    assert gw.runtime.router.weights("llama") == {"stable": 90.0, "canary": 10.0}
+    assert gw.runtime.rollouts.weights("llama") == {"stable": 90.0, "canary": 10.0}
     assert not gw.runtime.pools["stable"].replicas["stable-0"].draining
     # An unknown path needs the key too, before it is found missing.
     assert_openai_error(await control.get("/admin/nope"), 401, "invalid_admin_key")
@@ -170,7 +170,7 @@ async def test_routes_and_rollouts_show_rules_as_the_router_has_them(upstreams, 
     async with httpx.AsyncClient(base_url=gw.control_url, headers=AUTH) as client:
         shown = (await client.get("/admin/routes")).json()["routes"]
         rollouts = (await client.get("/admin/rollouts")).json()["routes"]
-    assert shown == gw.runtime.router.describe()  # the same keys: optional ones only when set
+    assert shown == gw.runtime.rollouts.describe()  # the same keys: optional ones only when set
     assert "adapter" not in shown["llama"][0]["pools"][0] and shown["assistant"][0]["rewrite_model"] is False
     assert rollouts["assistant"]["rules"] == shown["assistant"]
     assert rollouts["assistant"]["variants"]["p"]["weight"] == 50.0

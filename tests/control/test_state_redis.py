@@ -85,7 +85,7 @@ async def complete(
 
 
 def blocks(gw: RunningGateway) -> int:
-    return int(gw.runtime.routers["p"].prefix_index.stats()["distinct_blocks"])  # type: ignore[call-overload]
+    return int(gw.runtime.routers["p"].match.index.stats()["distinct_blocks"])  # type: ignore[call-overload]
 
 
 async def test_two_instances_send_a_prefix_to_the_same_replica(key_prefix, upstreams, gateway) -> None:
@@ -167,7 +167,7 @@ async def test_weight_change_on_one_instance_reaches_the_other(key_prefix, upstr
         )
         assert r.status_code == 200
         await wait_until(
-            lambda: b.runtime.router.weights("llama") == {"stable": 50.0, "canary": 0.0},
+            lambda: b.runtime.rollouts.weights("llama") == {"stable": 50.0, "canary": 0.0},
             timeout=LOADED,
             what="the rollback on B",
         )
@@ -181,7 +181,7 @@ async def test_weight_change_on_one_instance_reaches_the_other(key_prefix, upstr
         # A third instance started later adopts the fleet's weights, not its file's.
         late = await gateway(rollout_settings(s.url, c.url, 50, 50, control={"admin_key": KEY}, state=state))
         await wait_until(
-            lambda: late.runtime.router.weights("llama") == {"stable": 50.0, "canary": 0.0},
+            lambda: late.runtime.rollouts.weights("llama") == {"stable": 50.0, "canary": 0.0},
             timeout=LOADED,
             what="the late instance to adopt the weights",
         )
@@ -257,9 +257,9 @@ def test_shared_state_wraps_approximate_indexes_and_leaves_precise_ones_to_kv_ev
     settings = load_config(None, {"pools": pools, "state": {"backend": "redis", "key_prefix": key_prefix}})
     runtime = Runtime(settings)
     approx, precise = runtime.routers["approx"], runtime.routers["precise"]
-    assert isinstance(approx.prefix_index, SharedPrefixIndex)
-    assert approx.prefix_index.prefix_closed  # the fast match survives the wrapping
-    assert precise.precise is not None and precise.prefix_index is precise.precise.index
+    assert isinstance(approx.match.index, SharedPrefixIndex)
+    assert approx.match.index.prefix_closed  # the fast match survives the wrapping
+    assert precise.precise is not None and precise.match.index is precise.precise.index
 
 
 async def test_fleet_token_buckets_are_exact_and_all_or_nothing(key_prefix, upstreams, gateway) -> None:
@@ -385,18 +385,18 @@ async def test_redis_outage_serves_locally_and_resynchronizes(upstreams, gateway
         status = (await client.get(a.control_url + "/admin/state", headers=AUTH)).json()
         assert status["connected"] is False and status["last_error"]
 
-        learned_on_a = set(a.runtime.routers["canary"].prefix_index.snapshot("canary-0"))
+        learned_on_a = set(a.runtime.routers["canary"].match.index.snapshot("canary-0"))
         procs.append(_start_redis(port))  # an empty Redis: everything must be pushed again
         await wait_until(
             lambda: a.runtime.state.connected and b.runtime.state.connected, timeout=10, what="reconnect"
         )
         await wait_until(
-            lambda: b.runtime.router.weights("llama") == {"stable": 0.0, "canary": 50.0},
+            lambda: b.runtime.rollouts.weights("llama") == {"stable": 0.0, "canary": 50.0},
             timeout=LOADED,
             what="A's outage-time weight change to reach B",
         )
         await wait_until(
-            lambda: learned_on_a <= set(b.runtime.routers["canary"].prefix_index.snapshot("canary-0")),
+            lambda: learned_on_a <= set(b.runtime.routers["canary"].match.index.snapshot("canary-0")),
             timeout=LOADED,
             what="A's prefix index to be republished to B",
         )

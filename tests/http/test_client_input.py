@@ -219,11 +219,11 @@ async def test_large_bodies_are_measured_off_the_loop_exactly_as_small_ones(upst
     # What the worker thread learned joined the pool's caches on the loop.
     assert pool.hasher.cached_blocks() > 0
     inline = pool.features(body, "chat", "r", {})
-    for hasher in (pool.hasher.detached(), PrefixHasher(pool.cfg.prefix.block_chars)):
+    for hasher in (pool.hasher.detached(), PrefixHasher(pool.pool.cfg.prefix.block_chars)):
         detached = pool.features(body, "chat", "r", {}, hasher)
         assert detached.block_hashes == inline.block_hashes and detached.block_tokens == inline.block_tokens
     # The offloaded request was learned under the same hashes the inline path computes.
-    assert pool.prefix_index.match(inline.block_hashes, ["r0"])["r0"] == len(inline.block_hashes)
+    assert pool.match.index.match(inline.block_hashes, ["r0"])["r0"] == len(inline.block_hashes)
 
 
 async def test_header_and_idle_timeouts_close_waiting_connections(upstreams, gateway):

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from gateway.fleet.breaker import Admission, BreakerState
-from gateway.path.pd import PREFILL_LOST
+from gateway.path.handoff import PREFILL_LOST
 from tests.conftest import gateway_settings, wait_until
 from tests.hostile_upstream import HostileUpstream
 from tests.simfleet import seen, sim_fleet, sim_process

@@ -7,7 +7,10 @@ from __future__ import annotations
 import orjson
 
 from gateway.config import FailoverConfig
+from gateway.fleet.engines import VLLMAdapter
 from gateway.path.resume import Resume, word_boundary
+
+CONTINUE = VLLMAdapter().continuation  # vLLM's (and SGLang's) way to continue an answer
 
 
 def _chat_event(content: str, finish: str | None = None, role: bool = False) -> bytes:
@@ -25,7 +28,9 @@ def _chat_event(content: str, finish: str | None = None, role: bool = False) -> 
 
 def _resume(**body: object) -> Resume:
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 10}
-    return Resume("chat", {**base, **body}, FailoverConfig(), lambda text: len(text.split()), 1 << 20)
+    return Resume(
+        "chat", {**base, **body}, FailoverConfig(), lambda text: len(text.split()), 1 << 20, CONTINUE
+    )
 
 
 def test_word_boundary_leaves_the_last_word_to_regenerate() -> None:
@@ -45,7 +50,7 @@ def test_a_chat_continuation_opens_the_final_assistant_message_and_shrinks_max_t
 
 
 def test_a_completion_continuation_extends_the_prompt() -> None:
-    r = Resume("completions", {"prompt": "p", "stream": True}, FailoverConfig(), len, 1 << 20)
+    r = Resume("completions", {"prompt": "p", "stream": True}, FailoverConfig(), len, 1 << 20, CONTINUE)
     event = {"id": "cmpl-1", "created": 1, "model": "m", "choices": [{"index": 0, "text": " a bc"}]}
     r.feed(b"data: " + orjson.dumps(event) + b"\n\n")
     assert r.continuation()["prompt"] == "p a"
@@ -116,6 +121,7 @@ def test_a_streamed_answer_past_max_kept_bytes_keeps_nothing_and_is_no_longer_co
         FailoverConfig(max_kept_bytes=4096),
         len,
         1 << 20,
+        CONTINUE,
     )
     r.feed(_chat_event("", role=True))
     event = _chat_event("x" * 100)
@@ -139,6 +145,7 @@ def test_an_assembled_answer_past_max_response_bytes_fails_the_attempt() -> None
         FailoverConfig(non_streamed=True),
         len,
         4096,
+        CONTINUE,
     )
     r.feed(_chat_event("", role=True))
     for _ in range(100):
