@@ -1,0 +1,46 @@
+"""The control plane's listener, state shared by several gateways, and telemetry."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from gateway.config.base import Strict
+
+
+class ControlConfig(Strict):
+    """The control plane: the admin API (and its OpenAPI schema and docs page) on a listener of its
+    own, never on the data plane's port."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(9001, ge=0, le=65535, description="0: a free port, picked at start")
+    admin_key: str | None = Field(
+        None, description="Bearer key every /admin route needs; unset = no control listener at all"
+    )
+    max_connections: int = Field(
+        32, gt=0, description="Connections served at once; beyond it, 503 until one closes"
+    )
+    idle_timeout_s: float = Field(
+        5.0, gt=0, description="A connection silent this long is closed, before its first request too"
+    )
+    header_timeout_s: float = Field(
+        5.0, gt=0, description="A request head must be whole this long after its connection or first byte"
+    )
+    max_connections_per_address: int = Field(
+        8, gt=0, description="Connections from one peer address (its longest waiting one gives way)"
+    )
+
+
+class StateConfig(Strict):
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "kvgate"
+    sync_interval_s: float = Field(0.2, gt=0)
+    instance_ttl_s: float = Field(10.0, gt=0)
+
+
+class TelemetryConfig(Strict):
+    metrics: bool = True
+    tracing: bool = False
+    service_name: str = "kvgate"
