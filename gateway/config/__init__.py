@@ -10,7 +10,8 @@ One import, `from gateway.config import X`, for every name; the models live in m
 `upstream` (engine URLs, connections, retries, health, breaker, load scrapes), `scheduler`,
 `engines` (managed fleets), `endpoints` (unmanaged and discovered replicas), `prefix` (policy,
 prefix index, canonicalization), `pools`, `routes`, `settings` (the whole tree and the checks
-across it) and `loading` (file, overrides, one-line errors).
+across it), `loading` (file, overrides, one-line errors) and `reference` (docs/settings.md,
+generated from the models).
 """
 
 from gateway.config.base import ConfigError, Strict
@@ -41,6 +42,7 @@ from gateway.config.pools import (
     Task,
 )
 from gateway.config.prefix import CanonicalizeConfig, CanonicalizeRule, PolicyConfig, PrefixConfig
+from gateway.config.reference import REFERENCE_COMMAND, setting_keys, settings_reference
 from gateway.config.routes import HeaderMatch, RouteConfig, RouteRule, StickyConfig, WeightedPool
 from gateway.config.scheduler import PriorityClass, SchedulerConfig
 from gateway.config.server import ServerConfig, TenantConfig
@@ -57,6 +59,7 @@ from gateway.config.upstream import (
 )
 
 __all__ = [
+    "REFERENCE_COMMAND",
     "AdapterSpec",
     "BreakerConfig",
     "CanonicalizeConfig",
@@ -103,4 +106,6 @@ __all__ = [
     "WeightedPool",
     "load_config",
     "parse_target",
+    "setting_keys",
+    "settings_reference",
 ]

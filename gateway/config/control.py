@@ -13,8 +13,10 @@ class ControlConfig(Strict):
     """The control plane: the admin API (and its OpenAPI schema and docs page) on a listener of its
     own, never on the data plane's port."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(9001, ge=0, le=65535, description="0: a free port, picked at start")
+    host: str = Field("127.0.0.1", description="Address the admin API listens on")
+    port: int = Field(
+        9001, ge=0, le=65535, description="The admin API's port (0: a free port, picked at start)"
+    )
     admin_key: str | None = Field(
         None, description="Bearer key every /admin route needs; unset = no control listener at all"
     )
@@ -33,14 +35,26 @@ class ControlConfig(Strict):
 
 
 class StateConfig(Strict):
-    backend: Literal["memory", "redis"] = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    key_prefix: str = "kvgate"
-    sync_interval_s: float = Field(0.2, gt=0)
-    instance_ttl_s: float = Field(10.0, gt=0)
+    """State shared by several gateway instances (load, prefix index, weights, rate limits)."""
+
+    backend: Literal["memory", "redis"] = Field(
+        "memory", description="memory: this instance's own; redis: shared by every instance using it"
+    )
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="The Redis server (backend redis)")
+    key_prefix: str = Field(
+        "kvgate", description="Prefix of every Redis key: instances sharing it share state"
+    )
+    sync_interval_s: float = Field(0.2, gt=0, description="How often an instance syncs with Redis")
+    instance_ttl_s: float = Field(
+        10.0, gt=0, description="An instance silent this long no longer counts (its load is dropped)"
+    )
 
 
 class TelemetryConfig(Strict):
-    metrics: bool = True
-    tracing: bool = False
-    service_name: str = "kvgate"
+    """Metrics and traces."""
+
+    metrics: bool = Field(True, description="Serve Prometheus metrics at /metrics")
+    tracing: bool = Field(
+        False, description="OpenTelemetry spans per request, exported as the OTEL_* variables say"
+    )
+    service_name: str = Field("kvgate", description="The traces' service.name (OTEL_SERVICE_NAME wins)")

@@ -36,10 +36,14 @@ class KVEventsSource(Strict):
 class EndpointConfig(Strict):
     """An unmanaged engine that someone else runs."""
 
-    url: str
-    name: str | None = None
-    role: Literal["mixed", "prefill", "decode"] = "mixed"
-    kind: Literal["vllm", "sglang", "sim", "openai"] = "vllm"
+    url: str = Field(description="The engine's base URL, http:// or https://")
+    name: str | None = Field(None, description="The replica's name in metrics and logs (unset: `<pool>-<n>`)")
+    role: Literal["mixed", "prefill", "decode"] = Field(
+        "mixed", description="mixed serves whole requests; prefill and decode split them (PD)"
+    )
+    kind: Literal["vllm", "sglang", "sim", "openai"] = Field(
+        "vllm", description="How its load and PD protocol are read (openai: any compatible server, no load)"
+    )
     bootstrap_port: int | None = Field(None, description="SGLang prefill bootstrap port")
     kv_events: KVEventsSource | None = Field(
         None,
@@ -82,7 +86,9 @@ class KubernetesDiscoveryConfig(Strict):
     label_selector: str = Field(
         description="Which pods (or EndpointSlices) serve the pool, e.g. kvgate.io/pool=llama"
     )
-    resource: Literal["pods", "endpointslices"] = "pods"
+    resource: Literal["pods", "endpointslices"] = Field(
+        "pods", description="Watch pods, or the EndpointSlices of a Service"
+    )
     port: int | str = Field(
         "http", description="The engine's HTTP port: a number, or a container/Service port name"
     )
@@ -96,23 +102,29 @@ class KubernetesDiscoveryConfig(Strict):
         "auto", description="auto: the pod's service account when in a cluster, else the kubeconfig"
     )
     kubeconfig: str | None = Field(None, description="Unset: $KUBECONFIG, else ~/.kube/config")
-    context: str | None = None
-    service_account_dir: str = "/var/run/secrets/kubernetes.io/serviceaccount"
+    context: str | None = Field(None, description="The kubeconfig context (unset: its current one)")
+    service_account_dir: str = Field(
+        "/var/run/secrets/kubernetes.io/serviceaccount", description="In a cluster: the pod's token and CA"
+    )
     watch_timeout_s: int = Field(
         290, gt=0, description="timeoutSeconds of each watch; the watch resumes from its last resourceVersion"
     )
     request_timeout_s: float = Field(
         30.0, gt=0, description="For list requests, and for a silent watch beyond its timeout"
     )
-    backoff_initial_s: float = Field(0.5, gt=0)
-    backoff_max_s: float = Field(30.0, gt=0)
+    backoff_initial_s: float = Field(
+        0.5, gt=0, description="After a failed list or watch, wait this long, doubled for each next failure"
+    )
+    backoff_max_s: float = Field(30.0, gt=0, description="Longest wait between two tries")
     drain_timeout_s: float = Field(
         600.0, ge=0, description="A replica that left waits this long at most for its requests in flight"
     )
 
 
 class DiscoveryConfig(Strict):
-    kubernetes: KubernetesDiscoveryConfig
+    """Where a pool's replicas are discovered."""
+
+    kubernetes: KubernetesDiscoveryConfig = Field(description="Replicas from the Kubernetes API")
 
     @model_validator(mode="after")
     def _client_installed(self) -> DiscoveryConfig:

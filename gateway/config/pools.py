@@ -39,6 +39,8 @@ class FailoverConfig(Strict):
 
 
 class PDConfig(Strict):
+    """When a request of a prefill/decode pool is handed off between two replicas."""
+
     min_uncached_tokens: int = Field(512, ge=0, description="Disaggregate only above this many new tokens")
     max_transfer_tokens: int = Field(
         0,
@@ -59,6 +61,8 @@ Task = Literal["generate", "embed", "classify", "score"]
 
 
 class AdapterSpec(Strict):
+    """A LoRA adapter clients may ask for."""
+
     name: str = Field(min_length=1, max_length=256, description="The adapter's name at the engines")
     path: str | None = Field(None, min_length=1, description="Where an engine loads it from (load_on_demand)")
 
@@ -74,13 +78,13 @@ class PoolLoraConfig(Strict):
     discover: bool = Field(
         False, description="Learn each replica's adapters (and max_model_len) from its /v1/models"
     )
-    discover_interval_s: float = Field(10.0, gt=0)
+    discover_interval_s: float = Field(10.0, gt=0, description="How often each replica's /v1/models is read")
     load_on_demand: bool = Field(
         False,
         description="Load a declared adapter onto a replica that lacks it (POST /v1/load_lora_adapter "
         "with its path) before sending it the request",
     )
-    load_timeout_s: float = Field(120.0, gt=0)
+    load_timeout_s: float = Field(120.0, gt=0, description="Longest wait for an adapter to load")
     load_retry_s: float = Field(
         10.0, gt=0, description="After a failed load, wait this long before trying that replica again"
     )
@@ -107,7 +111,9 @@ class PoolLoraConfig(Strict):
 
 
 class PoolConfig(Strict):
-    name: str
+    """A pool: replicas serving one model, and how requests are routed among them."""
+
+    name: str = Field(description="The pool's name, in routes, metrics and the admin API")
     model: str = Field(description="Model name the engines serve")
     served_model: str | None = Field(None, description="Rewrite `model` to this upstream (default: model)")
     tasks: list[Task] = Field(
@@ -116,14 +122,16 @@ class PoolConfig(Strict):
         description="What the pool's engines serve: generate (chat, completions, responses), embed "
         "(embeddings, pooling, score, rerank), classify (classify, pooling), score (score, rerank, pooling)",
     )
-    lora: PoolLoraConfig = Field(default_factory=PoolLoraConfig)
-    policy: PolicyConfig = Field(default_factory=PolicyConfig)
-    canonicalize: CanonicalizeConfig = Field(default_factory=CanonicalizeConfig)
-    prefix: PrefixConfig = Field(default_factory=PrefixConfig)
-    pd: PDConfig = Field(default_factory=PDConfig)
-    failover: FailoverConfig = Field(default_factory=FailoverConfig)
-    engines: EngineSpec | None = None
-    endpoints: list[EndpointConfig] = Field(default_factory=list)
+    lora: PoolLoraConfig = Field(default_factory=PoolLoraConfig, description="The LoRA adapters served")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="The routing policy")
+    canonicalize: CanonicalizeConfig = Field(
+        default_factory=CanonicalizeConfig, description="Prompt canonicalization"
+    )
+    prefix: PrefixConfig = Field(default_factory=PrefixConfig, description="The prefix index")
+    pd: PDConfig = Field(default_factory=PDConfig, description="Prefill/decode hand-offs")
+    failover: FailoverConfig = Field(default_factory=FailoverConfig, description="Mid-answer failover")
+    engines: EngineSpec | None = Field(None, description="Replicas launched and supervised by the gateway")
+    endpoints: list[EndpointConfig] = Field(default_factory=list, description="Replicas someone else runs")
     discovery: DiscoveryConfig | None = Field(
         None,
         description="Replicas discovered from Kubernetes, joining and leaving as pods become ready or go",
@@ -136,7 +144,9 @@ class PoolConfig(Strict):
         "sglang: also the Hugging Face cache), else cl100k counts corrected by the tokens per "
         "character learned from the engines' usage figures (or their prompt token counters)",
     )
-    client_passthrough: ClientPassthrough = Field(default_factory=ClientPassthrough)
+    client_passthrough: ClientPassthrough = Field(
+        default_factory=ClientPassthrough, description="Engine-steering input clients may send through"
+    )
     priority_scheduling: bool = Field(
         False,
         description="The (unmanaged) endpoints run priority scheduling: forward each request's priority "

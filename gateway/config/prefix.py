@@ -10,8 +10,14 @@ from gateway.config.base import Strict
 
 
 class PolicyConfig(Strict):
-    type: str = "prefix_affinity"
-    args: dict[str, Any] = Field(default_factory=dict)
+    """A routing policy: which replica of the pool serves a request."""
+
+    type: str = Field(
+        "prefix_affinity", description="A policy's entry-point name (built-in or a plugin's) or module:Class"
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="The policy's own settings (docs/routing.md)"
+    )
     max_candidates: int = Field(
         32,
         ge=0,
@@ -23,33 +29,51 @@ class PolicyConfig(Strict):
 
 
 class CanonicalizeRule(Strict):
-    name: str
+    """A pattern of yours for volatile text (a user id, a ticket number)."""
+
+    name: str = Field(description="The rule's name, in errors and in the debug log of what moved")
     pattern: str = Field(description="Python regex matching a volatile fragment")
 
 
 class CanonicalizeConfig(Strict):
-    enabled: bool = False
-    move_volatile_to_end: bool = True
-    rules: list[CanonicalizeRule] = Field(default_factory=list)
+    """Rewriting prompts so that identical prefixes are identical (off unless enabled)."""
+
+    enabled: bool = Field(False, description="Canonicalize this pool's prompts")
+    move_volatile_to_end: bool = Field(
+        True, description="Sentences of the leading system content that match a rule move to a trailing note"
+    )
+    rules: list[CanonicalizeRule] = Field(default_factory=list, description="Your volatile patterns")
     builtin_rules: list[str] = Field(
         default_factory=lambda: ["iso_datetime", "date", "time", "uuid"],
         description="Named built-in patterns to apply in addition to rules",
     )
-    sort_tools: bool = True
-    normalize_whitespace: bool = True
-    opt_out_header: str = "x-kvgate-no-canonicalize"
+    sort_tools: bool = Field(True, description="Tool definitions in a stable order (by name)")
+    normalize_whitespace: bool = Field(
+        True, description="System content's line ends made LF and trailing blanks removed"
+    )
+    opt_out_header: str = Field(
+        "x-kvgate-no-canonicalize", description="A request sending this header (any value) is left as it is"
+    )
 
 
 class PrefixConfig(Strict):
+    """The pool's prefix index: which replica holds which prompt prefix."""
+
     block_chars: int = Field(64, ge=8, description="Characters per hashed block (about 16 tokens)")
     max_blocks_per_replica: int | None = Field(
         None, gt=0, description="Index bound; unset: sized from the engine's KV capacity"
     )
-    default_blocks_per_replica: int = Field(65536, gt=0)
+    default_blocks_per_replica: int = Field(
+        65536, gt=0, description="Index bound per replica until its engine reports its KV capacity"
+    )
     token_cache_entries: int = Field(
         200_000, gt=0, description="Token counts of prompt blocks kept per pool (about 200 bytes each)"
     )
-    speculative_ttl_s: float = Field(2.0, gt=0)
+    speculative_ttl_s: float = Field(
+        2.0,
+        gt=0,
+        description="Precise mode: a routed prompt's blocks count this long before the events confirm them",
+    )
     max_learn_blocks: int = Field(
         8192,
         gt=0,

@@ -51,19 +51,29 @@ class _EnvSource(EnvSettingsSource):
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid")
 
-    server: ServerConfig = Field(default_factory=ServerConfig)
-    control: ControlConfig = Field(default_factory=ControlConfig)
-    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig)
-    retry: RetryConfig = Field(default_factory=RetryConfig)
-    health: HealthConfig = Field(default_factory=HealthConfig)
-    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
-    scrape: ScrapeConfig = Field(default_factory=ScrapeConfig)
-    state: StateConfig = Field(default_factory=StateConfig)
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
-    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
-    tenants: list[TenantConfig] = Field(default_factory=list)
-    pools: list[PoolConfig] = Field(default_factory=list)
-    routes: list[RouteConfig] = Field(default_factory=list)
+    server: ServerConfig = Field(
+        default_factory=ServerConfig, description="The OpenAI API's listener and client limits"
+    )
+    control: ControlConfig = Field(default_factory=ControlConfig, description="The admin API's own listener")
+    upstream: UpstreamConfig = Field(default_factory=UpstreamConfig, description="Connections to engines")
+    retry: RetryConfig = Field(default_factory=RetryConfig, description="Retries before the first byte")
+    health: HealthConfig = Field(default_factory=HealthConfig, description="Health checks of replicas")
+    breaker: BreakerConfig = Field(
+        default_factory=BreakerConfig, description="Each replica's circuit breaker"
+    )
+    scrape: ScrapeConfig = Field(
+        default_factory=ScrapeConfig, description="Engine load, read from each replica"
+    )
+    state: StateConfig = Field(default_factory=StateConfig, description="State shared by several gateways")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Queueing and admission")
+    telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Metrics and traces")
+    tenants: list[TenantConfig] = Field(
+        default_factory=list, description="Clients with their own keys and limits (besides server.api_keys)"
+    )
+    pools: list[PoolConfig] = Field(default_factory=list, description="The engines, one pool per model")
+    routes: list[RouteConfig] = Field(
+        default_factory=list, description="Model names mapped to pools (a pool's own model needs none)"
+    )
 
     @classmethod
     def settings_customise_sources(
