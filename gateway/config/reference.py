@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from gateway.config.settings import Settings, _is_list
+from gateway.config.settings import Settings, _is_list, _model_in
 
 REFERENCE_COMMAND = "kvgate config reference > docs/settings.md"
 
@@ -121,14 +121,3 @@ def _default(info: FieldInfo) -> str:
 def _cell(text: str) -> str:
     """Text for one cell of a Markdown table: a `|` would end the cell."""
     return text.replace("|", "\\|")
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The settings block an annotation holds (itself, a list's item, an optional one), if any."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None

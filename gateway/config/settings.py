@@ -6,7 +6,7 @@ import types
 import typing
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -34,6 +34,17 @@ def _is_list(annotation: Any) -> bool:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return any(_is_list(a) for a in typing.get_args(annotation) if a is not type(None))
     return typing.get_origin(annotation) is list or annotation is list
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The settings block an annotation holds (itself, a list's item, an optional one), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 class _EnvSource(EnvSettingsSource):
@@ -107,7 +118,7 @@ class Settings(BaseSettings):
     def _cross_refs(self) -> Settings:
         pool_names = [p.name for p in self.pools]
         if len(set(pool_names)) != len(pool_names):
-            raise ValueError(f"pool names must be unique: {pool_names}")
+            raise ValueError(f"pools: each pool needs a name of its own: {pool_names}")
         pools = {p.name: p for p in self.pools}
         for i, route in enumerate(self.routes):
             for j, rule in enumerate(route.rules):
@@ -125,10 +136,12 @@ class Settings(BaseSettings):
                             "(pools[].lora.adapters, engines.lora.modules, or lora.discover)"
                         )
         models = {p.model for p in self.pools}
-        for p in self.pools:
+        for i, p in enumerate(self.pools):
             clash = sorted(models & {a.name for a in p.adapter_specs})
             if clash:
-                raise ValueError(f"pool {p.name!r}: adapter names {clash} are also pool model names")
+                raise ValueError(
+                    f"pools.{i} ({p.name}).lora: adapter names {clash} are also pool model names"
+                )
         if isinstance(self.server.ready, list):
             unknown = [name for name in self.server.ready if name not in pool_names]
             if unknown or not self.server.ready:
@@ -136,9 +149,12 @@ class Settings(BaseSettings):
                 raise ValueError(f"server.ready: {what}: expected names of pools {pool_names}")
         _check_ports(self)
         classes = {c.name for c in self.scheduler.classes}
-        for t in self.tenants:
+        for i, t in enumerate(self.tenants):
             if t.max_priority is not None and t.max_priority not in classes:
-                raise ValueError(f"tenant {t.name!r}: max_priority {t.max_priority!r} is not a class")
+                raise ValueError(
+                    f"tenants.{i} ({t.name}).max_priority: {t.max_priority!r} is not one of "
+                    f"scheduler.classes {sorted(classes)}"
+                )
         return self
 
     def pool(self, name: str) -> PoolConfig:
