@@ -86,3 +86,23 @@ def test_validation_errors_name_the_key_and_the_reason(
 def test_several_wrong_keys_are_counted(tmp_path: Path) -> None:
     message = refusal(tmp_path, {"server": {"port": -1, "max_n": 0}, "retry": {"max_attempts": 0}})
     assert message == "server.port: Input should be greater than or equal to 0 (and 2 more)"
+
+
+@pytest.mark.parametrize("weight", [1e308, 5e-324, 1_000_001, float("inf"), float("nan"), -1])
+def test_route_weights_are_bounded(tmp_path: Path, weight: float) -> None:
+    """Two weights of 1e308 summed to infinity and sent every request to the second pool; 5e-324
+    was a positive weight that no request could land on."""
+    pools = [{"name": n, "model": "m", "endpoints": [ENDPOINT]} for n in ("stable", "canary")]
+    split = [{"name": "stable", "weight": weight}, {"name": "canary", "weight": weight}]
+    message = refusal(tmp_path, {"pools": pools, "routes": [{"model": "x", "rules": [{"pools": split}]}]})
+    assert message.startswith("routes.0.rules.0.pools.0.weight: "), message
+    if weight > 0 and weight != float("inf"):
+        assert "a weight is 0 (out of the split) or from 0.001 to 1,000,000, not " in message
+
+
+def test_weights_at_the_bounds_pass(tmp_path: Path) -> None:
+    pools = [{"name": n, "model": "m", "endpoints": [ENDPOINT]} for n in ("a", "b", "c")]
+    split = [{"name": "a", "weight": 0}, {"name": "b", "weight": 0.001}, {"name": "c", "weight": 1_000_000}]
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump({"pools": pools, "routes": [{"model": "x", "rules": [{"pools": split}]}]}))
+    assert [p.weight for p in load_config(path).routes[0].rules[0].pools] == [0, 0.001, 1_000_000]

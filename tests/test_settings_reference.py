@@ -36,8 +36,8 @@ def test_the_scheduler_settings_the_docs_never_named_are_on_the_page() -> None:
         assert f"| `scheduler.{key}` |" in page, key
     # A row: key, type with its bounds, default, meaning.
     assert (
-        "| `scheduler.max_waiting_per_replica` | int, >= 0 | `4` | Engine waiting queue above this: no headroom |"
-        in page
+        "| `scheduler.max_waiting_per_replica` | int, >= 0 | `4` | "
+        "Engine waiting queue above this: no headroom |" in page
     )
     assert "| `pools[].engines.replicas` | int, >= 1 | `1` |" in page
 

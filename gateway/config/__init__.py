@@ -43,7 +43,17 @@ from gateway.config.pools import (
 )
 from gateway.config.prefix import CanonicalizeConfig, CanonicalizeRule, PolicyConfig, PrefixConfig
 from gateway.config.reference import REFERENCE_COMMAND, setting_keys, settings_reference
-from gateway.config.routes import HeaderMatch, RouteConfig, RouteRule, StickyConfig, WeightedPool
+from gateway.config.routes import (
+    MAX_WEIGHT,
+    MIN_POSITIVE_WEIGHT,
+    HeaderMatch,
+    RouteConfig,
+    RouteRule,
+    RouteWeight,
+    StickyConfig,
+    WeightedPool,
+    check_weight,
+)
 from gateway.config.scheduler import PriorityClass, SchedulerConfig
 from gateway.config.server import ServerConfig, TenantConfig
 from gateway.config.settings import Settings
@@ -59,6 +69,8 @@ from gateway.config.upstream import (
 )
 
 __all__ = [
+    "MAX_WEIGHT",
+    "MIN_POSITIVE_WEIGHT",
     "REFERENCE_COMMAND",
     "AdapterSpec",
     "BreakerConfig",
@@ -89,6 +101,7 @@ __all__ = [
     "RetryConfig",
     "RouteConfig",
     "RouteRule",
+    "RouteWeight",
     "SchedulerConfig",
     "ScrapeConfig",
     "ServerConfig",
@@ -104,6 +117,7 @@ __all__ = [
     "UpstreamConfig",
     "UpstreamTLS",
     "WeightedPool",
+    "check_weight",
     "load_config",
     "parse_target",
     "setting_keys",

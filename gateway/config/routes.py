@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from typing import Annotated
+
+from pydantic import AfterValidator, Field, field_validator
 
 from gateway.config.base import Strict
+
+# Weights are relative, so their scale is free; bounded so that a rule's sum stays a finite number
+# that tells its pools apart (two weights of 1e308 summed to infinity and sent everything to the
+# second), and a positive weight is not a denormal that no request ever lands on.
+MAX_WEIGHT = 1_000_000.0
+MIN_POSITIVE_WEIGHT = 0.001
+
+
+def check_weight(value: float) -> float:
+    """A route weight as every path that sets one accepts it (the file, the admin API, shared state,
+    `kvgate rollout weights`): 0 (out of the split) or between the bounds; ValueError says so."""
+    if value != 0 and not MIN_POSITIVE_WEIGHT <= value <= MAX_WEIGHT:  # NaN fails both comparisons
+        raise ValueError(
+            f"a weight is 0 (out of the split) or from {MIN_POSITIVE_WEIGHT:g} to {MAX_WEIGHT:,.0f}, "
+            f"not {value!r}"
+        )
+    return value
+
+
+RouteWeight = Annotated[float, Field(ge=0, allow_inf_nan=False), AfterValidator(check_weight)]
 
 
 class HeaderMatch(Strict):
@@ -19,8 +41,10 @@ class WeightedPool(Strict):
     """A pool in a rule's split."""
 
     name: str = Field(description="The pool's name (pools[].name)")
-    weight: float = Field(
-        100.0, ge=0, description="Its share of the rule's requests, relative to the others'"
+    weight: RouteWeight = Field(
+        100.0,
+        description="Its share of the rule's requests, relative to the others': 0 takes the pool out, "
+        f"else from {MIN_POSITIVE_WEIGHT:g} to {MAX_WEIGHT:,.0f}",
     )
     adapter: str | None = Field(None, description="Serve the route with this LoRA adapter of the pool")
 
