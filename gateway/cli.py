@@ -74,14 +74,14 @@ def main(argv: list[str] | None = None) -> int:
 
         print(settings_reference(), end="")
         return 0
-    from gateway.control.preflight import preflight
+    from gateway.control.preflight import engine_warnings, preflight
 
     try:
         if args.command == "check-config":
             settings = load_config(args.config)
             preflight(settings)
-            for deprecated in settings.deprecations():
-                print(f"kvgate: warning: {deprecated}", file=sys.stderr)
+            for warning in [*settings.deprecations(), *engine_warnings(settings)]:
+                print(f"kvgate: warning: {warning}", file=sys.stderr)
             print(f"{args.config}: ok ({len(settings.pools)} pools, {len(settings.routes)} routes)")
             return 0
         if args.command == "launch":
@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
             settings = _load(args.config)
             preflight(settings)
+            for warning in engine_warnings(settings):
+                print(f"kvgate: warning: {warning}", file=sys.stderr)
             print(dry_run(settings))
             return 0
         settings = _load(args.config)

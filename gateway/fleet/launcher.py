@@ -11,6 +11,12 @@ the thread that lives as long as the gateway (the event loop's).
 
 `start()` returns at once: the gateway serves while engines load (minutes for a real model), and
 replicas join the pool as they become ready. `wait_ready()` is for callers that want to block.
+
+A command that cannot start at all (its executable not on PATH or not there, or the module a
+`python -m` command runs not importable) is not retried: the replica is `failed`, with an error
+naming the command and the setting to change (`engines.command`), logged once. Retrying could not
+help: the gateway's PATH and the command are fixed at start. `command_problem` is that check, which
+`kvgate check-config` runs too.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import importlib.util
 import inspect
 import logging
 import os
 import shlex
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -52,7 +61,10 @@ PROGRESS_EVERY_S = 10.0
 
 ReadyCallback = Callable[["LaunchedReplica"], Awaitable[None] | None]
 DownCallback = Callable[[str], Awaitable[None] | None]
-ReplicaState = Literal["idle", "starting", "ready", "backoff", "stopped"]
+ReplicaState = Literal["idle", "starting", "ready", "backoff", "stopped", "failed"]
+# What to do about an engine that is not installed, by kind (`engines.command` is always the other way).
+_INSTALL = {"vllm": "install vLLM", "sglang": "install SGLang"}
+_MODULE_CHECK = "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)"
 
 
 class LaunchError(Exception):
@@ -220,6 +232,46 @@ def dry_run(settings: Settings) -> str:
         finally:
             release_ports([p for plan in plans for p in plan.ports])
     return "\n".join(out) if out else "# no managed pools (no `engines:` section in any pool)\n"
+
+
+def command_problem(argv: list[str], engine_env: dict[str, str], kind: str) -> str | None:
+    """Why an engine's command (with the environment set on top of the gateway's) cannot start, in
+    words that say what to set; None when it can, as far as can be told without starting it: its
+    executable exists, and a `python -m` command's package is found by that interpreter."""
+    exe, env = argv[0], {**os.environ, **engine_env}
+    fix = "set engines.command" + (f" or {_INSTALL[kind]}" if kind in _INSTALL else "")
+    if os.sep in exe:
+        if not os.path.isfile(exe):
+            return f"`{exe}` does not exist: {fix}"
+        if not os.access(exe, os.X_OK):
+            return f"`{exe}` is not executable: {fix}"
+        found = exe
+    else:
+        which = shutil.which(exe, path=env.get("PATH", os.defpath))
+        if which is None:
+            return f"`{exe}` not found on PATH: {fix}"
+        found = which
+    if len(argv) > 2 and argv[1] == "-m":
+        package = argv[2].split(".")[0]
+        if os.path.abspath(found) == os.path.abspath(sys.executable) and "PYTHONPATH" not in engine_env:
+            importable = importlib.util.find_spec(package) is not None  # this interpreter: ask itself
+        else:
+            importable = _importable(found, package, env)
+        if not importable:
+            return f"`{exe}` cannot import {package} (for `-m {argv[2]}`): {fix}"
+    return None
+
+
+def _importable(python: str, package: str, env: dict[str, str]) -> bool:
+    """Whether another interpreter finds `package` (locating a top-level package imports nothing).
+    One that cannot say counts as finding it: the start then fails, or not, on its own terms."""
+    try:
+        done = subprocess.run(
+            [python, "-c", _MODULE_CHECK, package], env=env, capture_output=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return done.returncode != 1
 
 
 def _load_prctl() -> Callable[[int, int], int] | None:
@@ -401,6 +453,13 @@ class FleetLauncher:
         name, status = replica.plan.name, replica.status
         while not self._stopping:
             await self._set_state(replica, "starting")
+            plan = replica.plan
+            problem = await asyncio.to_thread(command_problem, plan.argv, plan.env, plan.kind)
+            if problem is not None:
+                status.last_error = f"replica {name} cannot be started: {problem}"
+                log.error("%s; not retried (fix it, then restart the gateway)", status.last_error)
+                await self._set_state(replica, "failed")
+                return
             try:
                 error = await self._run_once(replica)
             except OSError as exc:  # the executable is missing, the log dir unwritable...

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -168,6 +169,67 @@ async def test_readiness_timeout_kills_the_replica(tmp_path: Path) -> None:
         assert pid is not None and not alive(pid)  # killed before the restart backoff
     finally:
         await launcher.stop()
+
+
+def _not_executable(tmp_path: Path) -> str:
+    path = tmp_path / "vllm"
+    path.write_text("#!/bin/sh\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("engines", "expected"),
+    [
+        (  # the case: reported as `[Errno 2] No such file or directory` and retried forever
+            lambda tmp: {"kind": "vllm", "env": {"PATH": str(tmp)}},
+            "`vllm` not found on PATH: set engines.command or install vLLM",
+        ),
+        (
+            lambda tmp: {
+                "kind": "sglang",
+                "command": [str(tmp / "venv" / "bin" / "python3"), "-m", "sglang"],
+            },
+            "`{tmp}/venv/bin/python3` does not exist: set engines.command or install SGLang",
+        ),
+        (
+            lambda tmp: {"kind": "vllm", "command": [_not_executable(tmp), "serve"]},
+            "`{tmp}/vllm` is not executable: set engines.command or install vLLM",
+        ),
+        (  # this interpreter, which answers for itself
+            lambda tmp: {"command": [sys.executable, "-m", "no_such_engine.server"]},
+            f"`{sys.executable}` cannot import no_such_engine (for `-m no_such_engine.server`): "
+            "set engines.command",
+        ),
+        (  # another module path: that interpreter is asked, as a process of its own
+            lambda tmp: {
+                "command": [sys.executable, "-m", "no_such_engine"],
+                "env": {"PYTHONPATH": str(tmp)},
+            },
+            f"`{sys.executable}` cannot import no_such_engine (for `-m no_such_engine`): set engines.command",
+        ),
+    ],
+)
+async def test_an_engine_that_cannot_start_is_named_and_not_retried(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, engines: Any, expected: str
+) -> None:
+    spec = fast_spec(tmp_path, **engines(tmp_path))
+    launcher = FleetLauncher("gpu", spec, "m", lambda r: None, lambda n: None)
+    caplog.set_level(logging.INFO, logger="kvgate.launcher")
+    await launcher.start()
+    try:
+        with pytest.raises(LaunchError) as err:
+            await launcher.wait_ready(timeout_s=STARTUP_S)
+    finally:
+        await launcher.stop()
+    message = expected.replace("{tmp}", str(tmp_path))
+    assert str(err.value) == f"gpu-0: replica gpu-0 cannot be started: {message}"
+    status = launcher.status()["gpu-0"]
+    assert status.restarts == 0 and status.pid is None  # never spawned, never retried
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [
+        f"replica gpu-0 cannot be started: {message}; not retried (fix it, then restart the gateway)"
+    ]
+    assert "restarting replica" not in caplog.text
 
 
 DRIVER = textwrap.dedent(
