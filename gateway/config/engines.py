@@ -96,8 +96,18 @@ class EngineSpec(Strict):
     model: str | None = Field(None, description="The model the engines load (unset: the pool's model)")
     replicas: int = Field(1, ge=1, description="Engine processes launched")
     host: str = Field("127.0.0.1", description="Address the engines listen on")
-    base_port: int | None = Field(None, ge=1, le=65535, description="Unset: free ports are allocated")
-    gpu_ids: list[list[int]] | None = Field(None, description="GPU ids per replica (CUDA_VISIBLE_DEVICES)")
+    base_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="First replica's port, the next ones and auxiliary ports following; unset: the first "
+        "free ports from server.port + 100 (server.port 0: ports the system picks)",
+    )
+    gpu_ids: list[list[int]] | None = Field(
+        None,
+        description="GPU ids per replica (CUDA_VISIBLE_DEVICES); replicas may share one; unset: each "
+        "replica its own tensor_parallel_size GPUs, in order",
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per replica (--tensor-parallel-size)")
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bf16"] = Field(
         "auto", description="--kv-cache-dtype (fp8 halves the KV cache's memory)"

@@ -41,7 +41,7 @@ from typing import Literal
 
 import aiohttp
 
-from gateway.config import EngineSpec, Settings
+from gateway.config import EngineSpec, Settings, parse_target
 from gateway.fleet.engines import adapter_for_spec
 from gateway.fleet.engines.base import (
     BOOTSTRAP_PORT,
@@ -56,6 +56,8 @@ from gateway.fleet.replica import Role
 log = logging.getLogger("kvgate.launcher")
 
 LOG_TAIL_LINES = 20
+# Engines without a base port take theirs from the gateway's port plus this (8000: 8100 upwards).
+ENGINE_PORT_OFFSET = 100
 LOG_ROTATE_BYTES = 64 * 1024 * 1024
 PROGRESS_EVERY_S = 10.0
 
@@ -120,8 +122,32 @@ class ReplicaStatus:
     last_error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PortPlan:
+    """Where engines without an `engines.base_port` get their ports: the first free ones from
+    `start` upwards, pool after pool, never one of `avoid`; without a start (a gateway on port 0),
+    ports the system picks. From a config, the same every time while those ports are free, so that
+    `kvgate launch --dry-run` shows the ports `kvgate serve` will use."""
+
+    start: int | None = None
+    avoid: frozenset[int] = frozenset()
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> PortPlan:
+        """From `server.port + ENGINE_PORT_OFFSET`, avoiding the gateway's listeners and every
+        port an endpoint of the config names."""
+        avoid = {settings.server.port, settings.control.port}
+        avoid.update(parse_target(ep.url).port for pool in settings.pools for ep in pool.endpoints)
+        start = settings.server.port + ENGINE_PORT_OFFSET if settings.server.port else None
+        return cls(start, frozenset(avoid))
+
+
 def plan_fleet(
-    pool_name: str, spec: EngineSpec, model: str, served_model_name: str | None = None
+    pool_name: str,
+    spec: EngineSpec,
+    model: str,
+    served_model_name: str | None = None,
+    ports: PortPlan = PortPlan(),
 ) -> list[LaunchPlan]:
     """Roles, GPUs, ports and command lines for every replica. Reserves the ports it picks
     (`gateway.fleet.ports`); whoever discards the plans should `release_ports` them."""
@@ -137,20 +163,24 @@ def plan_fleet(
             users[gpu] = users.get(gpu, 0) + 1
     reserved: list[int] = []
     try:
-        http_ports = [
-            reserve_port(spec.host, spec.base_port + i) if spec.base_port else reserve_free_port(spec.host)
-            for i in range(spec.replicas)
-        ]
-        reserved += http_ports
-        # With a base port the auxiliary ports follow the HTTP ones, so a dry run is repeatable.
-        next_aux = spec.base_port + spec.replicas if spec.base_port else None
+        http_ports: list[int] = []
+        # With a start the auxiliary ports follow the HTTP ones, so a dry run is repeatable.
+        next_port = spec.base_port or ports.start
+        for i in range(spec.replicas):
+            if spec.base_port:
+                http_ports.append(reserve_port(spec.host, spec.base_port + i))
+            else:
+                http_ports.append(reserve_free_port(spec.host, next_port, avoid=ports.avoid))
+                next_port = http_ports[-1] + 1 if next_port is not None else None
+            reserved.append(http_ports[-1])
+        next_aux = spec.base_port + spec.replicas if spec.base_port else next_port
         plans: list[LaunchPlan] = []
         for i, role in enumerate(roles):
             aux: dict[str, int] = {}
             first_reserved = len(reserved)
             for aux_name in adapter.aux_port_names(spec, role):
                 span = adapter.aux_port_span(spec, aux_name)
-                aux[aux_name] = reserve_free_port(spec.host, next_aux, span)
+                aux[aux_name] = reserve_free_port(spec.host, next_aux, span, ports.avoid)
                 reserved += range(aux[aux_name], aux[aux_name] + span)
                 if next_aux is not None:
                     next_aux = aux[aux_name] + span
@@ -209,15 +239,19 @@ def _gpu_assignment(spec: EngineSpec, adapter: EngineAdapter) -> list[tuple[int,
 
 
 def dry_run(settings: Settings) -> str:
-    """Every managed pool's command lines, for review before `kvgate launch`."""
+    """Every managed pool's command lines, for review before `kvgate launch`: planned as `serve`
+    plans them (pool after pool, each keeping its ports until the last is planned)."""
     out: list[str] = []
-    for pool in settings.pools:
-        spec = pool.engines
-        if spec is None:
-            continue
-        model = spec.model or pool.model
-        plans = plan_fleet(pool.name, spec, model, pool.served_model or pool.model)
-        try:
+    planned: list[int] = []
+    ports = PortPlan.for_settings(settings)
+    try:
+        for pool in settings.pools:
+            spec = pool.engines
+            if spec is None:
+                continue
+            model = spec.model or pool.model
+            plans = plan_fleet(pool.name, spec, model, pool.served_model or pool.model, ports)
+            planned += [p for plan in plans for p in plan.ports]
             split = f" (prefill {spec.roles.prefill}, decode {spec.roles.decode})" if spec.roles else ""
             out.append(f"# pool {pool.name}: {spec.replicas} x {spec.kind}{split}, model {model}")
             for plan in plans:
@@ -229,8 +263,8 @@ def dry_run(settings: Settings) -> str:
                 out.append(f"# {plan.name} role={plan.role} url={plan.url} log={plan.log_path}{extra}")
                 out.append(plan.shell())
             out.append("")
-        finally:
-            release_ports([p for plan in plans for p in plan.ports])
+    finally:
+        release_ports(planned)
     return "\n".join(out) if out else "# no managed pools (no `engines:` section in any pool)\n"
 
 
@@ -343,6 +377,7 @@ class FleetLauncher:
         on_down: DownCallback,
         *,
         served_model_name: str | None = None,
+        ports: PortPlan = PortPlan(),
         health_poll_s: float = 0.25,
         progress_every_s: float = PROGRESS_EVERY_S,
     ) -> None:
@@ -350,6 +385,7 @@ class FleetLauncher:
         self.spec = spec
         self.model = model
         self.served_model_name = served_model_name
+        self._ports = ports
         self._on_ready = on_ready
         self._on_down = on_down
         self._health_poll_s = health_poll_s
@@ -364,7 +400,9 @@ class FleetLauncher:
     def command_lines(self) -> list[LaunchPlan]:
         """The launch plan of every replica (ports are chosen, and kept, on the first call)."""
         if self._plans is None:
-            self._plans = plan_fleet(self.pool_name, self.spec, self.model, self.served_model_name)
+            self._plans = plan_fleet(
+                self.pool_name, self.spec, self.model, self.served_model_name, self._ports
+            )
         return list(self._plans)
 
     def status(self) -> dict[str, ReplicaStatus]:

@@ -16,13 +16,15 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from gateway.config import EngineSpec, Settings
 from gateway.fleet.engines import adapter_for_spec, get_adapter
 from gateway.fleet.launcher import FleetLauncher, LaunchedReplica, LaunchError, dry_run
 from gateway.fleet.load_scraper import LoadScraper
 from gateway.logs import TextFormatter
-from tests.conftest import REPO, STARTUP_S, wait_until
+from tests.conftest import PYTHON, REPO, STARTUP_S, free_port, subprocess_env, wait_until, wait_until_sync
+from tests.test_lifecycle import kvgate
 
 
 def alive(pid: int) -> bool:
@@ -307,6 +309,66 @@ def test_dry_run_renders_a_vllm_pd_fleet() -> None:
     events = [json.loads(c.split("--kv-events-config ")[1].split("'")[1])["endpoint"] for c in commands]
     assert len(set(events)) == 3
     assert "remote" not in text
+
+
+def test_dry_run_shows_the_ports_serve_uses(tmp_path: Path) -> None:
+    """Without `engines.base_port`, `kvgate launch --dry-run` printed different free ports every run,
+    so the lines reviewed were not the lines that ran. Now two dry runs agree, and `kvgate serve`
+    launches its engines on exactly those ports."""
+    port, control = free_port(), free_port()
+    engines = {"kind": "sim", "replicas": 2, "log_dir": str(tmp_path / "logs"), "sim": {"profile": "tiny"}}
+    doc = {
+        "server": {"port": port},
+        "control": {"port": control, "admin_key": "k"},
+        "pools": [{"name": "sim", "model": "m", "policy": {"type": "round_robin"}, "engines": engines}],
+    }
+    config = tmp_path / "kvgate.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    first, second = (kvgate("launch", str(config), "--dry-run") for _ in range(2))
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    planned = re.findall(r"url=(\S+)", first.stdout)
+    assert len(planned) == 2 and all(int(url.rsplit(":", 1)[1]) >= port + 100 for url in planned)
+    serve = subprocess.Popen(
+        [PYTHON, "-m", "gateway", "serve", "--config", str(config)],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    try:
+
+        def launched() -> list[str] | None:
+            assert serve.poll() is None, "kvgate serve exited"
+            try:
+                pools = httpx.get(
+                    f"http://127.0.0.1:{control}/admin/pools", headers={"authorization": "Bearer k"}
+                ).json()["pools"]
+            except httpx.TransportError:
+                return None
+            urls = sorted(r["url"] for r in pools["sim"]["replicas"].values())
+            return urls if len(urls) == 2 else None
+
+        assert wait_until_sync(launched, STARTUP_S, "both replicas to join", 0.2) == sorted(planned)
+    finally:
+        serve.terminate()
+        serve.wait(timeout=60)
+
+
+def test_the_memory_split_of_a_shared_gpu_is_the_one_documented() -> None:
+    """docs/engines.md's example: four replicas on GPU 0 share the engine's default fraction."""
+    on_gpu0 = {"replicas": 4, "gpu_ids": [[0], [0], [0], [0]]}
+    settings = Settings(
+        pools=[
+            {"name": "v", "model": "m", "engines": {"kind": "vllm", **on_gpu0}},
+            {"name": "s", "model": "n", "engines": {"kind": "sglang", **on_gpu0}},
+        ]
+    )
+    flags = re.findall(r"--(?:gpu-memory-utilization|mem-fraction-static) \S+", dry_run(settings))
+    assert flags == ["--gpu-memory-utilization 0.23"] * 4 + ["--mem-fraction-static 0.22"] * 4
+    doc = " ".join((REPO / "docs" / "engines.md").read_text().split())
+    assert "vLLM 0.92: four replicas on GPU 0 get `--gpu-memory-utilization 0.23` each" in doc
+    assert "SGLang `--mem-fraction-static`, 0.88: 0.22" in doc
 
 
 async def test_restart_backoff_doubles_up_to_the_cap(
