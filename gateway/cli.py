@@ -1,4 +1,5 @@
-"""The `kvgate` command: serve, check-config, launch --dry-run, render k8s, sim, bench, rollout."""
+"""The `kvgate` command: serve, check-config, config reference, launch --dry-run, render k8s, sim,
+bench, rollout."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, help="override server.port")
     c = sub.add_parser("check-config", help="validate a config file and exit")
     c.add_argument("config")
+    ref = sub.add_parser("config", help="the settings reference: every key, its type, default and meaning")
+    ref.add_argument("what", choices=["reference"], help="reference: print docs/settings.md (Markdown)")
     launch = sub.add_parser("launch", help="show the engine command lines a config launches")
     launch.add_argument("config", nargs="?")
     launch.add_argument("--dry-run", action="store_true", required=True, help="print, do not start")
@@ -66,14 +69,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return render_main(argv[1:])
     args = _parser().parse_args(argv)
-    from gateway.control.preflight import preflight
+    if args.command == "config":
+        from gateway.config import settings_reference
+
+        print(settings_reference(), end="")
+        return 0
+    from gateway.control.preflight import engine_warnings, preflight
 
     try:
         if args.command == "check-config":
             settings = load_config(args.config)
             preflight(settings)
-            for deprecated in settings.deprecations():
-                print(f"kvgate: warning: {deprecated}", file=sys.stderr)
+            for warning in [*settings.deprecations(), *engine_warnings(settings)]:
+                print(f"kvgate: warning: {warning}", file=sys.stderr)
             print(f"{args.config}: ok ({len(settings.pools)} pools, {len(settings.routes)} routes)")
             return 0
         if args.command == "launch":
@@ -81,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
             settings = _load(args.config)
             preflight(settings)
+            for warning in engine_warnings(settings):
+                print(f"kvgate: warning: {warning}", file=sys.stderr)
             print(dry_run(settings))
             return 0
         settings = _load(args.config)

@@ -39,6 +39,17 @@ def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict
     return doc
 
 
+def test_the_image_to_build_and_publish_is_explained() -> None:
+    """The chart names `kvgate:local`, which no registry has: its values and the docs say how to
+    build it and get it to a cluster."""
+    values = (CHART / "values.yaml").read_text()
+    head = values[: values.index("\nimage:")]
+    assert "docker build -f docker/Dockerfile -t kvgate:local ." in head
+    assert "kind load docker-image kvgate:local" in head and "image.repository=REGISTRY/kvgate" in head
+    docs = " ".join((REPO / "docs" / "kubernetes.md").read_text().split())
+    assert "No kvgate image is published" in docs and "docker push REGISTRY/kvgate:TAG" in docs
+
+
 def test_lint_finds_no_errors() -> None:
     assert helm.lint(str(CHART))["errors"] == []
 

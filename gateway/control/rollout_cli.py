@@ -21,6 +21,8 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from gateway.config import check_weight
+
 COLUMNS = (
     ("variant", "<"),
     ("weight", ">"),
@@ -164,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                 sep = ""
             if not sep or not pool:
                 print(f"kvgate rollout: expected POOL=WEIGHT, got {item!r}", file=sys.stderr)
+                return 2
+            try:
+                check_weight(weights[pool])
+            except ValueError as exc:
+                print(f"kvgate rollout: {item}: {exc}", file=sys.stderr)
                 return 2
         body: dict[str, Any] = {"weights": weights}
         if args.rule is not None:

@@ -126,6 +126,30 @@ async def test_weight_change_rollback_stats_and_status_cli(upstreams, gateway, c
     assert "HTTP 404" in (err := capsys.readouterr().err) and "control.host:control.port" in err
 
 
+async def test_weights_out_of_bounds_are_refused_by_the_api_and_the_cli(upstreams, gateway, capsys) -> None:
+    """1e308 for both pools overflowed the split (every request to the second); 5e-324 was accepted."""
+    s, c = await upstreams(2)
+    gw = await gateway(rollout_settings(s.url, c.url, 50, 50, control={"admin_key": KEY}))
+    url = gw.control_url + "/admin/routes/llama/weights"
+    async with httpx.AsyncClient() as client:
+        for weights in ({"stable": 1e308, "canary": 1e308}, {"canary": 5e-324}, {"canary": 1_000_001}):
+            r = await client.put(url, json={"weights": weights}, headers=AUTH)
+            assert r.status_code == 400, (weights, r.text)
+            error = r.json()["error"]
+            assert error["code"] == "invalid_weights" and error["param"].startswith("weights.")
+            assert "a weight is 0 (out of the split) or from 0.001 to 1,000,000, not " in error["message"]
+            assert "Value error" not in error["message"]
+        r = await client.put(url, json={"weights": {"canary": 1_000_000, "stable": 0.001}}, headers=AUTH)
+        assert r.status_code == 200, r.text
+    assert gw.runtime.rollouts.weights("llama") == {"stable": 0.001, "canary": 1_000_000.0}
+    argv = ["--admin", gw.control_url, "--admin-key", KEY, "llama"]
+    for bad in ("canary=1e308", "canary=5e-324", "canary=inf", "canary=nan"):
+        assert await asyncio.to_thread(rollout_main, ["weights", *argv, bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvgate rollout: {bad}: a weight is 0 (out of the split) or from 0.001"), err
+    assert gw.runtime.rollouts.weights("llama") == {"stable": 0.001, "canary": 1_000_000.0}
+
+
 async def test_a_json_body_needs_no_content_type(upstreams, gateway) -> None:
     """curl's `-d` says form-urlencoded, and some clients send no type at all: the body is JSON
     either way; a body that is not JSON is named so."""

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -187,6 +188,28 @@ async def test_weight_change_on_one_instance_reaches_the_other(key_prefix, upstr
         )
         audit = (await client.get(a.control_url + "/admin/audit", headers=AUTH)).json()["changes"]
         assert "weights" in audit[-1]["what"]
+
+
+async def test_shared_weights_out_of_bounds_are_not_applied(key_prefix, upstreams, gateway, caplog) -> None:
+    """Whatever writes the shared weights, an instance holds them to the file's bounds."""
+    from tests.routing.test_rollout import rollout_settings
+
+    s, c = await upstreams(2)
+    state = {"backend": "redis", "key_prefix": key_prefix, "sync_interval_s": 0.05}
+    gw = await gateway(rollout_settings(s.url, c.url, 50, 50, control={"admin_key": KEY}, state=state))
+    await wait_until(lambda: gw.runtime.state.connected, what="connected")
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        raw = orjson.dumps({"weights": {"stable": 1e308, "canary": 1e308}, "by": "someone", "at": 0})
+        await client.hset(f"{key_prefix}:weights", "llama\t1", raw)
+        await wait_until(
+            lambda: "shared weights for route llama rule 1 not applied: a weight is 0" in caplog.text,
+            timeout=LOADED,
+            what="the refusal",
+        )
+    finally:
+        await client.aclose()
+    assert gw.runtime.rollouts.weights("llama") == {"stable": 50.0, "canary": 50.0}
 
 
 async def test_drain_on_one_instance_drains_everywhere(key_prefix, upstreams, gateway) -> None:

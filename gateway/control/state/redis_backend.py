@@ -39,7 +39,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
-from gateway.config import EndpointConfig, StateConfig
+from gateway.config import EndpointConfig, StateConfig, check_weight
 from gateway.control.state.base import Bucket, StateBackend
 from gateway.routing.prefix_index import PrefixIndex
 
@@ -453,8 +453,10 @@ class RedisState(StateBackend):
             try:
                 if router.weights(model, int(index)) == data["weights"]:
                     continue
+                for weight in data["weights"].values():
+                    check_weight(float(weight))  # whoever wrote Redis, held to the file's bounds
                 router.set_weights(model, data["weights"], int(index))
-            except (KeyError, ValueError) as exc:
+            except (KeyError, ValueError, TypeError) as exc:
                 log.warning("shared weights for route %s rule %s not applied: %s", model, index, exc)
                 continue
             log.info(
