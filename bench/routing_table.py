@@ -1,8 +1,8 @@
 """One table of routing results across scenarios: mean, p50 and p99 TTFT, cache hit rate, and the
 ratios that issue 18 sets targets on (against radix_cache_aware's TTFT and the oracle's hit rate).
 
-    python -m bench.routing_table bench/out/routing-hetero bench/out/routing-bursty ... [--out FILE]
-    python -m bench.routing_table --seeds bench/out/hetero-seed1 bench/out/hetero-seed2 ...
+    python -m bench.routing_table results/out/routing-hetero results/out/routing-bursty ... [--out FILE]
+    python -m bench.routing_table --seeds results/out/hetero-seed1 results/out/hetero-seed2 ...
 
 Each argument is a scenario's output directory (its report.json); every run in it becomes a row.
 With `--seeds`, the runs of one scenario and configuration over several directories (the same

@@ -3,7 +3,7 @@
 The client sees TTFT and status; only the gateway knows how long a request waited in its queue, so the
 scheduling scenarios run the gateway with `server.log_json` and this reads `queue_ms` back per request.
 
-    python -m bench.scheduling_report OUT_DIR [OUT_DIR ...] --results bench/results/scheduling --name NAME
+    python -m bench.scheduling_report OUT_DIR [OUT_DIR ...] --results results/scheduling --name NAME
 
 writes NAME.md (tables and the criteria of issue #7 with their verdicts) and NAME_*.png.
 """
@@ -201,7 +201,7 @@ def cdf_plot(runs: list[dict[str, Any]], path: Path, title: str, values: str) ->
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dirs", nargs="+", type=Path, help="bench scenario output directories")
-    p.add_argument("--results", type=Path, default=Path("bench/results/scheduling"))
+    p.add_argument("--results", type=Path, default=Path("results/scheduling"))
     p.add_argument("--name", required=True, help="file name stem of the report")
     p.add_argument("--command", default="", help="the command that produced the runs, for the record")
     args = p.parse_args(argv)

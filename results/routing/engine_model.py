@@ -8,7 +8,7 @@ rate and twice the milliseconds). The gateway's approximate prefix index is stoo
 per-replica LRU of the groups routed there, sized from the KV capacity; engine load is "scraped"
 every 0.25 s of simulated time (the gateway's 0.5 s at speedup 0.5).
 
-    PYTHONPATH=. python bench/results/routing/engine_model.py --rate 56 --rate 62 --seeds 4
+    PYTHONPATH=. python results/routing/engine_model.py --rate 56 --rate 62 --seeds 4
 """
 
 from __future__ import annotations
