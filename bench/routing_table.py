@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench import result_files
+
 REFERENCE = "radix_cache_aware"
 ORACLE = "oracle"
 
@@ -52,14 +54,14 @@ def table(dirs: list[Path]) -> str:
         "| p99 / radix | hit / oracle | req/s |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    body = [row for d in dirs for row in rows(json.loads((d / "report.json").read_text()))]
+    body = [row for d in dirs for row in rows(json.loads(result_files.read_text(d / "report.json")))]
     return "\n".join(head + body) + "\n"
 
 
 def seeds_table(dirs: list[Path]) -> str:
     ratios: dict[tuple[str, str, str], list[tuple[float, float, float, float]]] = {}
     for d in dirs:
-        report = json.loads((d / "report.json").read_text())
+        report = json.loads(result_files.read_text(d / "report.json"))
         by_config = {r["config"]: r for r in report["runs"]}
         ref = by_config.get(REFERENCE)
         if ref is None:
