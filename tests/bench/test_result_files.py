@@ -59,7 +59,7 @@ def test_published_raw_records_are_compressed_and_still_read(capsys: pytest.Capt
     ]
     assert not big, f"raw result files over {RAW_LIMIT} bytes, to compress with `xz -9e`: {big}"
     # The routing-long seed-5 collapse's per-request records, as the GPU host's capacity probe reads them.
-    run = RESULTS / "routing" / "issue18" / "gpu-host-seeds-4-6" / "routing-long-full-seed5"
+    run = RESULTS / "routing" / "hard-workloads" / "gpu-host-seeds-4-6" / "routing-long-full-seed5"
     assert [p.name for p in result_files.glob(run / "records", "*.jsonl")] == [
         "prefix_affinity-10_req_s.jsonl.xz"
     ]
