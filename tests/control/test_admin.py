@@ -277,6 +277,8 @@ async def test_reload_valid_invalid_and_inflight_survives(upstreams, gateway, tm
             "pool stable: removed replica stable-0",
             f"pool stable: added replica new at {extra.url}",
             "routes replaced",
+            "route llama rule 0: stable weight 100 -> 0 (the file's)",
+            "route llama rule 0: canary weight 0 -> 100 (the file's)",
         ]
         assert (await post(client, gw.url)).headers["x-kvgate-pool"] == "canary"
         assert (await slow).status_code == 200
