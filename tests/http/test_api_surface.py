@@ -224,3 +224,17 @@ def test_batched_and_token_id_prompts_are_counted_whole() -> None:
     assert flat.prompt_tokens == 300 and sum(flat.block_tokens) <= 300
     emb = pool.features({"model": "m", "input": ["a b", "c d", "e f"]}, "embeddings", "r", {})
     assert emb.prompt_tokens == 6
+
+
+async def test_tokenize_needs_no_model_only_when_one_name_is_served(gen_sim, gateway) -> None:  # type: ignore[no-untyped-def]
+    """As in vLLM, `/tokenize` may leave `model` out when the gateway serves one model under one
+    name: one pool and no routes. A route is a second name for it, so the default config (pool
+    `meta-llama/...` behind the route `llama`) needs `model` (docs/api.md)."""
+    route = [{"model": "llama", "rules": [{"pools": [{"name": "p"}]}]}]
+    one = await gateway(gateway_settings([gen_sim], pool={"served_model": "internal-fp8"}))
+    aliased = await gateway(gateway_settings([gen_sim], pool={"served_model": "internal-fp8"}, routes=route))
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(one.url + "/tokenize", json={"prompt": "hello world"})
+        assert r.status_code == 200 and r.json()["count"] == 2, r.text
+        r = await c.post(aliased.url + "/tokenize", json={"prompt": "hello world"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "missing_model", r.text
