@@ -30,7 +30,7 @@ from gateway.observe.access_log import access_log
 from gateway.observe.dashboard import Dashboard
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import Tracing
-from gateway.observe.view import GatewayView
+from gateway.observe.view import GatewayView, RoutedTotals
 from gateway.path.exchange import Route
 from gateway.path.prepare import Preparation
 from gateway.path.proxy import Proxy
@@ -98,6 +98,7 @@ class Runtime:
             scheduler_stats=self.scheduler.stats,
             draining=lambda: self.draining,
             connections=lambda: self.connections,
+            routed=RoutedTotals(self.pools),
         )
         self.metrics = GatewayMetrics(self.view) if settings.telemetry.metrics else None
         if self.metrics is not None:
