@@ -139,17 +139,18 @@ class Runtime:
         tokenize = Tokenize(
             self.catalog, self.upstream, settings.retry.max_attempts, settings.scheduler.retry_after_s
         )
+        caps = TenantCaps(settings)
         self.data_plane = DataPlane(
             settings.server,
             proxy,
-            ApiRoutes(settings.server, self.auth, self.catalog, tokenize, self.observe),
+            ApiRoutes(settings.server, self.auth, caps, self.catalog, tokenize, self.observe),
             self.auth,
             self.observe,
             tracer,
             self.router,
             self.pools,
             lambda: self.draining,
-            TenantCaps(settings),
+            caps,
         )
 
     def routes(self) -> list[Route]:
