@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from tests.conftest import PYTHON, REPO, STARTUP_S, free_port, subprocess_env, wait_until
-from tests.control.test_admin import AUTH, file_config, post, write_config
+from tests.conftest import STARTUP_S, free_port, wait_until
+from tests.control.test_admin import AUTH, file_config, post, serve, write_config
 
 
 async def test_runtime_weights_and_replicas_survive_a_reload_of_what_the_file_did_not_change(
@@ -24,13 +23,7 @@ async def test_runtime_weights_and_replicas_survive_a_reload_of_what_the_file_di
     path = tmp_path / "kvgate.yaml"
     data = file_config(s.url, c.url, (50, 50), port, control_port)
     write_config(path, data)
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "gateway", "serve", "--config", str(path)],
-        env=subprocess_env(),
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = serve(path)
     gw, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{control_port}"
     try:
         async with httpx.AsyncClient(timeout=10) as client:

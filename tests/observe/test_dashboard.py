@@ -18,6 +18,7 @@ from gateway.config import Settings
 from gateway.server import RunningGateway
 from tests.browser import chromium, needs_chromium
 from tests.conftest import STARTUP_S, gateway_settings, wait_until
+from tests.simfleet import launched_sims
 from tests.upstream_app import Upstream
 
 MakeUpstreams = Callable[[int], Awaitable[list[Upstream]]]
@@ -71,15 +72,7 @@ async def test_state_is_live_and_keeps_secrets(upstreams: MakeUpstreams, gateway
 async def test_routed_goes_on_when_a_launched_replica_restarts(gateway: MakeGateway, tmp_path: Path) -> None:
     """A killed engine comes back as a new replica of the same name: its ROUTED column (and
     `kvgate_replica_requests_total`) goes on from what it had counted, not from 0."""
-    engines = {
-        "kind": "sim",
-        "replicas": 1,
-        "startup_timeout_s": STARTUP_S,
-        "restart_backoff_s": 0.1,
-        "log_dir": str(tmp_path / "logs"),
-        "sim": {"profile": "tiny", "speedup": 20},
-    }
-    gw = await gateway(gateway_settings([], pool={"endpoints": [], "engines": engines}))
+    gw = await gateway(gateway_settings([], pool={"endpoints": [], "engines": launched_sims(tmp_path, 1)}))
     pool = gw.runtime.pools["p"]
     await wait_until(lambda: "p-0" in pool.replicas, timeout=STARTUP_S, what="the launched replica")
     body = {"model": "m", "prompt": "hello", "max_tokens": 2}
