@@ -18,7 +18,8 @@ embedded default, the benchmark's scenarios, the Helm values, compose files):
   file's folder, the root or a package), unless it names an upstream project's source (`vllm/...`);
 - a bare `NAME.md` or `NAME.sh` is a file of the repository;
 - no tracker numbers (`issue 18`, `#29`): say the fact instead;
-- no file outside the repository (`../x`, the notes folder `shared/`, a machine's `/work/`).
+- no file outside the repository (`../x`, the notes folder `shared/`, an absolute path to a file
+  outside the system's folders).
 
 Exits 1 and lists what is broken.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import inspect
 import io
 import os
 import re
@@ -48,6 +50,10 @@ TRACKER = re.compile(r"\b[Ii]ssues?\s+#?\d+\b|(?<![\w&/#(\]-])#\d+\b")
 # Where a path turns into a pattern: a glob, a <placeholder>, a {field} or a NAME in capitals
 # (`deploy/RELEASE-kvgate`, `KG/res/`); only the part before it is checked.
 PLACEHOLDER = re.compile(r"[*<{]|(?:^|(?<=/))[A-Z][A-Z0-9_]{1,}(?=-|/|$)")
+# An absolute path (`/etc/kvgate/config.yaml`, an API route `/v1/models`); one naming a file
+# outside the usual system folders is a file of one machine, which a reader cannot open.
+ABSOLUTE = re.compile(r"(?<![\w.~:/@-])(/([\w.-]+)(?:/[\w.*<>{}-]+)+)")
+SYSTEM_DIRS = {"etc", "tmp", "var", "usr", "opt", "proc", "dev", "sys", "run"}
 FILE_SUFFIX = re.compile(r"\.(md|py|sh|yaml|yml|json|jsonl|toml|txt|png|html)$")
 # Relative paths into other projects' source trees, cited as such ("vLLM's vllm/config/cache.py").
 UPSTREAM = {"vllm", "sglang"}
@@ -190,7 +196,7 @@ def command_help(module: str) -> str:
     os.environ["COLUMNS"] = "10000"  # one line per help text: a path is never cut by wrapping
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            main(*([[]] if module == "gateway.fleet.render_k8s" else []))
+            main(*([[]] if inspect.signature(main).parameters else []))
     except _Parsed as parsed:
         return "\n".join(_helps(parsed.parser))
     finally:
@@ -225,8 +231,9 @@ def references(
         where = f"{label}:{lineno}"
         for m in TRACKER.finditer(line):
             yield where, f"{m.group(0)!r} cites a tracker: say the fact"
-        if "/work/" in line:
-            yield where, "names a path of one machine (/work/...)"
+        for m in ABSOLUTE.finditer(line):
+            if FILE_SUFFIX.search(m.group(1)) and m.group(2) not in SYSTEM_DIRS:
+                yield where, f"{m.group(1)}: a file outside the repository"
         for m in PATH.finditer(line):
             token = m.group(1).rstrip(".")
             if token in OUTSIDE_DEFAULTS or token.startswith("..."):  # `.../x.py`: a path elided

@@ -21,7 +21,7 @@ def test_a_page_with_references_a_user_cannot_follow_is_refused(tmp_path: Path) 
             [
                 "Measured as shared/engines.md says, see issue 18 and #29.",  # 1: notes, two trackers
                 "Then run `bash gpu/kvgate/start4.sh` (calibration-h200-vllm.md).",  # 2: two missing files
-                "Notes in /work/shared/x.md; data in ../../../elsewhere/data.",  # 3: this machine's, outside
+                "Notes in /srv/notes/x.md; data in ../../../elsewhere/data.",  # 3: one machine's, outside
                 "See `gateway/no_such_module.py` and `results/no-such-run/`.",  # 4: repo-looking, missing
                 # Nothing below is wrong: repository files, an output folder git ignores, an upstream
                 # project's source, a placeholder, an elided path, a heading anchor.
@@ -41,7 +41,7 @@ def test_a_page_with_references_a_user_cannot_follow_is_refused(tmp_path: Path) 
         "shared/engines.md: outside the repository",
         "gpu/kvgate/start4.sh: no such file in the repository",
         "calibration-h200-vllm.md: no such file in the repository",
-        "names a path of one machine (/work/...)",
+        "/srv/notes/x.md: a file outside the repository",
         "../../../elsewhere/data: outside the repository",
         "gateway/no_such_module.py: no such file in the repository",
         "results/no-such-run/: no such file in the repository",
