@@ -3,7 +3,7 @@
 `KVGATE_COMPILE=1` compiles or fails; `KVGATE_COMPILE=auto` compiles when mypyc imports and a C
 compiler builds a Python extension, and installs the pure-Python modules (the same source)
 otherwise; unset or `0`, it never compiles: compiled, these modules measured no faster than
-interpreted on a two-core machine (bench/results/overhead/README.md, "Compiled modules"), so a
+interpreted on a two-core machine (results/overhead/README.md, "Compiled modules"), so a
 compiled build is opt-in until a quiet host shows a gain. An editable install (`pip install -e`,
 `make setup`) stays interpreted unless `KVGATE_COMPILE=1`: its extensions, built beside the
 sources, would shadow the edits made to them."""

@@ -7,7 +7,7 @@ system prompt), walking the prefix index and ranking every replica. Each measure
 against a pool whose replicas already hold the groups' prefixes, with in-flight load on them.
 
     python -m bench.decision_time                      # 16 and 256 replicas
-    python -m bench.decision_time --replicas 16 --iterations 20000 --out bench/results/routing
+    python -m bench.decision_time --replicas 16 --iterations 20000 --out results/routing
     python -m bench.decision_time --breakdown          # CPU time of each stage, taken one by one
     python -m bench.decision_time --replicas 1024 --max-candidates 32 --max-candidates 0  # shortlist vs all
 """

@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=3, help="rounds of the concurrent measurement, sides alternating"
     )
-    parser.add_argument("--out", default="bench/out/overhead")
+    parser.add_argument("--out", default="results/out/overhead")
     parser.add_argument(
         "--peers",
         nargs="*",

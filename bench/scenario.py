@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 BASE_GATEWAY_CONFIG = SCENARIO_DIR / "base_gateway.yaml"
-DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+DEFAULT_OUT = Path("results") / "out"  # under the working directory, never inside the package
 POOL_NAME = "bench"
 
 

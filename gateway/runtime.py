@@ -31,7 +31,7 @@ from gateway.observe.access_log import access_log
 from gateway.observe.dashboard import Dashboard
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import Tracing
-from gateway.observe.view import GatewayView
+from gateway.observe.view import GatewayView, RoutedTotals
 from gateway.path.exchange import Route
 from gateway.path.prepare import Preparation
 from gateway.path.proxy import Proxy
@@ -98,6 +98,7 @@ class Runtime:
             scheduler_stats=self.scheduler.stats,
             draining=lambda: self.draining,
             connections=lambda: self.connections,
+            routed=RoutedTotals(self.pools),
         )
         self.metrics = GatewayMetrics(self.view) if settings.telemetry.metrics else None
         if self.metrics is not None:
@@ -138,17 +139,18 @@ class Runtime:
         tokenize = Tokenize(
             self.catalog, self.upstream, settings.retry.max_attempts, settings.scheduler.retry_after_s
         )
+        caps = TenantCaps(settings)
         self.data_plane = DataPlane(
             settings.server,
             proxy,
-            ApiRoutes(settings.server, self.auth, self.catalog, tokenize, self.observe),
+            ApiRoutes(settings.server, self.auth, caps, self.catalog, tokenize, self.observe),
             self.auth,
             self.observe,
             tracer,
             self.rollouts,
             self.pools,
             lambda: self.draining,
-            TenantCaps(settings),
+            caps,
         )
 
     def routes(self) -> list[Route]:

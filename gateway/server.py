@@ -158,6 +158,7 @@ def _control_listener(runtime: Runtime, settings: Settings) -> ControlListener |
             cfg.idle_timeout_s,
             cfg.header_timeout_s,
             cfg.max_connections_per_address,
+            cfg.body_deadline_s,
         )
     except OSError as exc:
         raise ListenError(

@@ -32,6 +32,9 @@ class ControlConfig(Strict):
     max_connections_per_address: int = Field(
         8, gt=0, description="Connections from one peer address (its longest waiting one gives way)"
     )
+    body_deadline_s: float = Field(
+        10.0, gt=0, description="A request body must be whole this long after its head (408)"
+    )
 
 
 class StateConfig(Strict):

@@ -54,8 +54,9 @@ class ServerConfig(Strict):
     max_requests_per_tenant: int = Field(
         1000,
         gt=0,
-        description="A tenant's requests from head to answer at once (bodies being sent, queued); keep it"
-        " below max_connections so that one key cannot hold every connection",
+        description="One key's requests from head to answer at once (a tenant's, or each plain API"
+        " key's; bodies being sent, queued); keep it below max_connections so that one key cannot hold"
+        " every connection",
     )
     max_n: int = Field(128, ge=1, description="Most choices (`n`) one request may ask for")
     max_prompts: int = Field(256, ge=1, description="Most prompts in one completions batch")

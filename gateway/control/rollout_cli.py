@@ -6,7 +6,7 @@ on the gateway's control listener (the URL it logs at start: `kvgate control pla
 
 `status` prints each route's rules, then its variants side by side: weight and share in the
 route's split (its last rule), requests and errors since start, error rate, TTFT and e2e
-percentiles over the gateway's recent window. Rollback is `weights MODEL canary=0`.
+percentiles over the gateway's recent window. Rollback is `weights MODEL CANARY_POOL=0`.
 """
 
 from __future__ import annotations

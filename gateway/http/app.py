@@ -84,12 +84,12 @@ class DataPlane:
                     f"header {clip(bad_header, 64)!r}: values may hold only visible ASCII, spaces and tabs",
                     "invalid_header",
                 )
-            tenant = self.auth.client(request)
-            rec.tenant = tenant
+            caller = self.auth.client(request)
+            rec.tenant = caller.tenant
             server = self.server
-            with self.caps.hold(tenant):
+            with self.caps.hold(caller.holder):
                 raw = await read_body(request, server)
-                response = await self.proxy.handle(request, raw, tenant, rec)
+                response = await self.proxy.handle(request, raw, caller.tenant, rec)
         except GatewayError as exc:
             response = error_response(exc, rec)
         except asyncio.CancelledError:

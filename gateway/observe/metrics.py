@@ -641,7 +641,7 @@ class FleetCollector(Collector):
                     circuit.add_metric([*lv, state.value], float(r.circuit is state))
                 inflight.add_metric(lv, r.inflight_requests)
                 inflight_tokens.add_metric(lv, r.inflight_tokens)
-                routed.add_metric(lv, r.total_requests)
+                routed.add_metric(lv, view.routed.of(r))
                 waiting.add_metric(lv, r.engine.waiting)
                 running.add_metric(lv, r.engine.running)
                 kv.add_metric(lv, r.engine.kv_usage)

@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="PD decode: KV bytes/s from the prefill replica, shared by the transfers in flight (default: "
         "the profile's RDMA link; two vLLM processes on one H200 measured ~3.1e8 through NIXL's UCX for "
-        "fragmented blocks, bench/results/gpu/2026-12-02-pd)",
+        "fragmented blocks, results/gpu/2026-12-02-pd)",
     )
     sim.add_argument("--log-level", default="info")
     return p

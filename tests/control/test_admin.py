@@ -271,6 +271,17 @@ def file_config(
     }
 
 
+def serve(path: Path) -> subprocess.Popen[bytes]:
+    """`kvgate serve --config path` in a process of its own, its log on a pipe."""
+    return subprocess.Popen(
+        [PYTHON, "-m", "gateway", "serve", "--config", str(path)],
+        env=subprocess_env(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
 async def reloadable(gateway, path: Path, data: dict[str, Any]):  # type: ignore[no-untyped-def]
     """A gateway started from `data`, written to `path`, which its reloads re-read."""
     from gateway.config import load_config
@@ -301,6 +312,8 @@ async def test_reload_valid_invalid_and_inflight_survives(upstreams, gateway, tm
             "pool stable: removed replica stable-0",
             f"pool stable: added replica new at {extra.url}",
             "routes replaced",
+            "route llama rule 0: stable weight 100 -> 0 (the file's)",
+            "route llama rule 0: canary weight 0 -> 100 (the file's)",
         ]
         assert (await post(client, gw.url)).headers["x-kvgate-pool"] == "canary"
         assert (await slow).status_code == 200
@@ -351,13 +364,7 @@ async def test_sighup_reloads_a_serving_process(upstreams, tmp_path) -> None:
     control_port = free_port()
     data = file_config(s.url, c.url, (100, 0), port, control_port)
     write_config(path, data)
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "gateway", "serve", "--config", str(path)],
-        env=subprocess_env(),
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = serve(path)
     url = f"http://127.0.0.1:{control_port}"
     try:
         async with httpx.AsyncClient(timeout=5) as client:

@@ -391,6 +391,39 @@ async def test_connections_per_address_are_capped(upstreams, gateway) -> None:
             writer.close()
 
 
+async def test_a_trickled_body_gets_408_and_frees_its_slot(upstreams, gateway) -> None:
+    """A key holder's bodies trickled a byte at a time held the address's slots for as long as
+    they went on (uvicorn has no timer during a request), so every other admin call from that
+    address failed; `control.body_deadline_s` ends each with a 408."""
+    gw, host, port = await _control_gateway(
+        upstreams, gateway, max_connections_per_address=2, body_deadline_s=1.0
+    )
+    head = b"PUT /admin/routes/llama/weights HTTP/1.1\r\nHost: c\r\nAuthorization: Bearer " + KEY.encode()
+    body = b'{"weights": {"canary": 0}}' + b" " * 200  # ~40 s at a byte every 0.2 s
+
+    async def trickle() -> bytes:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(head + b"\r\nContent-Length: %d\r\n\r\n" % len(body))
+            for i in range(len(body)):
+                writer.write(body[i : i + 1])
+                with contextlib.suppress(TimeoutError):
+                    return await asyncio.wait_for(reader.read(), 0.2)  # the answer, then closed
+            return b"whole body sent, no answer"
+        finally:
+            writer.close()
+
+    answers = await asyncio.gather(trickle(), trickle())
+    for answer in answers:
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        assert b'"code":"request_timeout"' in answer and b"control.body_deadline_s (1 s)" in answer
+    assert gw.control is not None
+    await wait_until(lambda: not gw.control.slots.by_address, what="the trickling connections closed")  # type: ignore[union-attr]
+    async with httpx.AsyncClient(base_url=gw.control_url) as client:
+        r = await client.put("/admin/routes/llama/weights", json={"weights": {"canary": 0}}, headers=AUTH)
+        assert r.status_code == 200, r.text  # a whole body in time is served as before
+
+
 @pytest.mark.parametrize("pieces", [1, 8], ids=["whole", "in-pieces"])
 async def test_request_heads_are_bounded_to_16_kib(upstreams, gateway, pieces: int) -> None:
     """Issue 26: a 20 kB head was accepted (h11 bounds only a head still incomplete)."""
