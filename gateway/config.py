@@ -804,6 +804,35 @@ class StateConfig(_Strict):
     instance_ttl_s: float = Field(10.0, gt=0)
 
 
+class EppConfig(_Strict):
+    """`kvgate epp`: the Endpoint Picker an Envoy gateway asks over ext_proc (gRPC) which endpoint
+    serves each request (docs/epp.md). The request limits are the data plane's (`server.*`)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(9002, ge=0, le=65535, description="The ext_proc and gRPC health port (GIE's default)")
+    fallback_endpoints: int | None = Field(
+        None,
+        ge=1,
+        description="Endpoints in x-gateway-destination-endpoint, best first, for the gateway's retries "
+        "(unset: retry.max_attempts)",
+    )
+    objectives: dict[str, str] = Field(
+        default_factory=dict,
+        description="x-gateway-inference-objective name -> priority class; an objective naming a class "
+        "needs no entry, an unknown one runs in the request's own class",
+    )
+    max_request_messages: int = Field(
+        65_536, gt=0, description="ext_proc messages one request's headers and body may take"
+    )
+    max_response_buffer_bytes: int = Field(
+        32 * 1024 * 1024,
+        gt=0,
+        description="A JSON answer whose model name is rewritten is held whole up to this; past it, "
+        "relayed as it is",
+    )
+    max_concurrent_streams: int = Field(10_000, gt=0, description="ext_proc streams served at once")
+
+
 class TelemetryConfig(_Strict):
     metrics: bool = True
     tracing: bool = False
@@ -841,6 +870,7 @@ class Settings(BaseSettings):
     state: StateConfig = Field(default_factory=StateConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig)
+    epp: EppConfig = Field(default_factory=EppConfig)
     tenants: list[TenantConfig] = Field(default_factory=list)
     pools: list[PoolConfig] = Field(default_factory=list)
     routes: list[RouteConfig] = Field(default_factory=list)
@@ -872,6 +902,14 @@ class Settings(BaseSettings):
         if self.server.admin_key:
             return ["server.admin_key is deprecated: use control.admin_key (KVGATE_CONTROL__ADMIN_KEY)"]
         return []
+
+    @model_validator(mode="after")
+    def _objectives(self) -> Settings:
+        classes = [c.name for c in self.scheduler.classes]
+        for objective, name in self.epp.objectives.items():
+            if name not in classes:
+                raise ValueError(f"epp.objectives.{objective}: {name!r} is not a class of {classes}")
+        return self
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Settings:
