@@ -88,13 +88,16 @@ def _start(argv: list[str], log: Path) -> Proc:
     return Proc(proc, log)
 
 
-def kvgate_config(engines: list[SimFleet], epp_port: int, extra: dict[str, Any]) -> dict[str, Any]:
+def kvgate_config(
+    engines: list[SimFleet], epp_port: int, extra: dict[str, Any], pools: list[dict[str, Any]]
+) -> dict[str, Any]:
     doc = yaml.safe_load((EXAMPLES / "kvgate-epp.yaml").read_text())
     doc["epp"]["port"] = epp_port
     doc["server"]["port"] = free_port()
     pool = doc["pools"][0]
     pool["model"] = "m"  # the simulators' model
     pool["endpoints"] = [{"url": e.url, "kind": "sim", "name": f"e{i}"} for i, e in enumerate(engines)]
+    doc["pools"] += pools
     for key, value in extra.items():
         merge = isinstance(value, dict) and isinstance(doc.get(key), dict)
         doc[key] = {**doc[key], **value} if merge else value
@@ -155,13 +158,19 @@ def _port(url: str) -> int:
 
 
 @contextmanager
-def epp_stack(tmp: Path, engines: int = 3, kvgate: dict[str, Any] | None = None) -> Iterator[Stack]:
-    """Engines, `kvgate epp` and Envoy, each its own process; yielded once Envoy and the EPP are ready."""
+def epp_stack(
+    tmp: Path,
+    engines: int = 3,
+    kvgate: dict[str, Any] | None = None,
+    pools: list[dict[str, Any]] | None = None,
+) -> Iterator[Stack]:
+    """Engines, `kvgate epp` and Envoy, each its own process; yielded once Envoy and the EPP are
+    ready. `kvgate` overrides sections of the example's config, `pools` are added to its own."""
     binary = envoy_binary()
     with ExitStack() as stack:
         fleets = [stack.enter_context(sim_fleet(replicas=1)) for _ in range(engines)]
         epp_port = free_port()
-        doc = kvgate_config(fleets, epp_port, kvgate or {})
+        doc = kvgate_config(fleets, epp_port, kvgate or {}, pools or [])
         (tmp / "kvgate.yaml").write_text(yaml.safe_dump(doc))
         epp = _start([PYTHON, "-m", "gateway", "epp", "--config", str(tmp / "kvgate.yaml")], tmp / "epp.log")
         stack.callback(epp.stop)
