@@ -23,6 +23,7 @@ import httpx
 import pytest
 import yaml
 
+from bench.epp import envoy_bootstrap
 from tests.conftest import PYTHON, REPO, STARTUP_S, free_port, subprocess_env, wait_until_sync
 from tests.simfleet import SimFleet, sim_fleet
 
@@ -105,11 +106,8 @@ def kvgate_config(
 
 
 def envoy_config(engines: list[SimFleet], epp_port: int, port: int, admin: int) -> dict[str, Any]:
-    doc = yaml.safe_load((EXAMPLES / "envoy.yaml").read_text())
-    doc["admin"]["address"]["socket_address"]["port_value"] = admin
-    listener = doc["static_resources"]["listeners"][0]
-    listener["address"]["socket_address"]["port_value"] = port
-    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    doc = envoy_bootstrap([e.url for e in engines], epp_port, port, admin)
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     fail_open = {
         "match": {
@@ -143,18 +141,7 @@ def envoy_config(engines: list[SimFleet], epp_port: int, port: int, admin: int) 
         },
     }
     hcm["http_filters"].insert(0, subset_lua)
-    clusters = {c["name"]: c for c in doc["static_resources"]["clusters"]}
-    clusters["pool"]["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
-        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": _port(e.url)}}}}
-        for e in engines
-    ]
-    epp = clusters["kvgate_epp"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
-    epp["endpoint"]["address"]["socket_address"]["port_value"] = epp_port
     return doc
-
-
-def _port(url: str) -> int:
-    return int(url.rsplit(":", 1)[1])
 
 
 @contextmanager

@@ -209,7 +209,11 @@ async def test_a_client_that_leaves_releases_its_replica(stack: Stack) -> None:
             f"X-Request-Id: {rid}\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode()
         sock.sendall(head + body)
-        assert b"data: " in sock.recv(65536)  # the answer streams
+        received = b""
+        while b"data: " not in received:  # the answer streams
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
     async with httpx.AsyncClient(timeout=STARTUP_S) as c:
 
         async def settled() -> bool:
