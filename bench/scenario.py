@@ -72,7 +72,10 @@ class FleetSpec:
 @dataclass
 class ConfigSpec:
     name: str
-    mode: Literal["gateway", "direct"] = "gateway"
+    # gateway: kvgate serve; direct: the client round-robins over the engines; epp: Envoy in front
+    # of `kvgate epp` on the same config (bench/epp.py); router: `router` (sglang-router, smg).
+    mode: Literal["gateway", "direct", "epp", "router"] = "gateway"
+    router: str | None = None
     description: str = ""
     pool: dict[str, Any] = field(default_factory=dict)  # merged into the benchmark pool
     gateway: dict[str, Any] = field(default_factory=dict)  # merged into the whole gateway config
@@ -485,6 +488,20 @@ def run_point(
         pd_paths: dict[str, float] = {}
         if config.mode == "direct":
             result = loadgen.run_sync(loadgen.run(requests, load, fleet.urls, opts, len(fleet.urls)))
+        elif config.mode in ("epp", "router"):
+            from bench import epp
+
+            with contextlib.ExitStack() as fronts:
+                if config.mode == "router":
+                    log = log_dir / f"{tag}-{config.router}.log"
+                    url = fronts.enter_context(
+                        epp.router(config.router or "", fleet.urls, log, fleet_spec.startup_timeout_s)
+                    )
+                else:
+                    cfg = gateway_config(scenario, config, fleet_spec, fleet.endpoints, 0)
+                    front = epp.EnvoyEpp(cfg, fleet.urls, log_dir, tag, "full")
+                    url = fronts.enter_context(front.running(fleet_spec.startup_timeout_s)).url
+                result = loadgen.run_sync(loadgen.run(requests, load, [url], opts, len(fleet.urls)))
         else:
             run_id = uuid.uuid4().hex[:12]
             with contextlib.ExitStack() as gateways:

@@ -1,5 +1,5 @@
-"""The `kvgate` command: serve, check-config, config reference, launch --dry-run, render k8s, sim,
-bench, rollout."""
+"""The `kvgate` command: serve, epp, check-config, config reference, launch --dry-run, render k8s,
+sim, bench, rollout."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", "-c", help=f"YAML config (default: {DEFAULT_CONFIG})")
     s.add_argument("--host", help="override server.host")
     s.add_argument("--port", type=int, help="override server.port")
+    e = sub.add_parser(
+        "epp", help="run as the Endpoint Picker of an Envoy gateway (ext_proc over gRPC; docs/epp.md)"
+    )
+    e.add_argument("--config", "-c", help=f"YAML config (default: {DEFAULT_CONFIG})")
+    e.add_argument("--host", help="override epp.host")
+    e.add_argument("--port", type=int, help="override epp.port")
     c = sub.add_parser("check-config", help="validate a config file and exit")
     c.add_argument("config")
     ref = sub.add_parser("config", help="the settings reference: every key, its type, default and meaning")
@@ -95,10 +101,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         settings = _load(args.config)
         preflight(settings)
-        server_overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-        if server_overrides:
-            server = settings.server.model_copy(update=server_overrides)
-            settings = settings.model_copy(update={"server": server})
+        overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        # `serve`'s flags are the data plane's address, `epp`'s the endpoint picker's.
+        section = "epp" if args.command == "epp" else "server"
+        if overrides:
+            changed = getattr(settings, section).model_copy(update=overrides)
+            settings = settings.model_copy(update={section: changed})
+        if section == "epp":
+            _epp_installed()
     except ConfigError as exc:
         print(f"kvgate: config error: {exc}", file=sys.stderr)
         return 2
@@ -106,4 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.server import run
 
     configure_logging(settings.server.log_level, settings.server.log_json)
-    return run(settings, str(args.config or default_config_path()), server_overrides)
+    server_overrides = overrides if section == "server" else {}
+    return run(settings, str(args.config or default_config_path()), server_overrides, epp=section == "epp")
+
+
+def _epp_installed() -> None:
+    """EPP mode's gRPC packages are an extra: say which, rather than fail on an import."""
+    try:
+        import grpc  # noqa: F401
+        import grpc_health.v1  # noqa: F401
+        from google.protobuf import runtime_version  # noqa: F401  # protobuf 5.26+, as the extra asks
+    except ImportError as exc:
+        raise ConfigError(f"kvgate epp needs {exc.name}: pip install 'kvgate[epp]'") from None

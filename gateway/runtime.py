@@ -49,6 +49,8 @@ from gateway.routing.rollout import Rollouts
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
 
+    from gateway.epp.server import EppServer
+
 log = logging.getLogger(__name__)
 
 
@@ -118,7 +120,7 @@ class Runtime:
             self.view, self.metrics, tracing=self.tracing is not None, check_admin=self.auth.admin
         )
 
-        preparation = Preparation(
+        self.preparation = preparation = Preparation(
             settings.server,
             self.catalog,
             self.scheduler.classes,
@@ -158,6 +160,35 @@ class Runtime:
         read-only: Prometheus and the page's readers reach them where clients do)."""
         metrics = [] if self.metrics is None else [Route("GET", "/metrics", self.metrics.handle)]
         return [*self.data_plane.http_routes(), *metrics, *self.dashboard.routes()]
+
+    def probe_routes(self) -> list[Route]:
+        """EPP mode's HTTP routes: the GET ones (probes, the model list, metrics, the status page);
+        inference requests come through Envoy, never here."""
+        return [r for r in self.routes() if r.method == "GET"]
+
+    def ready(self) -> bool:
+        """Whether the gateway can serve, by `server.ready` (what /ready answers)."""
+        return self.data_plane.is_ready(self.data_plane.pools_ready())
+
+    def endpoint_picker(self) -> EppServer:
+        """EPP mode's gRPC server (not started): the proxy's preparation, admission and routing
+        deciding for an Envoy gateway. gRPC is imported only here (the `kvgate[epp]` extra)."""
+        from gateway.epp.picking import Picker
+        from gateway.epp.processor import Processor
+        from gateway.epp.server import EppServer
+
+        settings = self.settings
+        picker = Picker(
+            settings.epp,
+            settings.retry,
+            settings.scheduler.retry_after_s,
+            self.preparation,
+            self.scheduler,
+            self.pools,
+            self.lora,
+            self.observe,
+        )
+        return EppServer(settings.epp, Processor(picker, settings.server, settings.epp), self.ready)
 
     def control_app(self) -> ASGIApp | None:
         """The control plane's app (the admin API, its schema and docs page); None without an

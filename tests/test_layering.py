@@ -3,7 +3,7 @@
 Every module of `gateway` belongs to one part (its subpackage, or a named top-level module), and
 each part may import only the parts `MAY_IMPORT` names, so imports run one way:
 
-    top (cli, server, runtime: the composition root) -> http | control | observe -> path
+    top (cli, server, runtime: the composition root) -> http | epp | control | observe -> path
         -> admission -> routing -> prompt | fleet -> base (build, config and its modules, errors, logs)
 
 with `sim` beside them, sharing only the token counter. Imports made for type checking only count
@@ -25,11 +25,12 @@ REPO = Path(__file__).resolve().parent.parent
 BASE = frozenset({"gateway.build", "gateway.config", "gateway.errors", "gateway.logs"})
 BASE_PACKAGES = ("gateway.config.",)  # their submodules are the base too
 TOP = frozenset({"gateway", "gateway.__main__", "gateway.cli", "gateway.server", "gateway.runtime"})
-SUBPACKAGES = ("http", "control", "observe", "path", "admission", "routing", "prompt", "fleet", "sim")
+SUBPACKAGES = ("http", "epp", "control", "observe", "path", "admission", "routing", "prompt", "fleet", "sim")
 LOWER = ("path", "admission", "routing", "prompt", "fleet", "base")
 MAY_IMPORT: dict[str, frozenset[str]] = {
-    "top": frozenset({"top", "http", "control", "observe", *LOWER, "facade", "sim"}),
+    "top": frozenset({"top", "http", "epp", "control", "observe", *LOWER, "facade", "sim"}),
     "http": frozenset({"http", *LOWER}),
+    "epp": frozenset({"epp", *LOWER}),
     "control": frozenset({"control", *LOWER}),
     "observe": frozenset({"observe", *LOWER}),
     "path": frozenset({"path", "admission", "routing", "prompt", "fleet", "base"}),
@@ -145,6 +146,7 @@ def rules_text() -> str:
     order = [
         "top",
         "http",
+        "epp",
         "control",
         "observe",
         "path",

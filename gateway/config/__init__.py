@@ -31,6 +31,7 @@ from gateway.config.engines import (
     PDRoles,
     SimOptions,
 )
+from gateway.config.epp import EppConfig
 from gateway.config.loading import load_config
 from gateway.config.pools import (
     AdapterSpec,
@@ -84,6 +85,7 @@ __all__ = [
     "EndpointConfig",
     "EngineLora",
     "EngineSpec",
+    "EppConfig",
     "FailoverConfig",
     "HeaderMatch",
     "HealthConfig",

@@ -16,6 +16,7 @@ from pydantic_settings import (
 )
 
 from gateway.config.control import ControlConfig, StateConfig, TelemetryConfig
+from gateway.config.epp import EppConfig
 from gateway.config.pools import PoolConfig
 from gateway.config.routes import RouteConfig
 from gateway.config.scheduler import SchedulerConfig
@@ -78,6 +79,7 @@ class Settings(BaseSettings):
     state: StateConfig = Field(default_factory=StateConfig, description="State shared by several gateways")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="Queueing and admission")
     telemetry: TelemetryConfig = Field(default_factory=TelemetryConfig, description="Metrics and traces")
+    epp: EppConfig = Field(default_factory=EppConfig, description="kvgate epp, the Endpoint Picker")
     tenants: list[TenantConfig] = Field(
         default_factory=list, description="Clients with their own keys and limits (besides server.api_keys)"
     )
@@ -113,6 +115,14 @@ class Settings(BaseSettings):
         if self.server.admin_key:
             return ["server.admin_key is deprecated: use control.admin_key (KVGATE_CONTROL__ADMIN_KEY)"]
         return []
+
+    @model_validator(mode="after")
+    def _objectives(self) -> Settings:
+        classes = [c.name for c in self.scheduler.classes]
+        for objective, name in self.epp.objectives.items():
+            if name not in classes:
+                raise ValueError(f"epp.objectives.{objective}: {name!r} is not a class of {classes}")
+        return self
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Settings:
