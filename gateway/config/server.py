@@ -60,6 +60,12 @@ class ServerConfig(Strict):
     )
     max_n: int = Field(128, ge=1, description="Most choices (`n`) one request may ask for")
     max_prompts: int = Field(256, ge=1, description="Most prompts in one completions batch")
+    max_sequences: int = Field(
+        1024,
+        ge=1,
+        description="Most sequences one request may have engines generate: its prompts times its choices"
+        " (`n`, or `best_of` where larger)",
+    )
     max_inputs: int = Field(
         2048, ge=1, description="Most inputs of one embeddings/pooling/classify request (documents: rerank)"
     )

@@ -76,6 +76,28 @@ async def test_work_one_request_asks_for_is_bounded(upstreams, gateway):
     assert len(up.state.seen) == 3
 
 
+async def test_a_capped_count_must_be_an_integer_and_prompts_times_choices_are_capped(upstreams, gateway):
+    """Issue 35: `"n": "1000"`, `" 1000"`, `1000.0`, `1e3` went past server.max_n (the engine reads
+    them as 1,000), and 256 prompts x n 128 = 32,768 sequences were accepted."""
+    (up,) = await upstreams(1)
+    gw = await gateway(gateway_settings([up.url]))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    async with httpx.AsyncClient(timeout=30) as c:
+        for n in ("1000", " 1000", 1000.0, 1e3, "2", True, [3]):
+            r = await c.post(gw.url + "/v1/chat/completions", json={**chat, "n": n})
+            assert r.json()["error"]["param"] == "n" and "integer" in _error(r, 400, "invalid_type"), n
+        r = await c.post(gw.url + COMPLETIONS, json={"model": "m", "prompt": "x", "best_of": "1000"})
+        assert r.json()["error"]["param"] == "best_of" and _error(r, 400, "invalid_type")
+        r = await c.post(gw.url + COMPLETIONS, json={"model": "m", "prompt": "x", "best_of": 1000})
+        _error(r, 400, "too_many_choices")
+        batch = {"model": "m", "prompt": [f"p{i}" for i in range(256)], "n": 128}
+        r = await c.post(gw.url + COMPLETIONS, json=batch)
+        assert "32768 sequences" in _error(r, 400, "too_many_sequences")
+        assert not up.state.seen  # refused before anything reached an engine
+        ok = await c.post(gw.url + COMPLETIONS, json={**batch, "n": 4})  # 1,024 sequences: the cap
+        assert ok.status_code == 200 and len(up.state.seen) == 1
+
+
 async def test_work_caps_are_configurable(upstreams, gateway):
     (up,) = await upstreams(1)
     server = {"max_n": 2, "max_prompts": 3, "max_inputs": 4}
