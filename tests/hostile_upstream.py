@@ -37,6 +37,8 @@ mode of `script` while it lasts (one per delivery). Modes, one per misbehaviour:
                        whose KV could not be loaded, vLLM's kv_load_failure_policy: fail)
   prefill-ok           a vLLM prefill leg's answer: one token and `kv_transfer_params` naming
                        127.0.0.1 as the side channel
+  prefill-steer        the same naming `attacker.example` (a hostile prefill engine steering the
+                       decode engine elsewhere); prefill-bad-port: 127.0.0.1, port "19998"
   stale-on-reuse       answers a connection's first request, closes on its second without a byte
   close-after-answer   answers (keep-alive, as far as the headers say), then closes at once
   http10               HTTP/1.0, the body delimited by closing the connection
@@ -479,6 +481,19 @@ async def _prefill_ok(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -
     doc = {**orjson.loads(completion(d.marker)), "kv_transfer_params": PREFILL_KV}
     w.write(response(200, orjson.dumps(doc), *d.echo))
     return True
+
+
+def _prefill_naming(**kv: object) -> Mode:
+    async def answer(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+        doc = {**orjson.loads(completion(d.marker)), "kv_transfer_params": {**PREFILL_KV, **kv}}
+        w.write(response(200, orjson.dumps(doc), *d.echo))
+        return True
+
+    return answer
+
+
+MODES["prefill-steer"] = _prefill_naming(remote_host="attacker.example", remote_port=19998)
+MODES["prefill-bad-port"] = _prefill_naming(remote_port="19998")
 
 
 @mode("stale-on-reuse")

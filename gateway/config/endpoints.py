@@ -59,8 +59,9 @@ class EndpointConfig(Strict):
         None,
         min_length=1,
         max_length=253,
-        description="A vLLM prefill engine's VLLM_NIXL_SIDE_CHANNEL_HOST: a prefill answer naming another "
-        "host for its KV is not relayed to a decode engine (launched engines: set by the launcher)",
+        description="A vLLM prefill engine's VLLM_NIXL_SIDE_CHANNEL_HOST (unset: the endpoint URL's host):"
+        " a prefill answer naming another host for its KV is not relayed to a decode engine (launched"
+        " engines: set by the launcher)",
     )
 
     @field_validator("kv_events", mode="before")

@@ -76,6 +76,7 @@ class Fleet:
         kv_events: KVEventsSource | None = None,
         device: str | None = None,
         kv_side_channel_host: str | None = None,
+        kv_side_channel_ports: range | None = None,
     ) -> Replica:
         """Add a replica to a pool and start watching its engine's load (and KV events)."""
         replica = pool.add_replica(
@@ -88,6 +89,7 @@ class Fleet:
             kv_events=kv_events,
             device=device,
             kv_side_channel_host=kv_side_channel_host,
+            kv_side_channel_ports=kv_side_channel_ports,
         )
         adapter = pool.adapter_for(replica)
         if adapter.load_path is not None:  # an engine that reports its load
@@ -130,6 +132,7 @@ class Fleet:
                 else None,
                 device=launched.device,
                 kv_side_channel_host=launched.kv_side_channel_host,
+                kv_side_channel_ports=launched.kv_side_channel_ports,
             )
 
         return on_ready

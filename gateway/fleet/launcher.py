@@ -109,6 +109,7 @@ class LaunchedReplica:
     kv_events_endpoint: str | None = None
     device: str | None = None
     kv_side_channel_host: str | None = None  # what it names as its KV's host, as the launcher set it
+    kv_side_channel_ports: range | None = None  # and the ports its KV is served on, where it set them
 
 
 @dataclass(slots=True)
@@ -480,6 +481,7 @@ class FleetLauncher:
             kv_events_endpoint=plan.kv_events_endpoint,
             device=plan.device,
             kv_side_channel_host=plan.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST"),
+            kv_side_channel_ports=_side_channel_ports(plan.env, self.spec.tensor_parallel_size),
         )
 
     async def _set_state(self, replica: _Replica, state: ReplicaState) -> None:
@@ -612,3 +614,9 @@ class FleetLauncher:
                 _signal_group(proc.pid, signal.SIGKILL)
                 await proc.wait()
         _signal_group(proc.pid, signal.SIGKILL)
+
+
+def _side_channel_ports(env: dict[str, str], ranks: int) -> range | None:
+    """The NIXL side-channel ports the launcher gave a replica: its base port plus each worker's rank."""
+    base = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    return range(int(base), int(base) + ranks) if base is not None and base.isdigit() else None

@@ -118,6 +118,7 @@ class Pool:
         kv_events: KVEventsSource | None = None,
         device: str | None = None,
         kv_side_channel_host: str | None = None,
+        kv_side_channel_ports: range | None = None,
     ) -> Replica:
         if name is None:
             name = f"{self.name}-{next(self._names)}"
@@ -138,10 +139,19 @@ class Pool:
             stale_after_s=self._scrape_cfg.stale_after_s,
             device=device,
             kv_side_channel_host=kv_side_channel_host,
+            kv_side_channel_ports=kv_side_channel_ports,
         )
         self.replicas[name] = replica
         self._members.clear()
         log.info("pool %s: replica %s added at %s (role %s)", self.name, name, replica.url, role)
+        if role == "prefill" and kv_side_channel_host is None:
+            log.info(
+                "pool %s: prefill replica %s hands its KV over only from %s (its URL's host; set "
+                "kv_side_channel_host where its engine names another)",
+                self.name,
+                name,
+                replica.kv_side_channel_host,
+            )
         for listener in self._listeners:
             listener.replica_added(replica, kv_events)
         return replica

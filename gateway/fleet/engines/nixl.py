@@ -4,7 +4,9 @@ as a one-token, non-streaming request with `kv_transfer_params.do_remote_decode`
 the decode leg, whose engine fetches the KV from there.
 
 One engine must not steer another: an answer naming a side-channel host other than the prefill
-replica's own is refused, and the decode replica serves the request whole. A decode leg whose KV
+replica's own (the host its engine was given, else its URL's), or a port that is no port or not
+one of the replica's own where the launcher set them, is refused, and the decode replica serves
+the request whole. A decode leg whose KV
 could not be fetched is answered 500 (vLLM's `kv_load_failure_policy: fail`) or, streamed, with an
 error event before any text.
 """
@@ -58,9 +60,14 @@ class NixlConnector(Connector):
         if not isinstance(kv, dict):  # the decode replica then does the full prefill itself
             return DecodeLeg(None)
         expected = prefill.kv_side_channel_host
-        if expected is not None and kv.get("remote_host") != expected:
+        if kv.get("remote_host") != expected:
             named = str(kv.get("remote_host"))[:80]
             return DecodeLeg(None, f"named {named!r} for its KV, not its side channel {expected!r}")
+        port, ports = kv.get("remote_port"), prefill.kv_side_channel_ports
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            return DecodeLeg(None, f"named port {str(port)[:20]!r} for its KV")
+        if ports is not None and port not in ports:
+            return DecodeLeg(None, f"named port {port} for its KV, not its side channel's {ports.start}")
         return DecodeLeg({**body, "kv_transfer_params": kv})
 
     def kv_fetch_failed(self, status: int) -> bool:

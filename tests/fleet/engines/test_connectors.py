@@ -59,6 +59,25 @@ def test_a_nixl_decode_leg_carries_the_prefill_answers_params_from_its_own_side_
         assert nixl.decode_body(BODY, prefill, leg, answer).body is None
 
 
+def test_a_nixl_prefill_names_its_own_host_and_a_port_of_its_own() -> None:
+    nixl = NixlConnector()
+    leg = nixl.prefill_body(BODY, replica())
+    # No host given: the replica's URL's is its side channel's.
+    assert nixl.decode_body(BODY, replica(), leg, kv_answer(remote_host="10.1.2.3")).body is not None
+    assert nixl.decode_body(BODY, replica(), leg, kv_answer(remote_host="127.0.0.1")).body is None
+    for port in ("5600", 0, 70000, True, None):
+        assert (
+            nixl.decode_body(BODY, replica(), leg, kv_answer(remote_host="10.1.2.3", remote_port=port)).body
+            is None
+        )
+    launched = replica(kv_side_channel_host="10.1.2.3", kv_side_channel_ports=range(5600, 5602))
+    assert nixl.decode_body(BODY, launched, leg, kv_answer(remote_host="10.1.2.3", remote_port=5601)).body
+    assert (
+        nixl.decode_body(BODY, launched, leg, kv_answer(remote_host="10.1.2.3", remote_port=5602)).body
+        is None
+    )
+
+
 def test_a_nixl_decode_leg_that_could_not_fetch_its_kv_answers_500() -> None:
     nixl = NixlConnector()
     assert nixl.kv_fetch_failed(500) and not nixl.kv_fetch_failed(503) and not nixl.kv_fetch_failed(400)
