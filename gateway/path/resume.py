@@ -381,8 +381,12 @@ class Resume:
 
 def word_boundary(text: str) -> int:
     """Where the text's last word begins (its leading whitespace included): tokenizers that glue a
-    word to the space before it end a token there, whatever they made of the word itself."""
+    word to the space before it end a token there, whatever they made of the word itself. Whitespace
+    after the last word stays with it: a seam of whitespace alone would check nothing, and a
+    continuation that started over (or went elsewhere) would be relayed as if it went on."""
     i = len(text)
+    while i > 0 and text[i - 1].isspace():
+        i -= 1
     while i > 0 and not text[i - 1].isspace():
         i -= 1
     while i > 0 and text[i - 1].isspace():

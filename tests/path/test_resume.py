@@ -35,7 +35,8 @@ def _resume(**body: object) -> Resume:
 
 def test_word_boundary_leaves_the_last_word_to_regenerate() -> None:
     assert word_boundary(" the of an") == len(" the of")
-    assert word_boundary(" the of ") == len(" the of")
+    assert word_boundary(" the of ") == len(" the")  # the last word stays in the seam with its space
+    assert word_boundary(" the of \n ") == len(" the")
     assert word_boundary("one") == 0 and word_boundary("") == 0
 
 
@@ -153,3 +154,24 @@ def test_an_assembled_answer_past_max_response_bytes_fails_the_attempt() -> None
             break
         assert r.feed(_chat_event("x" * 100)) == b""
     assert r.failure == "too_large" and not r.continuable
+
+
+def test_a_continuation_that_starts_over_after_text_ending_in_a_space_is_caught() -> None:
+    """Issue 35: the text sent ended in whitespace, the seam was whitespace alone, and a
+    continuation that ignored continue_final_message and started over was relayed in full."""
+    r = _resume()
+    r.feed(_chat_event("", role=True) + _chat_event(" the cat sat "))
+    doc = r.continuation()
+    assert doc["messages"][-1]["content"] == " the cat"  # " sat " is regenerated, and checked
+    restarted = _chat_event(" the").replace(b"chatcmpl-1", b"chatcmpl-2") + _chat_event(" cat")
+    assert r.feed(restarted) == b"" and r.failure == "diverged"
+    assert r.error_event is not None and b"upstream_resume_diverged" in r.error_event
+
+
+def test_a_continuation_that_goes_on_after_text_ending_in_a_space_is_relayed_once() -> None:
+    r = _resume()
+    r.feed(_chat_event("", role=True) + _chat_event(" the cat sat "))
+    r.continuation()
+    went_on = _chat_event(" sat").replace(b"chatcmpl-1", b"chatcmpl-2") + _chat_event(" down")
+    out = r.feed(went_on)
+    assert r.failure is None and b'"content":"down"' in out and b" sat" not in out
