@@ -146,6 +146,7 @@ class Attempts:
         self.tries: list[Candidate] = []
         self.attempt = -1
         self.resumed_at = -1  # the attempt that first continues the answer (no backoff before it)
+        self.cut: str | None = None  # "<reason>@<replica>" of a continuation not sent yet
         self.deliveries = 0
         self.refused: GatewayError | None = None  # the last retryable answer, relayed if every try fails
         self.failure: GatewayError | None = None  # the last retryable transport failure
@@ -250,6 +251,9 @@ class Attempts:
             # Learn at decision time, not when the answer comes: concurrent requests with the
             # same new prefix must see where the first one went.
             self.decision.sent(replica, self.learned)
+            if self.cut is not None:  # the continuation goes out: now it counts as one
+                self.rec.resumed.append(self.cut)
+                self.cut = None
             span = self.dispatch.tracer.upstream(replica, attempt, self.headers)
             try:
                 return await self._exchange(candidate, replica, claim, span)
@@ -359,18 +363,22 @@ class Attempts:
         resume, rec = self.resume, self.rec
         assert resume is not None
         doc = resume.continuation()
-        rec.resumed.append(f"{cut.reason}@{replica.name}")
+        self.cut = f"{cut.reason}@{replica.name}"
         keep = cut.reason in HANDOFF_FAILURES  # a decode replica whose KV never came is not at fault
-        log.warning(
-            "request %s: answer from %s broke (%s); continuing it %s",
-            rec.request_id,
-            replica.name,
-            cut.reason,
-            "without the hand-off" if keep else "elsewhere",
-        )
         req = self.req
         self.learned, others = self.decision.rerank(
             doc, req.endpoint, self.request.headers, None if keep else replica.name
+        )
+        log.warning(
+            "request %s: answer from %s broke (%s); %s",
+            rec.request_id,
+            replica.name,
+            cut.reason,
+            "no other replica to continue it"
+            if not others
+            else "continuing it without the hand-off"
+            if keep
+            else "continuing it elsewhere",
         )
         max_attempts = self.dispatch.retry.max_attempts
         self.tries[self.attempt + 1 :] = _tries(others, max_attempts) if others else []

@@ -161,12 +161,20 @@ async def test_what_is_not_continued_ends_with_the_error_event(
     await assert_settled(gw)
 
 
-async def test_with_no_other_replica_the_engine_error_is_relayed(pair, gateway) -> None:
+async def test_with_no_other_replica_the_engine_error_is_relayed(
+    pair, gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "kvgate.access")
     broken, _ = await pair("reset-mid-stream")
     gw = await gateway(_settings([broken.url]))
     async with httpx.AsyncClient(timeout=30) as c:
         body = {"model": "m", "prompt": marker(), "max_tokens": 4, "stream": True}
         r = await c.post(gw.url + "/v1/completions", json=body)
+        metrics = (await c.get(gw.url + "/metrics")).text
+    # No continuation was sent, so none is counted (issue 35: 7 counted on a one-replica pool).
+    assert "kvgate_resumed_total{" not in metrics
+    (line,) = [r.fields for r in caplog.records if r.name == "kvgate.access"]  # type: ignore[attr-defined]
+    assert "resumed" not in line and "no other replica to continue it" in caplog.text
     events = sse_events(r)
     err = orjson.loads(events[-1])["error"]
     assert err["code"] == "upstream_stream_error" and "mid-answer" in err["message"]
