@@ -85,7 +85,8 @@ class Runtime:
             router.match.share(functools.partial(self.state.share_index, router.name))
         # Rate limits are charged through the state backend, so with Redis they hold fleet-wide.
         self.scheduler = Scheduler(settings.scheduler, settings.tenants, take=self.state.take)
-        self.retry_budget = RetryBudget(settings.retry.budget_ratio)
+        retry = settings.retry
+        self.retry_budget = RetryBudget(retry.budget_ratio, retry.budget_floor, retry.budget_refill_s)
         self.draining = False
         self.connections: ConnectionGuard | None = None  # set by the server once it listens
         self.observers: list[Observer] = []

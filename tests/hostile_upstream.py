@@ -7,6 +7,8 @@ mode of `script` while it lasts (one per delivery). Modes, one per misbehaviour:
 
   ok                   a correct answer (JSON, or chunked SSE when the body asks to stream)
   hold                 like ok, but only once `release` is set (to pile requests up)
+  hold-then-reset      an SSE head and one event, then, once `release` is set, a TCP RST (streams
+                       that a killed engine was answering)
   close                close without a byte          reset      close with a TCP RST
   close-mid-head       part of a status line and headers, then close
   close-mid-body       Content-Length promises more than comes, then close
@@ -192,6 +194,18 @@ async def _hold(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool
         srv.held -= 1
     await _answer(d, w, _streams(d))
     return True
+
+
+@mode("hold-then-reset")
+async def _hold_then_reset(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    w.write(sse_head(d) + chunk(sse_event(d.marker, 0, is_chat(d))))
+    await w.drain()
+    srv.held += 1
+    try:
+        await srv.release.wait()
+    finally:
+        srv.held -= 1
+    return await _reset(srv, d, r, w)
 
 
 @mode("close")

@@ -30,6 +30,13 @@ class FailoverConfig(Strict):
         True, description="Continue chat and completions answers whose attempt failed after it began"
     )
     max_resumes: int = Field(1, ge=0, description="Continuations one answer may take")
+    budget_ratio: float = Field(
+        1.0,
+        ge=0,
+        description="Continuations allowed in the last 10 s as a fraction of the streams at risk (the"
+        " pool's requests in flight and those continued; at least 10). 1: every stream a failure cuts"
+        " is continued (each at most max_resumes times)",
+    )
     max_kept_bytes: int = Field(
         1 << 20,
         ge=0,

@@ -110,7 +110,13 @@ class RetryConfig(Strict):
     )
     backoff_max_s: float = Field(0.5, ge=0, description="Longest wait between two tries")
     budget_ratio: float = Field(
-        0.2, ge=0, description="Retries allowed as a fraction of recent requests (plus a floor of 10)"
+        0.2, ge=0, description="Retries allowed as a fraction of recent requests (plus budget_floor)"
+    )
+    budget_floor: int = Field(
+        10, ge=0, description="Retries always allowed whatever the traffic, refilled over budget_refill_s"
+    )
+    budget_refill_s: float = Field(
+        10.0, ge=0, description="How long the budget_floor takes to come back once spent (0: never)"
     )
     retry_statuses: list[int] = Field(
         default_factory=lambda: [429, 502, 503, 504],

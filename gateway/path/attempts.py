@@ -13,6 +13,8 @@ next step:
   Broken     the answer broke after it began and can be continued: the continuation is ranked on
              its own prompt and sent to the best replica but the one that broke
   Skipped    the candidate could not be tried (gone, its circuit open, its adapter not loaded)
+  Fatal      a failure no other replica may repeat (the engine may have started generating): the
+             client is told, in the stream it already has when the answer began
 
 Generation is not idempotent: a request reaches engines at most `retry.max_attempts` times in all
 (deliveries, a stale keep-alive connection's silent resend included); retries spend the retry
@@ -26,7 +28,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -41,7 +43,7 @@ from gateway.path.relay import HANDOFF_FAILURES, Cut, read_error, relay
 from gateway.path.request import InferenceRequest
 from gateway.path.request_record import RequestRecord
 from gateway.path.resume import Resume, resumable
-from gateway.path.retry_budget import RetryBudget
+from gateway.path.retry_budget import ContinuationBudget, RetryBudget
 from gateway.path.sanitize import upstream_headers
 from gateway.path.sse_events import sse_error_event
 from gateway.path.trace import AttemptSpan, Tracer
@@ -65,6 +67,16 @@ class Dispatch:
     tracer: Tracer
     lora: LoraWatch  # loads LoRA adapters onto replicas on demand
     handoff: HandOff
+    continuations: dict[str, ContinuationBudget] = field(default_factory=dict)  # by pool
+
+    def may_continue(self, req: InferenceRequest) -> bool:
+        """Whether the pool's continuation budget allows one more, with its requests in flight now."""
+        pool = req.router.pool
+        budget = self.continuations.get(pool.name)
+        if budget is None:
+            budget = self.continuations[pool.name] = ContinuationBudget()
+        budget.ratio = pool.cfg.failover.budget_ratio  # as a reload may have set it
+        return budget.try_spend(sum(r.inflight_requests for r in pool.replicas.values()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +110,12 @@ class Skipped:
     pass
 
 
-Outcome = Answered | Refused | Failed | Unfetched | Broken | Skipped
+@dataclass(frozen=True, slots=True)
+class Fatal:
+    error: GatewayError
+
+
+Outcome = Answered | Refused | Failed | Unfetched | Broken | Skipped | Fatal
 SKIPPED = Skipped()
 
 
@@ -174,6 +191,8 @@ class Attempts:
                         await self._continue(cut, replica)
                     case Skipped():
                         pass
+                    case Fatal(error):
+                        return await self._fail(error)
         finally:
             if self.plan.pending:
                 await self.plan.finish()
@@ -230,7 +249,14 @@ class Attempts:
             if replica is None:
                 continue  # it left the pool since the decision
             if attempt > 0:
-                if not self.dispatch.budget.try_spend():
+                # A continuation spends the pool's continuation budget, any other try the retry budget.
+                if attempt == self.resumed_at:
+                    if not self.dispatch.may_continue(self.req):
+                        log.warning(
+                            "request %s: the pool's continuation budget is spent", self.rec.request_id
+                        )
+                        return None
+                elif not self.dispatch.budget.try_spend():
                     return None
                 self.rec.retries += 1
                 if attempt != self.resumed_at:  # a continuation's client is waiting mid-answer
@@ -287,8 +313,7 @@ class Attempts:
                 claim.failed()
             log.warning("request %s: replica %s failed: %s", rec.request_id, replica.name, exc)
             if not exc.retryable:
-                self.error = "upstream_error"
-                raise exc.gateway_error(replica.name) from None
+                return Fatal(exc.gateway_error(replica.name))
             return Failed(exc.gateway_error(replica.name))
         self.deliveries += resp.sent
         claim.answered()  # any well-formed answer: the engine is up
@@ -407,6 +432,18 @@ class Attempts:
             return DecodePlan(body, body)
 
     # -- every try failed ---------------------------------------------------------------------
+    async def _fail(self, error: GatewayError) -> StreamOut:
+        """A failure that ends the request: raised, or, where the client's stream is open (a
+        continuation's attempt), told in it as an error event."""
+        self.error = "upstream_error"
+        resume = self.resume
+        if resume is None or resume.out is None:
+            raise error
+        self.rec.error_code = "upstream_stream_error"
+        await resume.out.write(sse_error_event(error.message, "upstream_stream_error"))
+        await resume.out.write_eof()
+        return resume.out
+
     async def _exhausted(self) -> Reply | StreamOut:
         resume, rec = self.resume, self.rec
         if resume is not None and resume.out is not None:
