@@ -550,6 +550,7 @@ class HostileUpstream:
     deliveries: list[Delivery] = field(default_factory=list)
     gets: list[str] = field(default_factory=list)  # paths of GETs (health checks, load scrapes)
     connections: int = 0
+    closed: set[int] = field(default_factory=set)  # connections (numbered from 1) the peer has closed
     held: int = 0
     release: asyncio.Event = field(default_factory=asyncio.Event)
     _server: asyncio.Server | None = None
@@ -615,6 +616,7 @@ class HostileUpstream:
             return
         finally:
             del self._handlers[task]
+            self.closed.add(conn)
             writer.close()
 
 

@@ -84,6 +84,7 @@ class UpstreamConfig(Strict):
     max_connections: int = Field(
         4096, gt=0, description="Connections per engine host:port, idle ones included"
     )
+    keepalive_s: float = Field(30.0, gt=0, description="An engine connection left idle this long is closed")
     max_response_bytes: int = Field(
         64 * 1024 * 1024,
         gt=0,

@@ -45,6 +45,8 @@ def access_fields(rec: RequestRecord) -> dict[str, object]:
         fields["error"] = rec.error_code
     if rec.shed_reason:
         fields["shed"] = rec.shed_reason
+    if rec.resent:  # sent again on a fresh connection by the transport: the engine may have run it twice
+        fields["resent"] = rec.resent
     if rec.resumed:  # continued after each "<reason>@<replica>" broke, on `replica` at the end
         fields["resumed"] = rec.resumed
     if rec.client_disconnected:

@@ -309,6 +309,7 @@ class Attempts:
             return Unfetched(None)
         except UpstreamError as exc:
             self.deliveries += exc.sent
+            rec.resent += max(0, exc.sent - 1)
             if exc.replica_fault:
                 claim.failed()
             log.warning("request %s: replica %s failed: %s", rec.request_id, replica.name, exc)
@@ -316,6 +317,7 @@ class Attempts:
                 return Fatal(exc.gateway_error(replica.name))
             return Failed(exc.gateway_error(replica.name))
         self.deliveries += resp.sent
+        rec.resent += resp.sent - 1
         claim.answered()  # any well-formed answer: the engine is up
         span.responded(resp.status)
         connector = plan.connector

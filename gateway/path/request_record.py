@@ -43,6 +43,9 @@ class RequestRecord:
     error_code: str | None = None
     shed_reason: str | None = None
     retries: int = 0
+    # Sent again by the transport on a fresh connection (a stale idle one, or an answer that was
+    # not its own): the engine may have run it twice.
+    resent: int = 0
     resumed: list[str] = field(default_factory=list)  # per continuation: "<reason>@<replica it broke on>"
     resume_blocked: str | None = None  # why an answer that failover followed could no longer be continued
     queued_s: float = 0.0

@@ -7,12 +7,13 @@ transport; the per-misbehaviour cases are in test_upstream_hostile_cases.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import pytest
 
 from gateway.fleet.breaker import BreakerState
-from tests.conftest import SERVER_IMPLS, wait_until
+from tests.conftest import SERVER_IMPLS, STARTUP_S, wait_until
 from tests.hostile_upstream import (
     MAX_ATTEMPTS,
     TRANSPORTS,
@@ -172,4 +173,37 @@ async def test_stray_answer_after_the_request_went_out_never_reaches_it(
         assert any(d.index > 0 for d in srv.deliveries)
     else:
         assert all(d.index == 0 for d in srv.deliveries)
+    await assert_settled(gw)
+
+
+async def test_a_stray_answers_request_is_resent_on_a_connection_never_used_before(
+    transport: str, hostile, gateway, caplog: pytest.LogCaptureFixture
+):
+    """Issue 35: on the aiohttp transport the resend went through aiohttp's pool, which could hand
+    it another doubtful connection (1-2 requests in 1,000 got a 502)."""
+    caplog.set_level(logging.INFO, "kvgate.access")
+    srv = await hostile("stray-before-answer")
+    gw = await gateway(hostile_settings([srv.url], transport, upstream={"first_byte_timeout_s": 5}))
+    async with httpx.AsyncClient(timeout=10) as c:
+        first, second = marker(), marker()
+        assert answer_marker(await ask(c, gw, first), False) == first
+        assert answer_marker(await ask(c, gw, second), False) == second
+    sent = [d for d in srv.deliveries if d.marker == second]
+    assert len(sent) == 2 and sent[0].index == 1  # on the first's connection: the stray came
+    lines = [r.fields for r in caplog.records if r.name == "kvgate.access"]  # type: ignore[attr-defined]
+    assert [line.get("resent") for line in lines] == [None, 1]  # said, not silent
+    assert sent[1].index == 0 and sent[1].connection not in {d.connection for d in srv.deliveries[:-1]}
+    await assert_settled(gw)
+
+
+async def test_idle_engine_connections_close_after_keepalive_s(transport: str, hostile, gateway):
+    """Issue 35: idle connections to an engine (up to 512 of them) never expired."""
+    srv = await hostile("ok")
+    gw = await gateway(hostile_settings([srv.url], transport, upstream={"keepalive_s": 0.3}))
+    async with httpx.AsyncClient(timeout=10) as c:
+        await ask(c, gw, marker())
+        await ask(c, gw, marker())
+    assert srv.connections_used() == 1  # kept alive between the two
+    used = srv.deliveries[0].connection
+    await wait_until(lambda: used in srv.closed, timeout=STARTUP_S, what="the idle connection to close")
     await assert_settled(gw)

@@ -6,8 +6,11 @@ Two things are added: a connection that received bytes while idle (an answer nob
 for, parsed and queued by aiohttp) or has bytes waiting in the kernel is closed rather than
 reused (`_CleanConnector`), and nothing is decoded or added behind the gateway's back
 (no automatic Accept-Encoding, User-Agent or decompression, no cookies, no proxies from the
-environment). A request that fails on a reused connection before any answer is resent once,
-as by the http1 transport, when the caller allows it: aiohttp itself never resends a POST.
+environment). A request that fails on a reused connection before any answer, or whose answer was
+not its own, is resent once, when the caller allows it, and, as by the http1 transport, on a
+fresh connection (a session of its own that never reuses one: aiohttp's pool could hand out
+another connection just as doubtful): aiohttp itself never resends a POST. Idle connections close
+after `upstream.keepalive_s`.
 As with the http1 transport, an answer on a reused connection must carry the `X-Request-Id`
 sent, and connections to engines that do not echo it are closed after one answer
 (`AnswerProof`).
@@ -122,32 +125,50 @@ class AiohttpTransport:
     def __init__(self, cfg: UpstreamConfig) -> None:
         self.cfg = cfg
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # for resends: never a reused connection
         self.proof = AnswerProof(cfg.reuse_unverified_connections)
 
-    def _client(self) -> aiohttp.ClientSession:
+    def _client(self, fresh: bool = False) -> aiohttp.ClientSession:
+        if fresh:
+            if self._fresh is None:
+                self._fresh = self._new_session(
+                    aiohttp.TCPConnector(
+                        force_close=True,
+                        limit=0,
+                        limit_per_host=self.cfg.max_connections,
+                        ssl=client_tls_context(self.cfg.tls.verify, self.cfg.tls.ca_file),
+                    )
+                )
+            return self._fresh
         if self._session is None:  # inside the running loop, as aiohttp wants
             cfg = self.cfg
-            connector = _CleanConnector(
-                self.proof,
-                limit=0,
-                limit_per_host=cfg.max_connections,
-                ssl=client_tls_context(cfg.tls.verify, cfg.tls.ca_file),
-            )
-            reuse = aiohttp.TraceConfig()
-            reuse.on_connection_reuseconn.append(_mark_reused)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                trace_configs=[reuse],
-                auto_decompress=False,
-                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-                cookie_jar=aiohttp.DummyCookieJar(),
-                trust_env=False,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s),
-                max_line_size=cfg.max_header_bytes,
-                max_field_size=cfg.max_header_bytes,
-                max_headers=cfg.max_headers,
+            self._session = self._new_session(
+                _CleanConnector(
+                    self.proof,
+                    limit=0,
+                    limit_per_host=cfg.max_connections,
+                    keepalive_timeout=cfg.keepalive_s,
+                    ssl=client_tls_context(cfg.tls.verify, cfg.tls.ca_file),
+                )
             )
         return self._session
+
+    def _new_session(self, connector: aiohttp.BaseConnector) -> aiohttp.ClientSession:
+        cfg = self.cfg
+        reuse = aiohttp.TraceConfig()
+        reuse.on_connection_reuseconn.append(_mark_reused)
+        return aiohttp.ClientSession(
+            connector=connector,
+            trace_configs=[reuse],
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            trust_env=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s),
+            max_line_size=cfg.max_header_bytes,
+            max_field_size=cfg.max_header_bytes,
+            max_headers=cfg.max_headers,
+        )
 
     async def request(
         self,
@@ -168,21 +189,27 @@ class AiohttpTransport:
         except DisconnectedError as exc:
             if not (resend and exc.stale):
                 raise
-            sent = 2  # once more; the connector hands out only connections that passed its checks
-            resp = await self._send(method, target, body, headers, sent)
+            sent = 2  # once more, on a fresh connection
+            resp = await self._send(method, target, body, headers, sent, fresh=True)
         except StrayAnswerError:
             if not resend:
                 raise
             sent = 2
-            resp = await self._send(method, target, body, headers, sent)
+            resp = await self._send(method, target, body, headers, sent, fresh=True)
         return AiohttpResponse(resp, slot, sent)
 
     async def _send(
-        self, method: str, target: Target, body: bytes, headers: Mapping[str, str], sent: int
+        self,
+        method: str,
+        target: Target,
+        body: bytes,
+        headers: Mapping[str, str],
+        sent: int,
+        fresh: bool = False,
     ) -> aiohttp.ClientResponse:
         attempt = _Attempt()
         try:
-            resp = await self._client().request(
+            resp = await self._client(fresh).request(
                 method,
                 target.url,
                 data=body,
@@ -219,6 +246,7 @@ class AiohttpTransport:
         return resp
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh = None

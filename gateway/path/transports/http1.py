@@ -83,6 +83,7 @@ class _Connection(asyncio.Protocol):
         "poisoned",
         "reused",
         "transport",
+        "uses",
     )
 
     def __init__(self, origin: tuple[str, str, int], max_head_bytes: int, max_headers: int) -> None:
@@ -96,6 +97,7 @@ class _Connection(asyncio.Protocol):
         self.reused = False
         self.got_bytes = False
         self.keep_alive = False
+        self.uses = 0  # exchanges started on it: an idle expiry meant for an earlier idle spell is void
         self.headers: list[tuple[str, str]] = []
         self._max_head_bytes = max_head_bytes
         self._max_headers = max_headers
@@ -245,6 +247,7 @@ class _Connection(asyncio.Protocol):
 
     def start(self, request: bytes) -> asyncio.Future[int]:
         assert self.transport is not None and self.loop is not None
+        self.uses += 1
         self.complete = False
         self.got_bytes = False
         self.keep_alive = False
@@ -342,6 +345,7 @@ class Http1Transport:
 
     def __init__(self, cfg: UpstreamConfig, max_idle_per_host: int = 512) -> None:
         self.connect_timeout_s = cfg.connect_timeout_s
+        self.keepalive_s = cfg.keepalive_s
         self.max_idle_per_host = min(max_idle_per_host, cfg.max_connections)
         self._max_head_bytes = cfg.max_header_bytes
         self._max_headers = cfg.max_headers
@@ -376,6 +380,14 @@ class Http1Transport:
             raise ConnectError(f"cannot connect to {target.host_header}: {describe(exc)}") from None
         return conn
 
+    def _expire(self, conn: _Connection, uses: int) -> None:
+        idle = self._idle.get(conn.origin)
+        if idle is not None and conn.uses == uses and conn in idle:  # still idle since it was put
+            idle.remove(conn)
+            if conn.transport is not None:
+                conn.transport.close()
+                conn.transport = None
+
     def _take_idle(self, origin: tuple[str, str, int]) -> _Connection | None:
         idle = self._idle.get(origin)
         while idle:
@@ -397,6 +409,8 @@ class Http1Transport:
             and pending_bytes(conn.fd) == 0  # more than the answer came: a second one, perhaps
         ):
             idle.append(conn)
+            # Closed once idle for keepalive_s, whether or not this engine is asked again.
+            asyncio.get_running_loop().call_later(self.keepalive_s, self._expire, conn, conn.uses)
         elif conn.complete and conn.error is None and conn.transport is not None:
             conn.transport.close()  # the answer was whole: a clean close, not a reset
             conn.transport = None
