@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-.PHONY: setup run test test-compiled browser
+.PHONY: setup run test browser
 
 setup: $(STAMP)
 
@@ -37,18 +37,3 @@ test: $(STAMP) $(if $(SKIP_BROWSER),,browser)
 	$(VENV)/bin/python docs/check_links.py
 	$(VENV)/bin/pytest -q --cov --cov-report=term-missing:skip-covered $(HTTP_TESTS)
 	$(VENV)/bin/pytest -q $(addprefix --ignore=,$(HTTP_TESTS))
-
-# The hot path's modules (gateway/build.py) compiled by mypyc from the same source, in a copy of the
-# tree (extensions beside the sources here would shadow the edits made to them), and the HTTP
-# suites, the request path's and routing's suites and the build check run against them. Not part
-# of `make test` while the compiled build is opt-in: on a loaded 2-core machine the suite took 5.5
-# min and this target 3 more (build 1, tests 2), past CI's 8.
-COMPILED_TREE := build/compiled-tree
-COMPILED_TESTS := tests/http tests/path tests/routing tests/test_build.py tests/observe/test_metrics.py
-
-test-compiled: $(STAMP)
-	rm -rf $(COMPILED_TREE) && mkdir -p $(COMPILED_TREE)
-	git ls-files -co --exclude-standard | tar -cf - -T - | tar -xf - -C $(COMPILED_TREE)
-	cd $(COMPILED_TREE) && KVGATE_COMPILE=1 $(abspath $(VENV))/bin/python setup.py -q build_ext --inplace
-	cd $(COMPILED_TREE) && PYTHONPATH=$(abspath $(COMPILED_TREE)) KVGATE_EXPECT_BUILD=compiled \
-		$(abspath $(VENV))/bin/pytest -q -p no:cacheprovider $(COMPILED_TESTS)

@@ -13,8 +13,8 @@ The client is aiohttp on uvloop (an httpx client saturates a core near 900 reque
 so it would measure itself). `--transport both` puts one gateway per upstream transport
 (`upstream.transport`: http1, aiohttp) in front of the same upstream and interleaves all of
 them, so the transports are compared side by side in one run.
-`--variant NAME=PYTHON` (repeated) runs one gateway per interpreter, each its own install of kvgate:
-interpreted against compiled (mypyc) modules, side by side.
+`--variant NAME=PYTHON` (repeated) runs one gateway per interpreter, each its own install of kvgate,
+side by side (two versions, or two builds).
 `--server both` does the same for the data plane's HTTP server (`server.impl`: httptools, aiohttp),
 and `--peers sglang-router` adds SGLang's Rust router (`pip install -e ".[bench-peers]"`) in front of
 the same upstream, with a table of kvgate's figures over the router's.

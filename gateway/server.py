@@ -15,7 +15,6 @@ import logging
 import signal
 from typing import TYPE_CHECKING, Any
 
-from gateway.build import COMPILED, build_kind, compiled_modules
 from gateway.config import ServerConfig, Settings
 from gateway.control.reload import ReloadRejected
 from gateway.http.aiohttp_server import AiohttpServer
@@ -141,14 +140,7 @@ async def start_gateway(
         await runtime.stop()
         raise
     gateway = RunningGateway(runtime, http, listener, guard, control, picker)
-    log.info(
-        "kvgate listening on http://%s:%d (%s: %d of %d hot-path modules compiled)",
-        server.host,
-        gateway.port,
-        build_kind(),
-        len(compiled_modules()),
-        len(COMPILED),
-    )
+    log.info("kvgate listening on http://%s:%d", server.host, gateway.port)
     if control is None:
         log.info("control plane off: set control.admin_key to serve the admin API")
     else:

@@ -4,7 +4,7 @@ Every module of `gateway` belongs to one part (its subpackage, or a named top-le
 each part may import only the parts `MAY_IMPORT` names, so imports run one way:
 
     top (cli, server, runtime: the composition root) -> http | epp | control | observe -> path
-        -> admission -> routing -> prompt | fleet -> base (build, config and its modules, errors, logs)
+        -> admission -> routing -> prompt | fleet -> base (config and its modules, errors, logs)
 
 with `sim` beside them, sharing only the token counter. Imports made for type checking only count
 too. Nothing may import in a circle: not at run time anywhere, and not even for type checking
@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BASE = frozenset({"gateway.build", "gateway.config", "gateway.errors", "gateway.logs"})
+BASE = frozenset({"gateway.config", "gateway.errors", "gateway.logs"})
 BASE_PACKAGES = ("gateway.config.",)  # their submodules are the base too
 TOP = frozenset({"gateway", "gateway.__main__", "gateway.cli", "gateway.server", "gateway.runtime"})
 SUBPACKAGES = ("http", "epp", "control", "observe", "path", "admission", "routing", "prompt", "fleet", "sim")

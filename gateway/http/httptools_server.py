@@ -56,8 +56,7 @@ class _Refusal(Exception):
 
 
 class _Date:
-    """The Date header's value, formatted once a second. One instance, not class attributes
-    reassigned at run time, which mypyc's compiled classes do not allow."""
+    """The Date header's value, formatted once a second."""
 
     def __init__(self) -> None:
         self.second = -1

@@ -24,7 +24,6 @@ from typing import Any
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
-    Gauge,
     PlatformCollector,
     ProcessCollector,
     generate_latest,
@@ -35,7 +34,6 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import INF, floatToGoString
 
 from gateway.admission.scheduler import SchedulerStats
-from gateway.build import COMPILED, build_kind, compiled_modules
 from gateway.fleet.breaker import BreakerState
 from gateway.observe.view import GatewayView
 from gateway.path.exchange import Exchange, Reply
@@ -315,13 +313,6 @@ class GatewayMetrics:
             )
         )
         reg.register(FleetCollector(view, self))
-        # Which build serves: the hot path's modules compiled (mypyc) or run from their source.
-        Gauge(
-            "kvgate_build_info",
-            "1, labelled with the build (compiled, interpreted, mixed) and the hot-path modules compiled",
-            ["compiled", "modules"],
-            registry=reg,
-        ).labels(build_kind(), f"{len(compiled_modules())}/{len(COMPILED)}").set(1)
         ProcessCollector(registry=reg)
         PlatformCollector(registry=reg)
         self.traffic: dict[str, PoolTraffic] = {}

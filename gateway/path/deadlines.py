@@ -28,7 +28,6 @@ class SharedTimeout:
         self._waits: dict[_Wait, float] = {}  # insertion order is deadline order
         self._sweeper: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the sweeper's
-        # Not `_thread`: mypyc names the C field `__thread`, a keyword of GCC's C.
         self._loop_thread = 0  # the sweeper's loop's
 
     def wait(self) -> _Wait:
