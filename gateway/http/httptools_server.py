@@ -31,6 +31,7 @@ from gateway.errors import error_body
 from gateway.http.conn_guard import GuardedConnection
 from gateway.http.handling import failure_reply, route_error, unsupported_coding
 from gateway.path.exchange import BodyError, Handler, Reply, Route, StreamOut
+from gateway.path.transports.inflow import Inflow
 
 log = logging.getLogger(__name__)
 
@@ -75,62 +76,39 @@ _DATE = _Date()
 class Body:
     """A request's body as it arrives; `request_body.read_body` reads it."""
 
-    __slots__ = ("_conn", "_error", "_parts", "_size", "_waiter", "discard", "eof")
+    __slots__ = ("_conn", "_error", "_inflow", "discard", "eof")
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
-        self._parts: list[bytes] = []
-        self._size = 0
-        self._waiter: asyncio.Future[None] | None = None
+        self._inflow = Inflow(BODY_BUFFER, conn.pause_reading, conn.resume_reading)
         self._error: BodyError | None = None
         self.eof = False
         self.discard = False  # answered already: what still arrives is dropped
 
     def feed(self, data: bytes) -> None:
-        if self.discard:
-            return
-        self._parts.append(data)
-        self._size += len(data)
-        if self._size > BODY_BUFFER:
-            self._conn.pause_reading()
-        self._wake()
+        if not self.discard:
+            self._inflow.feed(data)
 
     def feed_eof(self) -> None:
         self.eof = True
-        self._wake()
+        self._inflow.wake()
 
     def fail(self, message: str) -> None:
         if not self.eof:
             self._error = BodyError(message)
-            self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            self._inflow.wake()
 
     def read_nowait(self) -> bytes:
         if self._error is not None:
             raise self._error
-        if not self._parts:
-            return b""
-        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
-        self._parts.clear()
-        if self._size > BODY_BUFFER:
-            self._conn.resume_reading()
-        self._size = 0
-        return data
+        return self._inflow.take()
 
     def at_eof(self) -> bool:
-        return self.eof and not self._parts
+        return self.eof and not self._inflow
 
     async def readany(self) -> bytes:
-        while not self._parts and not self.eof and self._error is None:
-            self._waiter = self._conn.loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+        while not self._inflow and not self.eof and self._error is None:
+            await self._inflow.wait(self._conn.loop)
         return self.read_nowait()
 
 

@@ -253,7 +253,7 @@ async def test_a_reader_waiting_for_the_body_is_woken_by_each_piece() -> None:
     assert await head == 200
     assert engine.conn.read_nowait() is None  # nothing yet, not the end
     reader = asyncio.create_task(engine.conn.readany())
-    await wait_until(lambda: engine.conn._reader is not None, 10.0, "the reader waiting")
+    await wait_until(lambda: engine.conn._body.waiting, 10.0, "the reader waiting")
     engine.transport.feed(b"3\r\nabc\r\n")
     assert await asyncio.wait_for(reader, 10.0) == b"abc"
     engine.transport.feed(b"0\r\n\r\n")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -49,6 +48,7 @@ from gateway.path.transports.base import (
     pending_bytes,
     request_id,
 )
+from gateway.path.transports.inflow import Inflow
 
 if TYPE_CHECKING:
     from gateway.config import UpstreamConfig
@@ -60,7 +60,6 @@ _HIGH_WATER = 256 * 1024
 class _Connection(asyncio.Protocol):
     __slots__ = (
         "_body",
-        "_body_size",
         "_callback_error",
         "_final",
         "_head",
@@ -70,8 +69,6 @@ class _Connection(asyncio.Protocol):
         "_max_head_bytes",
         "_max_headers",
         "_parser",
-        "_paused",
-        "_reader",
         "complete",
         "error",
         "fd",
@@ -108,10 +105,7 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._header_count = 0
         self._callback_error: TransportError | None = None
-        self._body: deque[bytes] = deque()
-        self._body_size = 0
-        self._reader: asyncio.Future[None] | None = None
-        self._paused = False
+        self._body = Inflow(_HIGH_WATER, self._pause_reading, self._resume_reading)
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -160,7 +154,7 @@ class _Connection(asyncio.Protocol):
             )
         elif self._delimited_by_close():
             self.complete = True  # HTTP/1.0 style: the body ends where the connection does
-            self._wake()
+            self._body.wake()
         else:
             self._fail(DisconnectedError(f"engine closed the connection mid-answer ({why})"))
 
@@ -197,12 +191,15 @@ class _Connection(asyncio.Protocol):
             self._head.set_result(status)
 
     def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-        self._body_size += len(body)
-        if self._body_size > _HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
+        self._body.feed(body)
+
+    def _pause_reading(self) -> None:
+        if self.transport is not None:
             self.transport.pause_reading()
-        self._wake()
+
+    def _resume_reading(self) -> None:
+        if self.transport is not None:
+            self.transport.resume_reading()
 
     def on_message_complete(self) -> None:
         if self._informational:
@@ -212,12 +209,9 @@ class _Connection(asyncio.Protocol):
         assert self._parser is not None
         self.keep_alive = self._parser.should_keep_alive()
         self.complete = True
-        self._wake()
+        self._body.wake()
 
     # -- used by Http1Response -------------------------------------------------------------
-    def _wake(self) -> None:
-        if self._reader is not None and not self._reader.done():
-            self._reader.set_result(None)
 
     def _poison(self) -> None:
         self.poisoned = True
@@ -229,8 +223,7 @@ class _Connection(asyncio.Protocol):
         self.error = exc
         if self._head is not None and not self._head.done():
             self._head.set_exception(exc)
-        if self._reader is not None and not self._reader.done():
-            self._reader.set_exception(exc)
+        self._body.fail(exc)
         if self.transport is not None:
             self.transport.abort()
 
@@ -258,7 +251,6 @@ class _Connection(asyncio.Protocol):
         self._header_count = 0
         self._callback_error = None
         self._body.clear()
-        self._body_size = 0
         self._parser = httptools.HttpResponseParser(self)
         self._head = self.loop.create_future()
         self.transport.write(request)
@@ -271,30 +263,17 @@ class _Connection(asyncio.Protocol):
             if self.error is not None:
                 raise self.error
             assert self.loop is not None
-            self._reader = self.loop.create_future()
-            try:
-                await self._reader
-            finally:
-                self._reader = None
-        return self._take()
+            await self._body.wait(self.loop)
+        return self._body.take()
 
     def read_nowait(self) -> bytes | None:
         if self._body:
-            return self._take()
+            return self._body.take()
         if self.complete:
             return b""
         if self.error is not None:
             raise self.error
         return None
-
-    def _take(self) -> bytes:
-        data = b"".join(self._body) if len(self._body) > 1 else self._body[0]
-        self._body.clear()
-        self._body_size = 0
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
-        return data
 
     def abort(self) -> None:
         if self.transport is not None:
