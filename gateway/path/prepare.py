@@ -36,6 +36,7 @@ from gateway.path.trace import Tracer
 from gateway.path.upstream import Upstream, UpstreamError
 from gateway.path.work_bounds import sequences
 from gateway.prompt.canonicalize import canonicalize
+from gateway.prompt.endpoints import BY_NAME
 from gateway.prompt.prefix_hash import PrefixHasher
 from gateway.routing.model_catalog import ModelCatalog, Target
 
@@ -74,6 +75,7 @@ class Preparation:
         else:
             body = parse_json_body(raw, server.max_json_depth)
         target = self._resolve(body, headers, rec)
+        require_conversation(body, rec.endpoint)
         answers = sequences(body, rec.endpoint, server)  # before the prompt is measured: 400s are cheap
         router = target.router
         req = InferenceRequest(path, headers, raw, body, tenant, rec, router)
@@ -164,6 +166,24 @@ class Preparation:
             else:
                 ids = precise.token_ids(replica, resp.status, raw)
         precise.annotate(req.features, ids)
+
+
+def require_conversation(body: Mapping[str, Any], endpoint: str) -> None:
+    """400 for a chat without a list of messages (or a response without input): engines answer it
+    with their schema validator's dump (vLLM: a Python list of dicts), which says nothing to a user."""
+    name = BY_NAME[endpoint].conversation
+    if name is None:
+        return
+    turns = body.get(name)
+    if turns is None:
+        raise client_error(f"you must provide `{name}`", "missing_required_parameter", name)
+    if endpoint == "chat":
+        if not isinstance(turns, list) or not turns:
+            raise client_error("`messages` must be a non-empty list of messages", "invalid_type", name)
+        if not all(isinstance(turn, dict) for turn in turns):
+            raise client_error("each of `messages` must be an object with a `role`", "invalid_type", name)
+    elif not isinstance(turns, str | list):
+        raise client_error(f"`{name}` must be a string or a list of items", "invalid_type", name)
 
 
 def classify(req: InferenceRequest, classes: PriorityClasses) -> None:

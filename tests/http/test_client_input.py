@@ -98,6 +98,27 @@ async def test_a_capped_count_must_be_an_integer_and_prompts_times_choices_are_c
         assert ok.status_code == 200 and len(up.state.seen) == 1
 
 
+async def test_a_chat_without_messages_is_told_what_is_missing(upstreams, gateway):
+    """Issue 36 item 8: a chat without `messages` answered with vLLM's validator dump (a Python
+    list of dicts); the gateway says what is missing, and nothing reaches an engine."""
+    (up,) = await upstreams(1)
+    gw = await gateway(gateway_settings([up.url]))
+    chat = "/v1/chat/completions"
+    async with httpx.AsyncClient() as c:
+        r = await c.post(gw.url + chat, json={"model": "m"})
+        assert "`messages`" in _error(r, 400, "missing_required_parameter")
+        assert r.json()["error"]["param"] == "messages"
+        for messages in ("hi", [], {"role": "user"}, ["hi"], None):
+            r = await c.post(gw.url + chat, json={"model": "m", "messages": messages})
+            code = "missing_required_parameter" if messages is None else "invalid_type"
+            assert r.json()["error"]["param"] == "messages" and _error(r, 400, code), messages
+        r = await c.post(gw.url + "/v1/responses", json={"model": "m"})
+        assert r.json()["error"]["param"] == "input" and _error(r, 400, "missing_required_parameter")
+        assert not up.state.seen
+        ok = await c.post(gw.url + chat, json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        assert ok.status_code == 200 and len(up.state.seen) == 1
+
+
 async def test_work_caps_are_configurable(upstreams, gateway):
     (up,) = await upstreams(1)
     server = {"max_n": 2, "max_prompts": 3, "max_inputs": 4}

@@ -3,7 +3,7 @@ connector, `gateway.fleet.engines.bootstrap`; LoRA adapters named `base:adapter`
 `bootstrap_*`, data-parallel ranks, `rid`, a serialized custom logit processor, `x-sglang-*`).
 
 Flags checked against SGLang 0.5.23 (`python -m sglang.launch_server --help`,
-`sglang/srt/server_args.py`), see /work/shared/engines.md. Differences from vLLM kept here:
+`sglang/srt/server_args.py`), see docs/engines.md#engine-versions. Differences from vLLM kept here:
 FP8 KV is spelled `fp8_e4m3`; chunked prefill is a size (-1 disables it); prefix caching is the
 radix cache (on unless disabled); PD uses `--disaggregation-mode` with a bootstrap port on each
 prefill replica and the concurrent bootstrap hand-off; `priority` runs higher values first. LoRA

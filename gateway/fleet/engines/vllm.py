@@ -3,7 +3,7 @@
 request id, `X-Data-Parallel-Rank` and its `x-vllm-*` headers).
 
 Flags checked against vLLM 0.33 (`vllm serve --help` and `vllm/engine/arg_utils.py`), see
-/work/shared/engines.md. LoRA: `--enable-lora`, `--lora-modules name=path` (the JSON form when a
+docs/engines.md#engine-versions. LoRA: `--enable-lora`, `--lora-modules name=path` (the JSON form when a
 parent model is named), `--max-loras`, `--max-lora-rank`, `--max-cpu-loras`; run-time loading needs
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` in the environment. Removed flags are never emitted:
 `--swap-space`, `--calculate-kv-scales`.
