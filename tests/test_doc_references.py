@@ -25,7 +25,7 @@ def test_a_page_with_references_a_user_cannot_follow_is_refused(tmp_path: Path) 
                 "See `gateway/no_such_module.py` and `results/no-such-run/`.",  # 4: repo-looking, missing
                 # Nothing below is wrong: repository files, an output folder git ignores, an upstream
                 # project's source, a placeholder, an elided path, a heading anchor.
-                "`gateway/config.py`, `results/out/routing/report.md`, vLLM's `vllm/config/cache.py`,",
+                "`gateway/config/prefix.py`, `results/out/routing/report.md`, vLLM's `vllm/config/cache.py`,",
                 "`kubectl port-forward deploy/RELEASE-kvgate`, `.../cpu/manager.py`,",
                 "`bench/scenarios/*.yaml`,",
                 "[engines](#page) and `path/proxy.py` (under gateway/).",

@@ -20,10 +20,18 @@ class KVEventsSource(Strict):
         "SGLang bind only an endpoint holding `*`)"
     )
     topic: str = Field("", description="The publisher's topic: vLLM's and SGLang's default is empty")
+    replay_endpoint: str | None = Field(
+        None,
+        description="The address to CONNECT to for missed batches: the publisher's replay socket "
+        "(vLLM's `replay_endpoint` in --kv-events-config, which it binds). Unset: a replica whose "
+        "batches were lost has its index entries forgotten instead",
+    )
 
-    @field_validator("endpoint")
+    @field_validator("endpoint", "replay_endpoint")
     @classmethod
-    def _connectable(cls, v: str) -> str:
+    def _connectable(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         if not v.startswith(("tcp://", "ipc://")):
             raise ValueError("must start with tcp:// or ipc://")
         if "*" in v:

@@ -95,3 +95,9 @@ class PrefixConfig(Strict):
         "was routed to it is reported (metric, warning, dashboard) and routed by the approximate index "
         "until they come again",
     )
+    kv_events_replay_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="Precise mode: how long a replay of missed KV event batches may take (an engine's "
+        "replay socket, kv_events.replay_endpoint); past it the replica's entries are forgotten",
+    )

@@ -127,7 +127,11 @@ class Fleet:
                 launched.kind,
                 launched.bootstrap_port,
                 managed=True,
-                kv_events=KVEventsSource(endpoint=launched.kv_events_endpoint, topic=KV_EVENTS_TOPIC)
+                kv_events=KVEventsSource(
+                    endpoint=launched.kv_events_endpoint,
+                    topic=KV_EVENTS_TOPIC,
+                    replay_endpoint=launched.kv_events_replay_endpoint,
+                )
                 if launched.kv_events_endpoint
                 else None,
                 device=launched.device,

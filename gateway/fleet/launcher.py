@@ -87,6 +87,7 @@ class LaunchPlan:
     log_path: Path
     bootstrap_port: int | None = None
     kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
     ports: tuple[int, ...] = ()  # every port reserved for the replica, HTTP first
     device: str | None = None  # the GPUs it shares with other replicas of the pool, if any
 
@@ -107,6 +108,7 @@ class LaunchedReplica:
     bootstrap_port: int | None
     pid: int
     kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
     device: str | None = None
     kv_side_channel_host: str | None = None  # what it names as its KV's host, as the launcher set it
     kv_side_channel_ports: range | None = None  # and the ports its KV is served on, where it set them
@@ -196,6 +198,7 @@ def plan_fleet(
                 gpu_sharers=max((users[g] for g in ids), default=1) if ids else 1,
                 aux_ports=aux,
                 kv_events=spec.kv_events,
+                kv_events_replay=adapter.kv_events_replay,
             )
             argv, env = adapter.command(spec, model, slot, served_model_name)
             plans.append(
@@ -210,6 +213,7 @@ def plan_fleet(
                     log_path=Path(spec.log_dir) / f"{slot.name}.log",
                     bootstrap_port=aux.get(BOOTSTRAP_PORT),
                     kv_events_endpoint=slot.kv_events_endpoint,
+                    kv_events_replay_endpoint=slot.kv_events_replay_endpoint,
                     ports=(slot.port, *reserved[first_reserved:]),
                     device=shared_device(ids, slot.gpu_sharers),
                 )
@@ -259,6 +263,8 @@ def dry_run(settings: Settings) -> str:
                 extra = f" bootstrap_port={plan.bootstrap_port}" if plan.bootstrap_port else ""
                 if plan.kv_events_endpoint:
                     extra += f" kv_events={plan.kv_events_endpoint}"
+                if plan.kv_events_replay_endpoint:
+                    extra += f" kv_events_replay={plan.kv_events_replay_endpoint}"
                 if plan.device:
                     extra += f" device={plan.device}"
                 out.append(f"# {plan.name} role={plan.role} url={plan.url} log={plan.log_path}{extra}")
@@ -459,10 +465,10 @@ class FleetLauncher:
         await asyncio.gather(*(self._terminate(r) for r in self._replicas.values()))
         for replica in self._replicas.values():
             replica.status.state = "stopped"
-            endpoint = replica.plan.kv_events_endpoint
-            if endpoint is not None and endpoint.startswith("ipc://"):
-                with contextlib.suppress(OSError):  # the engine leaves its socket file behind
-                    os.unlink(endpoint.removeprefix("ipc://"))
+            for endpoint in (replica.plan.kv_events_endpoint, replica.plan.kv_events_replay_endpoint):
+                if endpoint is not None and endpoint.startswith("ipc://"):
+                    with contextlib.suppress(OSError):  # the engine leaves its socket file behind
+                        os.unlink(endpoint.removeprefix("ipc://"))
         if self._client is not None:
             await self._client.close()
         if self._plans is not None:
@@ -479,6 +485,7 @@ class FleetLauncher:
             bootstrap_port=plan.bootstrap_port,
             pid=replica.proc.pid,
             kv_events_endpoint=plan.kv_events_endpoint,
+            kv_events_replay_endpoint=plan.kv_events_replay_endpoint,
             device=plan.device,
             kv_side_channel_host=plan.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST"),
             kv_side_channel_ports=_side_channel_ports(plan.env, self.spec.tensor_parallel_size),

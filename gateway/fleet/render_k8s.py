@@ -23,7 +23,13 @@ from typing import Any
 import yaml
 
 from gateway.config import ConfigError, EngineSpec, PoolConfig, Settings, load_config
-from gateway.fleet.discovery.kubernetes import BOOTSTRAP_PORT_NAME, ENGINE_KEY, KV_EVENTS_PORT_NAME, ROLE_KEY
+from gateway.fleet.discovery.kubernetes import (
+    BOOTSTRAP_PORT_NAME,
+    ENGINE_KEY,
+    KV_EVENTS_PORT_NAME,
+    KV_EVENTS_REPLAY_PORT_NAME,
+    ROLE_KEY,
+)
 from gateway.fleet.engines import adapter_for_spec
 from gateway.fleet.engines.base import BOOTSTRAP_PORT, KV_EVENTS_PORT, NIXL_SIDE_CHANNEL_PORT, ReplicaSlot
 from gateway.fleet.engines.sim import sim_api
@@ -83,12 +89,17 @@ def engine_argv(pool: PoolConfig, role: Role) -> tuple[list[str], dict[str, str]
         port=HTTP_PORT,
         aux_ports=aux,
         kv_events=spec.kv_events,
+        kv_events_replay=adapter.kv_events_replay,
     )
     model = spec.model or pool.model
     argv, env = adapter.command(spec, model, slot, pool.served_model or pool.model)
     if spec.kind == "sim" and spec.command is None:
         argv = ["kvgate", "sim", *argv[3:]]  # the launcher's `sys.executable -m gateway.sim`, in the image
-    ports = {"http": HTTP_PORT} | {PORT_NAMES[name]: port for name, port in aux.items()}
+    ports = {"http": HTTP_PORT}
+    for name, port in aux.items():
+        ports[PORT_NAMES[name]] = port
+        if name == KV_EVENTS_PORT and slot.kv_events_replay_endpoint is not None:
+            ports[KV_EVENTS_REPLAY_PORT_NAME] = port + 1  # the publisher's replay socket
     return argv, env, ports
 
 

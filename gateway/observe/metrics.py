@@ -60,6 +60,18 @@ _EVENT_OUTCOMES = (
     ("foreign_media", "foreign_media"),
     ("malformed", "malformed"),
 )
+# A replica's event stream: (SubscriberStats attribute, metric name after kvgate_kv_event_, help).
+_STREAM_COUNTERS = (
+    ("replays", "replays", "Replays of missed batches asked of the engine's replay socket"),
+    ("replayed", "batches_replayed", "Batches applied from replays"),
+    (
+        "resets",
+        "resets",
+        "Times the replica's index entries were forgotten: missed batches could not be replayed",
+    ),
+    ("stale", "batches_stale", "Batches at or below the last applied number (late or replayed): ignored"),
+    ("restarts", "restarts", "Times the engine's numbers started over (it restarted): its entries forgotten"),
+)
 
 
 def status_label(status: int) -> str:
@@ -474,6 +486,10 @@ class FleetCollector(Collector):
             "KV event messages that could not be decoded (wrong framing, topic or msgpack layout): dropped",
             labels=["pool", "replica"],
         )
+        stream = {
+            attr: CounterMetricFamily(f"kvgate_kv_event_{name}", help_, labels=["pool", "replica"])
+            for attr, name, help_ in _STREAM_COUNTERS
+        }
         failures = CounterMetricFamily(
             "kvgate_precise_tokenize_failures",
             "Requests no engine tokenized (matched against the approximate index instead)",
@@ -501,13 +517,15 @@ class FleetCollector(Collector):
                 batches.add_metric([name, replica], sub.stats.batches)
                 lost.add_metric([name, replica], sub.stats.gaps)
                 undecodable.add_metric([name, replica], sub.stats.decode_errors)
+                for attr, family in stream.items():
+                    family.add_metric([name, replica], getattr(sub.stats, attr))
                 current = precise.events_state(replica, now)
                 for value in EVENTS_STATES:
                     state.add_metric([name, replica, value], float(current == value))
             for replica, n in list(precise.fallback_decisions.items()):
                 fallback.add_metric([name, replica], n)
             failures.add_metric([name], precise.tokenize_failures)
-        yield from (blocks, clears, batches, lost, undecodable, failures, state, fallback)
+        yield from (blocks, clears, batches, lost, undecodable, *stream.values(), failures, state, fallback)
 
     @staticmethod
     def _connections(view: GatewayView) -> Iterator[Metric]:

@@ -47,6 +47,7 @@ from typing import Any
 import xxhash
 
 from gateway.prompt.prefix_hash import chain_seed
+from gateway.routing.kv_replay import MAX_MESSAGE_BYTES, ReplayBounds, ReplayError, fetch_replay
 from gateway.routing.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -159,8 +160,12 @@ class KVEventIndexer:
         return applied
 
     def clear(self, replica: str) -> None:
-        """The engine dropped everything (or restarted): forget its blocks."""
+        """The engine dropped everything (an AllBlocksCleared event): forget its blocks."""
         self.stats.cleared += 1
+        self.forget(replica)
+
+    def forget(self, replica: str) -> None:
+        """Forget what the replica holds: it restarted, left, or its missed events are unknown."""
         self._ours.pop(replica, None)
         self._on_cpu.pop(replica, None)
         self.index.clear_replica(replica)
@@ -263,11 +268,24 @@ class SubscriberStats:
     batches: int = 0
     gaps: int = 0  # sequence numbers skipped (messages lost)
     decode_errors: int = 0
+    stale: int = 0  # batches numbered at or below the last applied (late, or replayed already): ignored
+    restarts: int = 0  # the publisher's numbers started over (the engine restarted, its cache empty)
+    replays: int = 0  # replays asked for: a gap, a late join, a reconnect, a restart seen late
+    replayed: int = 0  # batches applied from replays
+    resets: int = 0  # the replica's entries forgotten: missed batches could not be replayed
     last_seq: int | None = None
     last_event_at: float | None = None  # time.monotonic() of the last batch with a usable event
     # Set when a request that must make the engine store blocks was routed to the replica, cleared
     # by the next usable event: how long events have been owed.
     awaiting_since: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    seq: int
+    ts: float
+    events: list[Any]
+    digest: int
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[Any], int]:
@@ -287,69 +305,201 @@ def decode_batch(payload: bytes) -> tuple[float, list[Any], int]:
 
 
 class KVEventSubscriber:
-    """One replica's ZMQ SUB socket feeding a KVEventIndexer, as a task on the running event loop."""
+    """One replica's ZMQ SUB socket feeding a KVEventIndexer, as a task on the running event loop.
 
-    def __init__(self, endpoint: str, replica: str, indexer: KVEventIndexer, topic: str = "") -> None:
+    Batches are numbered by the publisher (from 0 at each start). A number skipped (a batch lost),
+    a first number above 0 (the engine published before the subscriber joined, or restarted unseen),
+    and a reconnect of the socket each ask the publisher's replay socket, where there is one
+    (`replay_endpoint`), for the batches from the last one applied on, bounded
+    (`gateway.routing.kv_replay`). The replay's first batch must be the last one applied, byte for
+    byte: that proves the numbers still count the same stream. When it is not (the engine
+    restarted, or no longer keeps the batches missed), or the missed batches cannot be had at all
+    (no replay socket, no answer), the replica's entries are forgotten, and then learned again from
+    all the publisher keeps: an index that missed removals would send requests to blocks that are
+    gone. A number at or below
+    the last applied is a restart when its batch is newer than the last applied (its timestamp),
+    else a late or duplicate batch, ignored.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        replica: str,
+        indexer: KVEventIndexer,
+        topic: str = "",
+        replay_endpoint: str | None = None,
+        replay_bounds: ReplayBounds | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.replica = replica
         self.indexer = indexer
         self.topic = topic
+        self.replay_endpoint = replay_endpoint
+        self.replay_bounds = replay_bounds or ReplayBounds()
         self.stats = SubscriberStats()
-        self._task: asyncio.Task[None] | None = None
+        self._last: _Batch | None = None
+        self._pending: _Batch | None = None  # the batch that showed a gap: applied after the replay
+        self._lock = asyncio.Lock()  # the stream and a reconnect's replay apply one at a time
+        self._tasks: list[asyncio.Task[None]] = []
         self._socket: Any = None
 
     def start(self) -> None:
         """Connect and start consuming on the running event loop; a second call does nothing."""
-        if self._task is not None:
+        if self._tasks:
             return
         import zmq
         import zmq.asyncio
 
         self._socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._socket.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        loop = asyncio.get_running_loop()
+        if self.replay_endpoint is not None:
+            monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            self._tasks.append(loop.create_task(self._watch(monitor), name=f"kv-events-link:{self.replica}"))
         self._socket.connect(self.endpoint)
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events:{self.replica}")
+        self._tasks.append(loop.create_task(self._run(), name=f"kv-events:{self.replica}"))
 
     def close(self) -> None:
         """Stop consuming. Synchronous, so a replica can be dropped from any callback."""
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        for task in self._tasks:
+            task.cancel()
+        self._tasks = []
         if self._socket is not None:
+            if self.replay_endpoint is not None:
+                self._socket.disable_monitor()
             self._socket.close(0)
             self._socket = None
 
-    def handle(self, frames: Sequence[bytes]) -> None:
-        """Apply one multipart message: [topic, seq, payload] (a bare [seq, payload] is accepted)."""
+    def handle(self, frames: Sequence[bytes]) -> int | None:
+        """Apply one multipart message: [topic, seq, payload] (a bare [seq, payload] is accepted).
+        Returns the number to replay from when batches before it were missed and can be asked for."""
         if len(frames) < 2:
             self.stats.decode_errors += 1
-            return
+            return None
         seq_raw, payload = frames[-2], frames[-1]
         try:
-            _, events, _ = decode_batch(payload)
+            ts, events, _ = decode_batch(payload)
         except ValueError:
             self.stats.decode_errors += 1
-            return
-        seq = int.from_bytes(seq_raw, "big") if len(seq_raw) == 8 else None
-        if seq is not None:
-            last = self.stats.last_seq
-            if last is not None and seq > last + 1:
-                self.stats.gaps += seq - last - 1
-            elif last is not None and seq <= last:
-                # The publisher restarted (sequence reset): its cache restarted empty too.
-                self.indexer.clear(self.replica)
-            self.stats.last_seq = seq
+            return None
+        if len(seq_raw) != 8:  # unnumbered: nothing to check it against
+            self._apply(events)
+            return None
+        batch = _Batch(int.from_bytes(seq_raw, "big"), ts, events, _xxh64(payload))
+        last = self._last
+        if last is not None and batch.seq <= last.seq:
+            # A batch newer than the last applied (or without a time) from a lower number: the
+            # publisher started over.
+            if batch.ts and batch.ts <= last.ts:
+                self.stats.stale += 1
+                return None
+            self.stats.restarts += 1
+            log.info("kv events from %s: engine restarted (%d after %d)", self.replica, batch.seq, last.seq)
+            self.indexer.forget(self.replica)
+            self._last = last = None
+        if last is None and batch.seq > 0:
+            missed: int | None = 0
+        elif last is not None and batch.seq > last.seq + 1:
+            self.stats.gaps += batch.seq - last.seq - 1
+            missed = last.seq  # from the last applied: it proves the stream is the same one
+        else:
+            missed = None
+        if missed is not None and self.replay_endpoint is not None:
+            self._pending = batch
+            return missed
+        if missed is not None and last is not None:
+            self._reset("batches were lost and the engine has no replay socket")
+        self._accept(batch)
+        return None
+
+    async def recover(self, first: int) -> None:
+        """Ask the replay socket for the batches from `first` on and apply them; forget the
+        replica's entries when they cannot be had."""
+        pending, self._pending = self._pending, None
+        batches = await self._fetch(first)
+        if batches is not None and not self._continues(batches):
+            self._reset(
+                "the replay does not continue the stream (the engine restarted, or no longer keeps "
+                "the batches missed)"
+            )
+            self._last = None
+            batches = await self._fetch(0)  # all it keeps, the newest truth there is
+        for seq, payload in batches or ():
+            if self._last is not None and seq <= self._last.seq:
+                continue
+            try:
+                ts, events, _ = decode_batch(payload)
+            except ValueError:
+                self.stats.decode_errors += 1
+                continue
+            self.stats.replayed += 1
+            self._accept(_Batch(seq, ts, events, _xxh64(payload)))
+        if pending is not None and (self._last is None or pending.seq > self._last.seq):
+            self._accept(pending)
+
+    async def _fetch(self, first: int) -> list[tuple[int, bytes]] | None:
+        assert self.replay_endpoint is not None
+        self.stats.replays += 1
+        try:
+            return await fetch_replay(self.replay_endpoint, first, self.replay_bounds)
+        except ReplayError as exc:
+            self._reset(f"the replay from {self.replay_endpoint} failed: {exc}")
+            return None
+
+    def _continues(self, batches: list[tuple[int, bytes]]) -> bool:
+        """Whether a replay continues what was applied: its first batch is the last applied, byte
+        for byte (or the replica knew nothing yet)."""
+        last = self._last
+        if last is None:
+            return True
+        return bool(batches) and batches[0][0] == last.seq and _xxh64(batches[0][1]) == last.digest
+
+    def _accept(self, batch: _Batch) -> None:
+        self._last = batch
+        self.stats.last_seq = batch.seq
+        self._apply(batch.events)
+
+    def _apply(self, events: list[Any]) -> None:
         self.stats.batches += 1
         if self.indexer.apply(self.replica, events):
             self.stats.last_event_at = time.monotonic()
             self.stats.awaiting_since = None
 
+    def _reset(self, why: str) -> None:
+        self.stats.resets += 1
+        log.warning("kv events from %s: %s; its index entries are forgotten", self.replica, why)
+        self.indexer.forget(self.replica)
+
     async def _run(self) -> None:
         while True:
             frames = await self._socket.recv_multipart()
-            try:
-                self.handle(frames)
-            except Exception:  # one bad batch must not end the subscription
-                self.stats.decode_errors += 1
-                log.exception("kv events from %s: batch could not be applied", self.replica)
+            async with self._lock:
+                try:
+                    missed = self.handle(frames)
+                    if missed is not None:
+                        await self.recover(missed)
+                except Exception:  # one bad batch must not end the subscription
+                    self.stats.decode_errors += 1
+                    log.exception("kv events from %s: batch could not be applied", self.replica)
+
+    async def _watch(self, monitor: Any) -> None:
+        """A reconnect may have lost batches that no later number will show: ask for them."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        connected_before = False
+        try:
+            while True:
+                event = (await recv_monitor_message(monitor))["event"]
+                if event != zmq.EVENT_CONNECTED:
+                    continue
+                if connected_before and self._last is not None:
+                    async with self._lock:
+                        if self._last is not None:
+                            log.info("kv events from %s: reconnected, asking what it missed", self.replica)
+                            await self.recover(self._last.seq)
+                connected_before = True
+        finally:
+            monitor.close(0)

@@ -74,7 +74,7 @@ class PrefixMatch:
     # -- membership ---------------------------------------------------------------------
     def added(self, name: str, kv_events: KVEventsSource | None) -> None:
         if self.precise is not None and kv_events is not None:
-            self.precise.attach(name, kv_events.endpoint, kv_events.topic)
+            self.precise.attach(name, kv_events)
 
     def removed(self, name: str) -> None:
         self.index.remove_replica(name)

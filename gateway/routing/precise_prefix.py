@@ -34,10 +34,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 
 from gateway.routing.kv_events import KVEventIndexer, KVEventSubscriber, TokenBlockHasher
+from gateway.routing.kv_replay import ReplayBounds
 from gateway.routing.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
-    from gateway.config import PrefixConfig
+    from gateway.config import KVEventsSource, PrefixConfig
     from gateway.fleet.replica import Replica
     from gateway.routing.policy import RequestFeatures
 
@@ -76,15 +77,19 @@ class PrecisePrefix:
         self.subscribers: dict[str, KVEventSubscriber] = {}
         self.tokenize_failures = 0
         self.events_timeout_s = cfg.kv_events_timeout_s
+        self.replay_bounds = ReplayBounds(timeout_s=cfg.kv_events_replay_timeout_s)
         self.fallback_decisions: Counter[str] = Counter()  # per replica: routed on the approximate index
         self._reported: set[str] = set()  # replicas whose missing events were logged
         self._next = 0
 
     # -- replicas' event streams ---------------------------------------------------------
-    def attach(self, replica: str, endpoint: str, topic: str = "") -> None:
-        """Follow a replica's KV events. Its index starts empty: a (re)started engine is cold."""
+    def attach(self, replica: str, source: KVEventsSource) -> None:
+        """Follow a replica's KV events. Its index starts empty: a (re)started engine is cold, and a
+        running one's kept batches are asked for when its publisher has a replay socket."""
         self.detach(replica)
-        sub = self.subscribers[replica] = KVEventSubscriber(endpoint, replica, self.indexer, topic)
+        sub = self.subscribers[replica] = KVEventSubscriber(
+            source.endpoint, replica, self.indexer, source.topic, source.replay_endpoint, self.replay_bounds
+        )
         if _loop_running():
             sub.start()
 
@@ -93,7 +98,7 @@ class PrecisePrefix:
         sub = self.subscribers.pop(replica, None)
         if sub is not None:
             sub.close()
-        self.indexer.clear(replica)
+        self.indexer.forget(replica)
         self._reported.discard(replica)
         self.fallback_decisions.pop(replica, None)
 

@@ -97,6 +97,8 @@ def test_rendered_pods_are_what_the_gateway_config_discovers(name: str) -> None:
         assert source.engines is not None
         assert ep.url == "http://10.1.2.3:8000" and ep.role == labels["kvgate.io/role"]
         assert (ep.kv_events == "tcp://10.1.2.3:5557") == source.engines.kv_events
+        replays = source.engines.kv_events and ep.kind != "sglang"  # SGLang's replay socket is not relied on
+        assert (ep.kv_events_replay == "tcp://10.1.2.3:5558") == replays
         sglang_prefill = ep.kind == "sglang" and ep.role == "prefill"
         assert (ep.bootstrap_port == 8998) == sglang_prefill
 

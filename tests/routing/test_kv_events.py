@@ -306,13 +306,13 @@ def test_replica_offsets_follow_vllms_per_rank_rule() -> None:
 async def test_events_owed_too_long_are_missing_until_usable_ones_come(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from gateway.config import PrefixConfig
+    from gateway.config import KVEventsSource, PrefixConfig
     from gateway.routing.precise_prefix import PrecisePrefix
 
     caplog.set_level(logging.INFO, logger="gateway.routing.precise_prefix")
     pub = Publisher()
     precise = PrecisePrefix(PrefixConfig(kv_events_timeout_s=5), "m", BS)
-    precise.attach("r1", pub.endpoint, "kv-events")
+    precise.attach("r1", KVEventsSource(endpoint=pub.endpoint, topic="kv-events"))
     precise.start()
     sub = precise.subscribers["r1"]
     try:

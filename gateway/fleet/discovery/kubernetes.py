@@ -43,9 +43,11 @@ log = logging.getLogger(__name__)
 ENGINE_KEY = "kvgate.io/engine"  # vllm | sglang | sim | openai
 ROLE_KEY = "kvgate.io/role"  # mixed | prefill | decode
 KV_EVENTS_PORT_KEY = "kvgate.io/kv-events-port"  # number or port name of the engine's KV event publisher
+KV_EVENTS_REPLAY_PORT_KEY = "kvgate.io/kv-events-replay-port"  # and of its replay socket (vLLM)
 BOOTSTRAP_PORT_KEY = "kvgate.io/bootstrap-port"  # number or port name: SGLang prefill bootstrap
 # Port names looked up when the annotations are absent.
 KV_EVENTS_PORT_NAME = "kv-events"
+KV_EVENTS_REPLAY_PORT_NAME = "kv-events-replay"
 BOOTSTRAP_PORT_NAME = "bootstrap"
 
 KINDS = frozenset(("vllm", "sglang", "sim", "openai"))
@@ -93,6 +95,7 @@ def _endpoint(
         log.warning("%s: unknown %s %r or %s %r, skipped", name, ENGINE_KEY, kind, ROLE_KEY, role)
         return None
     kv_port = _port(_lookup(meta, KV_EVENTS_PORT_KEY) or KV_EVENTS_PORT_NAME, ports)
+    replay_port = _port(_lookup(meta, KV_EVENTS_REPLAY_PORT_KEY) or KV_EVENTS_REPLAY_PORT_NAME, ports)
     host = _host(address)
     return Endpoint(
         name=name,
@@ -101,6 +104,7 @@ def _endpoint(
         kind=kind,
         bootstrap_port=_port(_lookup(meta, BOOTSTRAP_PORT_KEY) or BOOTSTRAP_PORT_NAME, ports),
         kv_events=f"tcp://{host}:{kv_port}" if kv_port is not None else None,
+        kv_events_replay=f"tcp://{host}:{replay_port}" if None not in (kv_port, replay_port) else None,
     )
 
 

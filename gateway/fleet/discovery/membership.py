@@ -37,6 +37,7 @@ class Endpoint:
     kind: str = "vllm"
     bootstrap_port: int | None = None
     kv_events: str | None = None
+    kv_events_replay: str | None = None
 
 
 class Membership(Protocol):
@@ -188,7 +189,11 @@ class PoolMembership:
             ep.bootstrap_port,
             managed=True,  # its membership is the gateway's business: reloads and the admin API leave it
             # Topic "" subscribes to every topic the pod's publisher uses.
-            kv_events=KVEventsSource(endpoint=ep.kv_events) if ep.kv_events else None,
+            kv_events=(
+                KVEventsSource(endpoint=ep.kv_events, replay_endpoint=ep.kv_events_replay)
+                if ep.kv_events
+                else None
+            ),
         )
         return replica.name
 

@@ -53,16 +53,23 @@ class ReplicaSlot:
     gpu_sharers: int = 1  # replicas on this replica's most shared GPU, itself included
     aux_ports: Mapping[str, int] = field(default_factory=dict)
     kv_events: bool = False
+    kv_events_replay: bool = False  # the publisher keeps its batches for a replay socket too
 
     @property
     def kv_events_endpoint(self) -> str | None:
         """Where a subscriber connects to this replica's KV events (None when they are off)."""
-        if not self.kv_events:
-            return None
+        return self._kv_events_address("", 0) if self.kv_events else None
+
+    @property
+    def kv_events_replay_endpoint(self) -> str | None:
+        """Where a subscriber asks for missed batches (the port after the events' own)."""
+        return self._kv_events_address("-replay", 1) if self.kv_events and self.kv_events_replay else None
+
+    def _kv_events_address(self, suffix: str, offset: int) -> str:
         port = self.aux_ports.get(KV_EVENTS_PORT)
         if port is None:
-            return f"ipc://{kv_events_ipc_dir()}/kv-{self.port}.sock"
-        return f"tcp://{connect_host(self.host)}:{port}"
+            return f"ipc://{kv_events_ipc_dir()}/kv-{self.port}{suffix}.sock"
+        return f"tcp://{connect_host(self.host)}:{port + offset}"
 
 
 def connect_host(host: str) -> str:
@@ -116,10 +123,17 @@ def kv_events_config(slot: ReplicaSlot) -> str:
     explicitly (the engines' default is the empty string) and subscribed to by the gateway."""
     endpoint = slot.kv_events_endpoint
     assert endpoint is not None, "kv_events_config for a replica without KV events"
-    bind = endpoint if endpoint.startswith("ipc://") else f"tcp://*:{slot.aux_ports[KV_EVENTS_PORT]}"
-    return compact_json(
-        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": bind, "topic": KV_EVENTS_TOPIC}
-    )
+    config: dict[str, object] = {"enable_kv_cache_events": True, "publisher": "zmq"}
+    config |= {"endpoint": _bind(endpoint), "topic": KV_EVENTS_TOPIC}
+    replay = slot.kv_events_replay_endpoint
+    if replay is not None:
+        config["replay_endpoint"] = _bind(replay)  # the engine binds it whatever it holds
+    return compact_json(config)
+
+
+def _bind(endpoint: str) -> str:
+    """The address an engine binds for a subscriber's `endpoint` (every interface, its port)."""
+    return endpoint if endpoint.startswith("ipc://") else "tcp://*:" + endpoint.rsplit(":", 1)[1]
 
 
 def split_fraction(total: float, sharers: int) -> str:
@@ -212,9 +226,12 @@ class EngineAdapter(ABC):
     def aux_port_names(self, spec: EngineSpec, role: Role) -> tuple[str, ...]:
         """The auxiliary ports (beyond HTTP) a replica with this role needs, each distinct."""
 
+    kv_events_replay: bool = False
+    """Whether its KV event publisher can keep batches for a replay socket (`replay_endpoint`)."""
+
     def aux_port_span(self, spec: EngineSpec, name: str) -> int:
         """How many consecutive ports the auxiliary port `name` occupies (its first is passed)."""
-        return 1
+        return 2 if name == KV_EVENTS_PORT and self.kv_events_replay else 1  # events, then replay
 
     @abstractmethod
     def command(

@@ -56,6 +56,7 @@ class SimAdapter(VLLMAdapter):
     def __init__(self, api: SimApi = "vllm") -> None:
         self.api: SimApi = api
         if api == "sglang":
+            self.kv_events_replay = False  # as the SGLang adapter: its replay socket is not relied on
             self._sglang = SGLangAdapter()
             self.connector = self._sglang.connector
             self.load_path = SGLangAdapter.load_path

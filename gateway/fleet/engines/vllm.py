@@ -65,6 +65,9 @@ class VLLMAdapter(EngineAdapter):
     kind: ClassVar[str] = "vllm"
     connector: Connector | None = NixlConnector()
     load_path: str | None = "/metrics"
+    # `replay_endpoint` and `buffer_steps` (10,000 batches) of --kv-events-config, vLLM 0.26
+    # (vllm/config/kv_events.py, ZmqEventPublisher in vllm/distributed/kv_events.py).
+    kv_events_replay: bool = True
     control_fields: ClassVar[frozenset[str]] = NixlConnector.control_fields | {
         "data_parallel_rank",
         "request_id",
@@ -85,7 +88,9 @@ class VLLMAdapter(EngineAdapter):
 
     def aux_port_span(self, spec: EngineSpec, name: str) -> int:
         # NIXL listens on VLLM_NIXL_SIDE_CHANNEL_PORT plus the worker's rank.
-        return spec.tensor_parallel_size if name == NIXL_SIDE_CHANNEL_PORT else 1
+        if name == NIXL_SIDE_CHANNEL_PORT:
+            return spec.tensor_parallel_size
+        return super().aux_port_span(spec, name)
 
     def command(
         self, spec: EngineSpec, model: str, slot: ReplicaSlot, served_model_name: str | None = None

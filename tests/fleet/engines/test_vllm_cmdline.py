@@ -169,6 +169,9 @@ def test_kv_events_bind_a_private_unix_socket_per_loopback_replica(fleet) -> Non
         assert config["publisher"] == "zmq" and config["topic"] == KV_EVENTS_TOPIC
         assert config["endpoint"] == plan.kv_events_endpoint
         assert config["endpoint"] == f"ipc://{kv_events_ipc_dir()}/kv-{plan.port}.sock"
+        # Its replay socket (vLLM binds it whatever the address), where missed batches are asked for.
+        assert config["replay_endpoint"] == plan.kv_events_replay_endpoint
+        assert config["replay_endpoint"] == f"ipc://{kv_events_ipc_dir()}/kv-{plan.port}-replay.sock"
         endpoints.add(config["endpoint"])
     assert len(endpoints) == 2
     assert all(p.ports == (p.port,) for p in plans)  # no TCP port for the events
@@ -178,10 +181,13 @@ def test_a_replica_bound_wider_binds_events_on_a_wildcard_and_is_reached_at_its_
     for host, reach in (("0.0.0.0", "127.0.0.1"), ("10.0.0.5", "10.0.0.5")):
         s = spec(host=host, kv_events=True)
         assert vllm.aux_port_names(s, "mixed") == (KV_EVENTS_PORT,)
-        one = slot(host=host, aux_ports={KV_EVENTS_PORT: 5557}, kv_events=True)
+        assert vllm.aux_port_span(s, KV_EVENTS_PORT) == 2  # the events, then their replay socket
+        one = slot(host=host, aux_ports={KV_EVENTS_PORT: 5557}, kv_events=True, kv_events_replay=True)
         argv, _ = vllm.command(s, MODEL, one)
-        assert json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:5557"
+        config = json.loads(argv[argv.index("--kv-events-config") + 1])
+        assert (config["endpoint"], config["replay_endpoint"]) == ("tcp://*:5557", "tcp://*:5558")
         assert one.kv_events_endpoint == f"tcp://{reach}:5557"
+        assert one.kv_events_replay_endpoint == f"tcp://{reach}:5558"
 
 
 def test_base_port_gives_repeatable_ports(fleet) -> None:
