@@ -992,6 +992,13 @@ class Replica:
             one("vllm:external_prefix_cache_hits_total", "counter", m.external_prefix_cache_hits)
         if self.opts.kv_role is not None:
             lines += m.kv_transfer_time.render("vllm:nixl_xfer_time_seconds", lbl)
+        if (cpu := e.cpu) is not None:  # the OffloadingConnector's (vllm/v1/kv_offload/cpu/common.py, ...)
+            one("vllm:kv_offload_load_bytes_total", "counter", cpu.load_size.sum)
+            one("vllm:kv_offload_store_bytes_total", "counter", cpu.store_size.sum)
+            lines += cpu.load_size.render("vllm:kv_offload_load_size", lbl)
+            lines += cpu.store_size.render("vllm:kv_offload_store_size", lbl)
+            one("vllm:kv_offload_allocation_failure_total", "counter", cpu.allocation_failures)
+            one("vllm:kv_offload_cpu_cache_usage_perc", "gauge", 0.0)  # blocks pinned by transfers in flight
         one("vllm:prompt_tokens_total", "counter", m.prompt_tokens)
         one("vllm:generation_tokens_total", "counter", m.generation_tokens)
         one("vllm:num_preemptions_total", "counter", m.num_preemptions)
