@@ -243,6 +243,7 @@ class Replica:
         r.add_get("/metrics", self.metrics)
         r.add_get("/sim/state", self.sim_state)
         r.add_get("/sim/requests", self.sim_requests)
+        r.add_post("/sim/kv_events/faults", self.kv_event_faults)
         r.add_post("/sim/pd/release", self.pd_release)
         r.add_post("/sim/pd/lease", self.pd_lease)
         r.add_get("/sim/bootstrap/{room}", self.bootstrap_wait)
@@ -263,6 +264,9 @@ class Replica:
         self.extras.load_static_adapters()
         if o.kv_events is not None:
             self.kv_pub = KVEventPublisher.from_config(o.kv_events, self.engine.block_size, o.index)
+            self.kv_pub.set_faults(o.faults.seed, o.faults.kv_drop_rate, o.faults.kv_reorder_rate)
+            if self.kv_pub.replay_endpoint is not None:
+                self._spawn(self.kv_pub.serve_replay())
             self.engine.pool.record_events = True
             if self.engine.cpu is not None:
                 self.engine.cpu.record_events = True
@@ -943,6 +947,23 @@ class Replica:
             ],
         )
         return self._json(state)
+
+    async def kv_event_faults(self, request: web.Request) -> web.Response:
+        """`{"drop": N, "reorder": M}`: the next N KV event batches are not sent (numbered and kept for
+        replay all the same), then the next M are each sent after the batch that follows them."""
+        pub = self.kv_pub
+        if pub is None:
+            return self._error(404, "this replica publishes no KV events (--kv-events-config)")
+        try:
+            doc = await request.json()
+            drop, reorder = int(doc.get("drop", 0)), int(doc.get("reorder", 0))
+        except (ValueError, TypeError, AttributeError):
+            return self._error(400, 'expected {"drop": N, "reorder": M}')
+        if drop < 0 or reorder < 0:
+            return self._error(400, "drop and reorder are counts (>= 0)")
+        pub.drop_next += drop
+        pub.reorder_next += reorder
+        return self._json({"next_seq": pub.next_seq, "dropped": pub.dropped, "reordered": pub.reordered})
 
     async def sim_requests(self, request: web.Request) -> web.Response:
         last = int(request.query.get("last", "16"))
