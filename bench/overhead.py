@@ -43,6 +43,7 @@ import aiohttp
 import yaml
 
 from bench import echo_upstream
+from bench.peers import ROUTERS, peer_argv
 from bench.procs import HOST, Child, free_port_range, python_module
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
@@ -230,22 +231,12 @@ def table(pairs: list[Pair], conc: dict[str, dict[str, float]]) -> str:
 
 
 SGLANG_ROUTER = "sglang-router"
-SGLANG_ROUTER_INSTALL = 'pip install -e ".[bench-peers]"  (sglang-router==0.3.2)'
+SGLANG_ROUTER_INSTALL = ROUTERS[SGLANG_ROUTER][1]
 
 
 def sglang_router_argv(upstream: str, port: int) -> list[str]:
     """sglang-router (Rust, in one process) in front of the same upstream, round robin as kvgate is."""
-    try:
-        import sglang_router  # noqa: F401
-    except ImportError:
-        raise SystemExit(
-            f"--peers {SGLANG_ROUTER} needs the router installed: {SGLANG_ROUTER_INSTALL}"
-        ) from None
-    return python_module(
-        "sglang_router.launch_router",
-        *("--host", HOST, "--port", str(port), "--worker-urls", upstream),
-        *("--policy", "round_robin", "--log-level", "error"),
-    )
+    return peer_argv(SGLANG_ROUTER, [upstream], port, "round_robin")
 
 
 def gateway_sides(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from bench import engine_metrics, loadgen, procs
+from bench import engine_metrics, loadgen, peers, procs
 from bench.client import ClientOptions
 from bench.loadgen import LoadSpec
 from bench.stats import summarize
@@ -72,8 +72,9 @@ class FleetSpec:
 @dataclass
 class ConfigSpec:
     name: str
-    mode: Literal["gateway", "direct"] = "gateway"
+    mode: Literal["gateway", "direct", "peer"] = "gateway"
     description: str = ""
+    peer: dict[str, Any] = field(default_factory=dict)  # mode peer: {router, policy, args} (bench.peers)
     pool: dict[str, Any] = field(default_factory=dict)  # merged into the benchmark pool
     gateway: dict[str, Any] = field(default_factory=dict)  # merged into the whole gateway config
     fleet: dict[str, Any] = field(default_factory=dict)  # FleetSpec fields to override
@@ -485,6 +486,13 @@ def run_point(
         pd_paths: dict[str, float] = {}
         if config.mode == "direct":
             result = loadgen.run_sync(loadgen.run(requests, load, fleet.urls, opts, len(fleet.urls)))
+        elif config.mode == "peer":
+            port = procs.free_port_range(1)
+            url = f"http://{procs.HOST}:{port}"
+            argv = peers.peer_from_config(config.peer, fleet.urls, port)
+            with procs.Child(f"peer {config.name}", argv, log_dir / f"{tag}-peer.log").start() as child:
+                child.wait_ready([f"{url}/health"], fleet_spec.startup_timeout_s)
+                result = loadgen.run_sync(loadgen.run(requests, load, [url], opts, len(fleet.urls)))
         else:
             run_id = uuid.uuid4().hex[:12]
             with contextlib.ExitStack() as gateways:
