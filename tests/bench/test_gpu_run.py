@@ -18,7 +18,7 @@ import yaml
 
 from bench import procs
 from bench.cli import main
-from bench.gpu import compare, host
+from bench.gpu import card, compare, host
 from bench.report import write_reports
 from bench.scenario import ExistingFleet, Fleet, FleetGroup, FleetSpec, run_scenario, scenario_from_dict
 from gateway.config import load_config
@@ -123,16 +123,60 @@ def test_cli_endpoints_run_through_gateways_even_where_caches_cannot_be_reset(
 
 
 def render_fleet(
-    root: Path, base_port: int, gateway_port: int = 0, control_port: int = 0, **replace: str
+    root: Path,
+    base_port: int,
+    gateway_port: int = 0,
+    control_port: int = 0,
+    template: str = "fleet.yaml.tmpl",
+    card_name: str = "h200",
+    **replace: str,
 ) -> Path:
-    text = (REPO / "bench" / "gpu" / "fleet.yaml").read_text().replace("@ROOT@", str(root))
-    text = text.replace("base_port: 8001", f"base_port: {base_port}")
+    c = card.CARDS[card_name]
+    path = root / "fleet.yaml"
+    values = {"ROOT": str(root), "PORT": str(base_port), "KV_DTYPE": c.kv_cache_dtype}
+    values |= {"KV_BYTES": str(c.kv_cache_memory_bytes), "OFFLOAD_GIB": str(c.tiers_offload_gib)}
+    values["CUDART"] = str(root)
+    card.render(REPO / "bench" / "gpu" / template, path, values)
+    text = path.read_text()
     text = text.replace("port: 8100", f"port: {gateway_port}").replace("port: 8101", f"port: {control_port}")
     for old, new in replace.items():
         text = text.replace(old, new)
-    path = root / "fleet.yaml"
     path.write_text(text)
     return path
+
+
+def test_the_kit_sizes_itself_to_the_card_and_its_templates_render_to_valid_configs(tmp_path: Path) -> None:
+    assert card.detect("NVIDIA H100 80GB HBM3, 81559\n") == "h100"
+    assert card.detect("NVIDIA H200, 143771\n") == "h200"
+    # Every template renders to a config kvgate accepts, on either card, with nothing left unfilled.
+    for name in ("h100", "h200"):
+        for template in ("fleet.yaml.tmpl", "fleet_tiers.yaml.tmpl", "fleet_pd.yaml.tmpl"):
+            settings = load_config(render_fleet(tmp_path, 8001, 8100, 8101, template, name))
+            engines = settings.pools[0].engines
+            assert engines is not None and engines.kv_cache_dtype == card.CARDS[name].kv_cache_dtype
+    h100 = load_config(render_fleet(tmp_path, 8001, 8100, 8101, "fleet_tiers.yaml.tmpl", "h100"))
+    line = next(x for x in dry_run(h100).splitlines() if x and not x.startswith("#"))
+    assert "--kv-cache-memory-bytes 8589934592" in line and "--kv-offloading-size 12" in line
+    assert "--kv-cache-dtype" not in line or "--kv-cache-dtype auto" in line  # BF16 on an H100
+    # The model folder takes the card's shape: a 3B config on an H100, the 8B one kept beside it.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 4096, "num_hidden_layers": 32}))
+    kg = tmp_path / "kg"
+    kg.mkdir()
+    os.environ["KG_CARD"] = "h100"
+    try:
+        assert card.card_detect(kg, model) == 0
+    finally:
+        del os.environ["KG_CARD"]
+    config = json.loads((model / "config.json").read_text())
+    shape = (config["hidden_size"], config["num_hidden_layers"], config["tie_word_embeddings"])
+    assert shape == (3072, 28, True)
+    assert json.loads((model / "config-8b.json").read_text())["hidden_size"] == 4096
+    assert "CARD=h100" in (kg / "card.env").read_text()
+    assert json.loads((kg / "card.json").read_text())["sim_profile"] == "h100-llama3.2-3b"
+    with pytest.raises(SystemExit, match="unfilled"):
+        card.render(REPO / "bench" / "gpu" / "fleet.yaml.tmpl", tmp_path / "x.yaml", {"ROOT": "/tmp"})
 
 
 def test_the_gpu_fleet_config_launches_four_fp8_replicas_sharing_one_gpu(tmp_path: Path) -> None:
