@@ -158,8 +158,8 @@ class DynamicSystemPrompt(SharedPrefix):
         out = super().build(seed)
         if self.head == "line":
             for req in out:
-                now = self.words(f"time:{seed}:{req.index}", 3)
-                line = f"time{now} session{self.words(f'sid:{seed}:{req.index}', 4)}\n"
+                clock = self.words(f"time:{seed}:{req.index}", 3)
+                line = f"time{clock} session{self.words(f'sid:{seed}:{req.index}', 4)}\n"
                 req.messages[0]["content"] = line + req.messages[0]["content"].lstrip()
                 req.prompt_tokens += get_tokenizer().count(line)
             return out

@@ -1,11 +1,19 @@
 """KV cache events over ZMQ PUB in vLLM's wire format (pyzmq and msgpack are the optional `kvevents` extra).
 
 Each engine step's events go out as one multipart message `[topic, seq (8-byte big-endian), payload]`, the
-payload `msgpack([ts, [event, ...], dp_rank])` with events as arrays like vLLM's tagged msgspec structs:
-`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]`,
-`["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`. A replica with a CPU tier
+payload `msgpack([ts, [event, ...], dp_rank])`. vLLM 0.26.0's events are msgspec structs tagged but not
+array-like (`KVCacheEvent(omit_defaults=True, tag=True)`, vllm/distributed/kv_events.py), so each is a
+map: `{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+"lora_id", "medium", "lora_name", "group_idx": 0}` (one per step and request's new full blocks,
+`BlockPool._build_block_stored_event`), `{"type": "BlockRemoved", "block_hashes": [h], "medium",
+"group_idx": 0}` (one per evicted block, `_emit_block_removed_events`), `{"type": "AllBlocksCleared"}`;
+fields at their defaults (`extra_keys`, `locality`, ...) are left out, and block hashes are 64-bit
+ints (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, default on). A replica with a CPU tier
 (gateway.sim.cpu_tier) adds the offloading connector's placeholder events, medium "CPU", after the
-GPU ones of the same step.
+GPU ones of the same step. The SGLang flavour (`--api sglang`) keeps SGLang's array-like structs
+(sglang/srt/disaggregation/kv_events.py): `["BlockStored", block_hashes, parent_block_hash,
+token_ids, block_size, lora_id]`, `["BlockRemoved", block_hashes]`, `["AllBlocksCleared"]`, in a
+batch `[ts, events]`.
 
 The socket follows vLLM's `ZmqEventPublisher` (vllm/distributed/kv_events.py, as of 0.26): it BINDS only
 an endpoint that holds `*` or `::` or is `ipc://` / `inproc://`, and CONNECTS to any other (a
@@ -22,7 +30,9 @@ is ignored (logged, no answer, as vLLM). It answers one message per kept batch w
 least that, `[b"", topic, seq (8 bytes big-endian), payload]` exactly as published, oldest first, then
 the end marker `[b"", b"", (-1).to_bytes(8, "big", signed=True), b""]`. A number older than the
 buffer gets what is left (the client sees the gap in the first number replayed); a number not yet
-published gets the end marker alone. Sequence numbers start at 0 when the engine (re)starts.
+published gets the end marker alone. Sequence numbers start at 0 when the engine (re)starts. SGLang's
+publisher (the SGLang flavour) answers the same requests without the topic frame: `[b"", seq,
+payload]`, end `[b"", END, b""]`.
 
 Faults (tests, `--fault-kv-*` flags or `POST /sim/kv_events/faults`): a dropped batch takes its
 number and enters the replay buffer but is not sent on the PUB socket, as a batch a subscriber
@@ -79,21 +89,54 @@ def parse_kv_events_config(raw: str | None) -> dict[str, Any] | None:
     return cfg
 
 
-def encode_events(events: list[BlockEvent], block_size: int) -> list[list[Any]]:
-    out: list[list[Any]] = []
+def encode_events(events: list[BlockEvent], block_size: int, flavor: str = "vllm") -> list[Any]:
+    """A step's events as vLLM 0.26.0 (maps) or SGLang (arrays) encode them."""
+    if flavor == "sglang":
+        return [_sglang_event(kind, payload, block_size) for kind, payload in events]
+    out: list[Any] = []
     for kind, payload in events:
         if kind == "stored":
             hashes, parent, tokens = cast("tuple[list[int], int | None, list[int]]", payload)
-            out.append(["BlockStored", hashes, parent, tokens, block_size, None, MEDIUM])
-        elif kind == "removed":
-            out.append(["BlockRemoved", payload, MEDIUM])
-        elif kind == "cpu_stored":
-            out.append(["BlockStored", [payload], None, [], 0, None, MEDIUM_CPU])
+            out.append(_stored(hashes, parent, tokens, block_size, MEDIUM))
+        elif kind == "removed":  # one event per block, as BlockPool._emit_block_removed_events
+            for h in cast("list[int]", payload):
+                out.append({"type": "BlockRemoved", "block_hashes": [h], "medium": MEDIUM, "group_idx": 0})
+        elif (
+            kind == "cpu_stored"
+        ):  # the connector's placeholder (OffloadingEventsTracker._placeholder_stored)
+            out.append(_stored([cast(int, payload)], None, [], 0, MEDIUM_CPU))
         elif kind == "cpu_removed":
-            out.append(["BlockRemoved", payload, MEDIUM_CPU])
+            out.append(
+                {"type": "BlockRemoved", "block_hashes": payload, "medium": MEDIUM_CPU, "group_idx": 0}
+            )
         else:
-            out.append(["AllBlocksCleared"])
+            out.append({"type": "AllBlocksCleared"})
     return out
+
+
+def _stored(
+    hashes: list[int], parent: int | None, tokens: list[int], block_size: int, medium: str
+) -> dict[str, Any]:
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": medium,
+        "lora_name": None,
+        "group_idx": 0,
+    }
+
+
+def _sglang_event(kind: str, payload: object, block_size: int) -> list[Any]:
+    if kind == "stored":
+        hashes, parent, tokens = cast("tuple[list[int], int | None, list[int]]", payload)
+        return ["BlockStored", hashes, parent, tokens, block_size, None]
+    if kind == "removed":
+        return ["BlockRemoved", payload]
+    return ["AllBlocksCleared"]
 
 
 class KVEventPublisher:
@@ -105,6 +148,7 @@ class KVEventPublisher:
         dp_rank: int = 0,
         replay_endpoint: str | None = None,
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
+        flavor: str = "vllm",
     ) -> None:
         try:
             import msgpack
@@ -128,6 +172,7 @@ class KVEventPublisher:
         self._topic = topic.encode()
         self._block_size = block_size
         self._dp_rank = dp_rank
+        self._flavor = flavor
         self._seq = 0
         self._noblock = zmq.NOBLOCK
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=max(1, buffer_steps))
@@ -149,7 +194,9 @@ class KVEventPublisher:
         self.reordered = 0
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any], block_size: int, index: int = 0) -> KVEventPublisher:
+    def from_config(
+        cls, cfg: dict[str, Any], block_size: int, index: int = 0, flavor: str = "vllm"
+    ) -> KVEventPublisher:
         """The publisher `--kv-events-config` asks for, for replica `index` of the process."""
         endpoint = offset_endpoint(str(cfg.get("endpoint") or DEFAULT_ENDPOINT), index)
         replay = cfg.get("replay_endpoint")
@@ -161,6 +208,7 @@ class KVEventPublisher:
             index,
             offset_endpoint(str(replay), index) if replay else None,
             int(cfg.get("buffer_steps") or DEFAULT_BUFFER_STEPS),
+            flavor,
         )
 
     @property
@@ -175,7 +223,10 @@ class KVEventPublisher:
     def publish(self, events: list[BlockEvent]) -> None:
         if not events:
             return
-        payload = self._packb([time.time(), encode_events(events, self._block_size), self._dp_rank])
+        batch: list[Any] = [time.time(), encode_events(events, self._block_size, self._flavor)]
+        if self._flavor == "vllm":
+            batch.append(self._dp_rank)
+        payload = self._packb(batch)
         seq = self._seq
         self._seq += 1
         self._buffer.append((seq, payload))
@@ -208,10 +259,13 @@ class KVEventPublisher:
                 continue
             client, _, start = frames
             first = int.from_bytes(start, "big")
+            # vLLM repeats the topic frame; SGLang's replay has none (`[b"", seq, payload]`).
+            topic = [self._topic] if self._flavor == "vllm" else []
+            end = [b""] if self._flavor == "vllm" else []
             for seq, payload in list(self._buffer):
                 if seq >= first:
-                    await sock.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), payload])
-            await sock.send_multipart([client, b"", b"", END_SEQ, b""])
+                    await sock.send_multipart([client, b"", *topic, seq.to_bytes(8, "big"), payload])
+            await sock.send_multipart([client, b"", *end, END_SEQ, b""])
             await asyncio.sleep(0)  # one client's replay at a time, the engine's steps between
 
     def close(self) -> None:

@@ -263,7 +263,7 @@ class Replica:
         o = self.opts
         self.extras.load_static_adapters()
         if o.kv_events is not None:
-            self.kv_pub = KVEventPublisher.from_config(o.kv_events, self.engine.block_size, o.index)
+            self.kv_pub = KVEventPublisher.from_config(o.kv_events, self.engine.block_size, o.index, o.api)
             self.kv_pub.set_faults(o.faults.seed, o.faults.kv_drop_rate, o.faults.kv_reorder_rate)
             if self.kv_pub.replay_endpoint is not None:
                 self._spawn(self.kv_pub.serve_replay())

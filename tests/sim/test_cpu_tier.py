@@ -67,13 +67,18 @@ def test_cpu_lru_evicts_a_stored_prompt_in_its_set_order_and_says_so() -> None:
     first_hole = min(ha.index(h) for h in removed)
     assert e.cpu.lookup(ha, 0, len(ha)) == first_hole < 50  # type: ignore[attr-defined]
     wire = encode_events([*events[:1], ("cpu_removed", removed[:2])], BS)
-    assert (
-        wire
-        == [
-            ["BlockStored", [stored[0]], None, [], 0, None, "CPU"],  # vLLM's placeholder payload
-            ["BlockRemoved", removed[:2], "CPU"],
-        ]
-    )
+    placeholder = {"block_hashes": [stored[0]], "parent_block_hash": None, "token_ids": [], "block_size": 0}
+    assert wire == [
+        {
+            "type": "BlockStored",
+            **placeholder,
+            "lora_id": None,
+            "medium": "CPU",
+            "lora_name": None,
+            "group_idx": 0,
+        },
+        {"type": "BlockRemoved", "block_hashes": removed[:2], "medium": "CPU", "group_idx": 0},
+    ]
 
 
 def test_a_request_served_from_the_gpu_stores_again_what_the_cpu_tier_lost() -> None:
@@ -129,7 +134,7 @@ async def test_cpu_events_follow_gpu_events_over_zmq_and_metrics_report_the_tier
         sub.connect(r.kv_pub.endpoint)  # type: ignore[union-attr]
         probes = iter(range(1, 10_000))
         events: list[list[object]] = []
-        while not any(ev[0] == "BlockStored" and ev[-1] == "CPU" for ev in events):  # slow joiner: probe
+        while not any(ev["type"] == "BlockStored" and ev["medium"] == "CPU" for ev in events):  # slow joiner
             ids = [next(probes)] * 32
             await c.post(f"{url(r)}/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1})
             try:
@@ -137,10 +142,11 @@ async def test_cpu_events_follow_gpu_events_over_zmq_and_metrics_report_the_tier
             except TimeoutError:
                 continue
             events = msgpack.unpackb(payload)[1]
-        gpu = next(ev for ev in events if ev[0] == "BlockStored" and ev[6] == "GPU")
-        cpu = [ev for ev in events if ev[0] == "BlockStored" and ev[6] == "CPU"]
+        gpu = next(ev for ev in events if ev["type"] == "BlockStored" and ev["medium"] == "GPU")
+        cpu = [ev for ev in events if ev["type"] == "BlockStored" and ev["medium"] == "CPU"]
         assert events.index(gpu) < events.index(cpu[0])
-        assert sorted(ev[1][0] for ev in cpu) == sorted(gpu[1])  # the same block hashes, one placeholder each
+        # The same block hashes, one placeholder each.
+        assert sorted(ev["block_hashes"][0] for ev in cpu) == sorted(gpu["block_hashes"])
         text = (await c.get(f"{url(r)}/metrics")).text
         # As vLLM's: the CPU tier is reset only with reset_external=true.
         assert (await c.post(f"{url(r)}/reset_prefix_cache")).json() == {"success": True}
