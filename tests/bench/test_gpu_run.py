@@ -5,6 +5,7 @@ that kvgate launches itself (the simulator standing in for vLLM through tests/fa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -88,6 +89,51 @@ def test_runs_on_existing_engines_start_from_reset_caches(tmp_path: Path) -> Non
     text = compare.render(kg, kg / "res")
     rows = [line for line in text.splitlines() if line.startswith(("| first", "| second"))]
     assert len(rows) == 2 and all(row.count("1.00") == 3 for row in rows), rows
+
+
+def _run(config: str, mean: float, gpu: float, cpu: float) -> dict[str, object]:
+    engine = {"prefix_cache_hits": gpu, "external_cache_hit_tokens": cpu, "recomputed_tokens": 100.0}
+    return {
+        "config": config,
+        "load": "12 req/s",
+        "ttft_ms": {"p50": mean, "p95": mean, "p99": mean, "mean": mean},
+        "cache_hit_rate": 0.8,
+        "throughput_rps": 12.0,
+        "errors": {},
+        "engine": {**engine, "cpu_loads": 7.0},
+    }
+
+
+def test_compare_shows_the_engines_tier_counters_the_failover_variants_and_the_card(tmp_path: Path) -> None:
+    kg, sim = tmp_path / "kg", tmp_path / "sim"
+    gpu_runs = {"tier_precise": (70.0, 300.0, 900.0), "tier_ignored": (100.0, 500.0, 100.0)}
+    gpu_runs |= {"smg": (90.0, 600.0, 0.0)}
+    steps = []
+    for name, (mean, g, c) in gpu_runs.items():
+        for root, factor in ((kg / "res", 1.0), (sim, 1.1)):
+            out = root / "routing-tiers-gpu" / name
+            out.mkdir(parents=True)
+            (out / "report.json").write_text(json.dumps({"runs": [_run(name, mean * factor, g, c)]}))
+        steps.append({"step": f"tiers_{name}", "out": f"routing-tiers-gpu/{name}", "rc": 0, "seconds": 1})
+    for root in (kg / "res", sim):
+        for variant, cut in (("failover_off", 12), ("failover_on", 0)):
+            out = root / "failover-vllm" / variant
+            out.mkdir(parents=True)
+            doc = {"sent": 50, "completed": 50 - cut, "error": cut, "lost": 0, "failover": {"cut": cut}}
+            (out / "report.json").write_text(json.dumps(doc))
+    steps.append({"step": "failover_off", "out": "failover-vllm", "rc": 0, "seconds": 1})
+    (kg / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (kg / "card.json").write_text(
+        json.dumps({**dataclasses.asdict(card.CARDS["h100"]), "nvidia_smi": "H100, 81559"})
+    )
+    text = compare.render(kg, sim)
+    assert text.startswith("# kvgate on an H100") and "model shape llama-3.2-3b" in text
+    precise = next(line for line in text.splitlines() if line.startswith("| tier_precise | 70.0"))
+    assert "| 300 | 900 | 100 | 7 |" in precise and precise.endswith("| 1.10 |")  # the sim's mean / the GPU's
+    assert "| tier_precise mean TTFT <= 0.8 x tier_ignored | 0.70 | met |" in text
+    assert "| tier_precise mean TTFT <= 1.0 x the best peer | 0.78 | met |" in text
+    assert "| tier_precise: CPU hits a visible share of cached tokens (>= 10%) | 0.750 | met |" in text
+    assert "| failover_off | GPU | 50 | 38 | 12 | 0 | 12 |" in text and "| failover_on | sim |" in text
 
 
 def test_existing_engines_need_their_kv_events_for_precise_mode() -> None:
