@@ -100,6 +100,8 @@ facts() {
 step facts 15 facts
 step unpack_a 40 unpack_a
 step kvgate 20 kvgate_install
+# The card decides the model's shape and the fleets' KV (bench/gpu/card.py): card.env for every call.
+step card 10 bash -c "cd '$KG' && $PY -m bench.gpu.card detect '$KG' '$ROOT/model'"
 # QUEUE=recheck (issue 18, third sitting): while the payload's second part is on its way (call 1),
 # the CPU-side measurements on the host's quiet cores; then the merged code on the real fleet
 # (call 2) and the overhead beside sglang-router with the fleet stopped (call 3, carrying .gpu/peers).
@@ -108,10 +110,7 @@ if [ "${QUEUE:-all}" = recheck ]; then
   step cpu_seeds 420 env JOBS=7 bash "$HERE/cpu_suite.sh" seeds "$KG/res/cpu/seeds"
 fi
 step unpack_b 30 unpack_b
-need unpack_a kvgate unpack_b
-# The card decides the model's shape and the fleets' KV (bench/gpu/card.py): card.env for every call.
-step card 10 bash -c "cd '$KG' && $PY -m bench.gpu.card detect '$KG' '$ROOT/model'"
-need card
+need unpack_a kvgate card unpack_b
 source "$KG/card.env"
 echo "=== card $CARD: KV $KV_DTYPE, $KV_BYTES bytes per replica ($(cat "$KG/card.json" | tr -d '\n' | head -c 160))"
 [ "${KG_DRY:-0}" = 1 ] && export FAKE_VLLM_PROFILE=$SIM_PROFILE   # the simulator behind vLLM, same shape
