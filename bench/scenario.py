@@ -153,6 +153,9 @@ def _scenario_from_dict(data: dict[str, Any]) -> Scenario:
     data["sizes"] = {k: SizeSpec(**v) for k, v in (data.get("sizes") or {"quick": {}}).items()}
     scenario = Scenario(**data)
     names = [c.name for c in scenario.configs]
+    for c in scenario.configs:
+        if c.mode == "peer" and c.peer.get("router") not in peers.ROUTERS:
+            raise ValueError(f"config {c.name!r}: peer.router must be one of {sorted(peers.ROUTERS)}")
     if scenario.baseline_name not in names:
         raise ValueError(f"baseline {scenario.baseline_name!r} is not one of the configs {names}")
     return scenario
