@@ -112,7 +112,7 @@ fi
 step unpack_b 30 unpack_b
 need unpack_a kvgate card unpack_b
 source "$KG/card.env"
-echo "=== card $CARD: KV $KV_DTYPE, $KV_BYTES bytes per replica ($(cat "$KG/card.json" | tr -d '\n' | head -c 160))"
+echo "=== card $CARD ($SIM_PROFILE): KV $KV_DTYPE, $KV_BYTES B a replica; tier fleet $TIERS_KV_BYTES B + $TIERS_OFFLOAD_GIB GiB CPU"
 [ "${KG_DRY:-0}" = 1 ] && export FAKE_VLLM_PROFILE=$SIM_PROFILE   # the simulator behind vLLM, same shape
 
 # ---- the managed fleet ------------------------------------------------------------------------------
