@@ -141,8 +141,9 @@ def fault_tables(kg: Path, sim_root: Path | None) -> list[str]:
                 if doc is None:
                     continue
                 fo = doc.get("failover") or {}
+                got = [fo.get(k) for k in fkeys]
                 vals = [str(doc.get(k, "-")) for k in keys] + [
-                    _f(fo.get(k), 0) if isinstance(fo.get(k), float) else str(fo.get(k, "-")) for k in fkeys
+                    _f(v, 0) if isinstance(v, float) else ("-" if v is None else str(v)) for v in got
                 ]
                 lines.append(f"| {v} | {side} | " + " | ".join(vals) + " |")
         lines.append("")
@@ -166,7 +167,7 @@ def scenario_tables(
     lines: list[str] = []
     head = "| config | load | TTFT p50 | p95 | mean (ms) | hit rate | req/s | errors |"
     if sim_root:
-        head += " sim p50 | sim p95 | sim hit | sim/H200 p50 | p95 | hit |"
+        head += " sim p50 | sim p95 | sim hit | sim/GPU p50 | p95 | hit |"
     for group, rows in by_group.items():
         lines += [f"### {TITLES.get(group, group)}", "", head, "|" + "---|" * (head.count("|") - 1)]
         lines += [_row(run, sim) for run, sim in rows]

@@ -176,7 +176,7 @@ if [ "${QUEUE:-all}" = tiers ]; then
   fi
   # Mid-stream failover: kill -9 of one replica's API server under 40 streams (the supervisor restarts
   # it), SIGSTOP of another; each variant alone, with the fleet whole again in between.
-  failover() { host scenario "$KG" "failover_$1" failover-vllm -- failover-vllm --size full --only "$1" \
+  failover() { host scenario "$KG" "$1" failover-vllm -- failover-vllm --size full --only "$1" \
       --model meta-llama/Llama-3.1-8B-Instruct --profile "$SIM_PROFILE"; }
   tiers_back() { date +%s.%N > "$KG/fleet_$1_started"; cp "$KG/gateway_tiers.pid" "$KG/gateway_$1.pid"
     ln -sf gateway_tiers.log "$KG/gateway_$1.log"; fleet_wait "$1"; }
