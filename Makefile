@@ -34,6 +34,7 @@ test: $(STAMP) $(if $(SKIP_BROWSER),,browser)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/python docs/check_links.py
 	$(VENV)/bin/pytest -q --cov --cov-report=term-missing:skip-covered $(HTTP_TESTS)
 	$(VENV)/bin/pytest -q $(addprefix --ignore=,$(HTTP_TESTS))
 

@@ -3,21 +3,24 @@
 `KVGATE_COMPILE=1` compiles or fails; `KVGATE_COMPILE=auto` compiles when mypyc imports and a C
 compiler builds a Python extension, and installs the pure-Python modules (the same source)
 otherwise; unset or `0`, it never compiles: compiled, these modules measured no faster than
-interpreted on a two-core machine (bench/results/overhead/README.md, "Compiled modules"), so a
+interpreted on a two-core machine (results/overhead/README.md, "Compiled modules"), so a
 compiled build is opt-in until a quiet host shows a gain. An editable install (`pip install -e`,
 `make setup`) stays interpreted unless `KVGATE_COMPILE=1`: its extensions, built beside the
 sources, would shadow the edits made to them."""
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from setuptools import setup
+from setuptools.command.build import build
 
 ROOT = Path(__file__).resolve().parent
 
@@ -88,4 +91,15 @@ def ext_modules() -> list[Any]:
     return mypycify([*options, *paths], opt_level="3", group_name="kvgate")
 
 
-setup(ext_modules=ext_modules())
+class BuildOutsideTheTree(build):
+    """`pip install <checkout>` builds in the checkout, and setuptools left its `build/` there, whose
+    copies of modules since deleted or moved went into the next wheel: build in a temporary
+    directory instead, removed when the build ends."""
+
+    def initialize_options(self) -> None:
+        super().initialize_options()
+        self.build_base = tempfile.mkdtemp(prefix="kvgate-build-")
+        atexit.register(shutil.rmtree, self.build_base, True)
+
+
+setup(ext_modules=ext_modules(), cmdclass={"build": BuildOutsideTheTree})

@@ -90,7 +90,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--label", default="target", help="name of this configuration in the report")
     g.add_argument("--prime", type=int, default=1, help="unmeasured tiny requests sent first")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--out", type=Path, help="report directory (default bench/out/<workload>)")
+    g.add_argument("--out", type=Path, help="report directory (default results/out/<workload>)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--size", default="full", help="a size the scenario defines (default full)")
     scen.add_argument("--only", help="comma-separated config names to run")
     scen.add_argument("--baseline", help="config the ratios are relative to")
-    scen.add_argument("--out", type=Path, help="report directory (default bench/out/<scenario>)")
+    scen.add_argument("--out", type=Path, help="report directory (default results/out/<scenario>)")
     scen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="workload parameter")
     scen.add_argument("--rate", type=float, action="append", default=[], help="replace the load points")
     scen.add_argument("--concurrency", type=int, action="append", default=[], help="replace the load points")

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flood", type=int, default=3000)
     parser.add_argument("--nofile", type=int, default=2048, help="the gateway's file-descriptor limit")
     parser.add_argument("--compare", help="another source tree to run a second gateway from")
-    parser.add_argument("--out", default="bench/out/conn_flood")
+    parser.add_argument("--out", default="results/out/conn_flood")
     args = parser.parse_args(argv)
     results = asyncio.run(run(args))
     write_report(Path(args.out), "conn_flood", {"results": results}, table(results, args))

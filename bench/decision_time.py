@@ -1,4 +1,4 @@
-"""Gateway decision time: `PoolRouter.features` + `PoolRouter.rank` with prefix_affinity, in process.
+"""Gateway decision time: `PoolRouter.features` + `PoolRouter.route` with prefix_affinity, in process.
 
 What the gateway spends per request between parsing the body and choosing a replica: serializing
 the prompt, hashing its blocks, counting its tokens (block counts cached, as for any repeated
@@ -7,7 +7,7 @@ system prompt), walking the prefix index and ranking every replica. Each measure
 against a pool whose replicas already hold the groups' prefixes, with in-flight load on them.
 
     python -m bench.decision_time                      # 16 and 256 replicas
-    python -m bench.decision_time --replicas 16 --iterations 20000 --out bench/results/routing
+    python -m bench.decision_time --replicas 16 --iterations 20000 --out results/routing
     python -m bench.decision_time --breakdown          # CPU time of each stage, taken one by one
     python -m bench.decision_time --replicas 1024 --max-candidates 32 --max-candidates 0  # shortlist vs all
 """
@@ -21,24 +21,21 @@ import statistics
 import time
 from pathlib import Path
 
+import xxhash
+
 from bench import text
 from bench.workloads import SharedPrefix
 from gateway.config import load_config
 from gateway.fleet.pool import Pool
 from gateway.fleet.replica import Lease, Replica
-from gateway.routing.policy import Outcome, RequestFeatures
+from gateway.routing.decision import Decision
+from gateway.routing.policy import Candidate
 from gateway.routing.pool_router import PoolRouter
 
 TARGET_MS = {16: 0.3, 256: 1.0, 1024: 0.3}  # 1,024: issue 18
-# The stages of a decision, as `--breakdown` times them (PoolRouter.rank = shortlist, candidates, policy;
-# shortlist: the available replicas offered, all of them up to the pool's policy.max_candidates).
+# The stages of a decision, as `--breakdown` times them (PoolRouter.route = shortlist, candidates,
+# policy; shortlist: the available replicas offered, all of them up to the pool's policy.max_candidates).
 STAGES = ("features", "shortlist", "candidates", "policy")
-
-
-# How every measured request ends, as far as the policy hears it (prefix_affinity's ledger).
-DONE = Outcome(
-    ok=True, status=200, error=None, ttft_s=None, e2e_s=0.0, prompt_tokens=0, cached_tokens=None, attempts=1
-)
 
 
 def build_pool(replicas: int, policy: str, block_chars: int = 64, max_candidates: int = 32) -> PoolRouter:
@@ -81,13 +78,22 @@ def measure(
     workload = SharedPrefix()
     systems = [workload.system_prompt(seed, g) for g in range(workload.groups)]
     rng = random.Random(seed)
-    inflight: list[tuple[RequestFeatures, Replica, Lease]] = []
+    sampling = random.Random(seed)  # the breakdown's shortlist samples
+    inflight: list[tuple[Decision, Lease]] = []
 
     def finish(k: int) -> None:
         """The k-th request in flight ends: its load is released and its policy told."""
-        features, replica, lease = inflight.pop(k)
+        decision, lease = inflight.pop(k)
         lease.release()
-        pool.complete(features, replica, DONE, paired=False)
+        decision.ended(200, None, None, 0.0, None, None)
+
+    def take(decision: Decision, ranked: list[Candidate]) -> Replica:
+        """The request goes to its best candidate, which takes its load."""
+        chosen = decision.replica_of(ranked[0])
+        assert chosen is not None
+        decision.sent(chosen)
+        inflight.append((decision, chosen.lease(decision.features.prompt_tokens)))
+        return chosen
 
     def body(i: int) -> dict[str, object]:
         question = text.words(f"dt:{seed}:{i}", workload.question_tokens)
@@ -99,11 +105,8 @@ def measure(
 
     # Warm up: every group's prefix routed once (the index learns where it lives), some load in flight.
     for i in range(len(systems) * 2):
-        features = pool.features(body(-1 - i), "chat", f"warm-{i}", {})
-        replica = pool.replica(pool.rank(features)[0])
-        assert replica is not None
-        pool.learn(features, replica)
-        inflight.append((features, replica, replica.lease(features.prompt_tokens)))
+        decision = pool.route(pool.features(body(-1 - i), "chat", f"warm-{i}", {}))
+        take(decision, decision.ranked)
     for k in reversed(range(0, len(inflight), 2)):
         finish(k)
     # Bodies are prepared beforehand: the client's JSON parsing is not part of the decision.
@@ -112,6 +115,9 @@ def measure(
     cpu: list[float] = []  # CPU time of this thread: what the decision costs without other processes' noise
     stages: dict[str, list[float]] = {stage: [] for stage in STAGES}
     best_match = 0
+    # The decisions themselves, in order: the same seed and code make the same digest (a
+    # restructuring of the routing code must leave it unchanged where it leaves the pool unsampled).
+    digest = xxhash.xxh64()
     excess: list[float] = []  # requests in flight on the busiest replica beyond the mean, per decision
     gc.collect()
     gc.disable()
@@ -122,30 +128,35 @@ def measure(
             features = pool.features(b, "chat", f"req-{i}", {})
             if breakdown:
                 c1 = time.thread_time()
-                shortlisted = pool.shortlist(features, "decode", pool.policy)
-                serving = pool.pool.serving("decode") if shortlisted is None else shortlisted
+                members = pool.pool.members("decode")
+                large = max_candidates and len(members) > max_candidates
+                serving = (
+                    pool.match.shortlist(pool.pool, features, "decode", max_candidates, sampling)
+                    if large
+                    else pool.pool.serving("decode")
+                )
                 c2 = time.thread_time()
-                candidates = pool.candidates(features, serving, pool.policy)
+                candidates = pool.match.candidates(features, serving)
                 c3 = time.thread_time()
                 ranked = pool.policy.rank(features, candidates)
                 c4 = time.thread_time()
+                decision = Decision(pool, features, ranked, [])
                 for stage, spent in zip(STAGES, (c1 - c0, c2 - c1, c3 - c2, c4 - c3), strict=True):
                     stages[stage].append(spent * 1e6)
             else:
-                ranked = pool.rank(features)
+                decision = pool.route(features)
+                ranked = decision.ranked
             times.append((time.perf_counter() - t0) * 1000.0)
             cpu.append((time.thread_time() - c0) * 1000.0)
-            chosen = pool.replica(ranked[0])
-            assert chosen is not None
             # Quality, outside the timing: did the replica chosen hold as much of the prompt as the
             # best replica of the whole pool (a shortlist may have left that one out)?
-            deepest = max(pool.prefix_index.match(features.block_hashes, pool.pool.replicas).values())
+            deepest = max(pool.match.index.match(features.block_hashes, pool.pool.replicas).values())
             best_match += ranked[0].matched_blocks >= deepest
             most = max(r.inflight_requests for r in pool.pool.replicas.values())
             excess.append(most - (len(inflight) + 1) / replicas)
-            pool.learn(features, chosen)
             # Steady load: about 8 requests in flight per replica, finishing in random order.
-            inflight.append((features, chosen, chosen.lease(features.prompt_tokens)))
+            chosen = take(decision, ranked)
+            digest.update(f"{chosen.name}:{ranked[0].matched_tokens};".encode())
             if len(inflight) > 8 * replicas:
                 finish(rng.randrange(len(inflight)))
     finally:
@@ -165,6 +176,7 @@ def measure(
         "best_match": best_match / iterations,
         "excess_inflight": statistics.mean(excess),
         "max_candidates": max_candidates,
+        "decisions": digest.hexdigest(),
         "chars": len(features.text),
         "prompt_tokens": features.prompt_tokens,
     }
@@ -185,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--breakdown",
         action="store_true",
-        help="time PoolRouter.features and the stages of PoolRouter.rank one by one (CPU us per request)",
+        help="time PoolRouter.features and the stages of PoolRouter.route one by one (CPU us per request)",
     )
     parser.add_argument(
         "--max-candidates",
@@ -201,17 +213,19 @@ def main(argv: list[str] | None = None) -> int:
         for k in args.max_candidates or [32]
     ]
     lines = [
-        f"Decision time (PoolRouter.features + PoolRouter.rank, policy {args.policy}, "
+        f"Decision time (PoolRouter.features + PoolRouter.route, policy {args.policy}, "
         f"{args.block_chars}-character blocks, "
         f"{rows[0]['prompt_tokens']}-token chat prompt of {rows[0]['chars']} characters, "
         f"{args.iterations} requests); wall clock, and this thread's CPU time",
         "",
         "best match: decisions whose replica holds as much of the prompt as the pool's best holder; "
-        "excess: requests in flight on the busiest replica beyond the mean (8), averaged over decisions",
+        "excess: requests in flight on the busiest replica beyond the mean (8), averaged over decisions; "
+        "decisions: a digest of the replicas chosen and the tokens they matched, in order (seeded: the "
+        "same code decides the same; a pool larger than max_candidates samples at random)",
         "",
         "| replicas | max_candidates | p50 ms | p99 ms | max ms | CPU p50 ms | CPU p99 ms | best match "
-        "| excess | target p99 |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| excess | decisions | target p99 |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for r in rows:
         target = TARGET_MS.get(int(r["replicas"]))
@@ -219,13 +233,13 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"| {r['replicas']} | {r['max_candidates'] or 'all'} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
             f"| {r['max_ms']:.3f} | {r['cpu_p50_ms']:.3f} | {r['cpu_p99_ms']:.3f} | {r['best_match']:.1%} "
-            f"| {r['excess_inflight']:.1f} | {verdict} |"
+            f"| {r['excess_inflight']:.1f} | {r['decisions']} | {verdict} |"
         )
     if args.breakdown:
         lines += [
             "",
             "Where the time goes: this thread's CPU time per request, mean / p99, in us "
-            "(PoolRouter.rank is serving + candidates + policy; candidates includes the prefix index match)",
+            "(PoolRouter.route is serving + candidates + policy; candidates includes the prefix index match)",
             "",
             "| replicas | max_candidates | " + " | ".join(STAGES) + " |",
             "| ---: | ---: |" + " ---: |" * len(STAGES),

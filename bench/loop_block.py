@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=float, default=7.5, help="prompt size in megabytes")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--compare", help="another source tree to run a second gateway from")
-    parser.add_argument("--out", default="bench/out/loop_block")
+    parser.add_argument("--out", default="results/out/loop_block")
     args = parser.parse_args(argv)
     results = asyncio.run(run(args))
     raw = {name: [s.__dict__ for s in samples] for name, samples in results.items()}

@@ -43,7 +43,6 @@ import aiohttp
 import yaml
 
 from bench import echo_upstream
-from bench.peers import ROUTERS, peer_argv
 from bench.procs import HOST, Child, free_port_range, python_module
 
 BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
@@ -231,12 +230,22 @@ def table(pairs: list[Pair], conc: dict[str, dict[str, float]]) -> str:
 
 
 SGLANG_ROUTER = "sglang-router"
-SGLANG_ROUTER_INSTALL = ROUTERS[SGLANG_ROUTER][1]
+SGLANG_ROUTER_INSTALL = 'pip install -e ".[bench-peers]"  (sglang-router==0.3.2)'
 
 
 def sglang_router_argv(upstream: str, port: int) -> list[str]:
     """sglang-router (Rust, in one process) in front of the same upstream, round robin as kvgate is."""
-    return peer_argv(SGLANG_ROUTER, [upstream], port, "round_robin")
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        raise SystemExit(
+            f"--peers {SGLANG_ROUTER} needs the router installed: {SGLANG_ROUTER_INSTALL}"
+        ) from None
+    return python_module(
+        "sglang_router.launch_router",
+        *("--host", HOST, "--port", str(port), "--worker-urls", upstream),
+        *("--policy", "round_robin", "--log-level", "error"),
+    )
 
 
 def gateway_sides(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
@@ -439,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=3, help="rounds of the concurrent measurement, sides alternating"
     )
-    parser.add_argument("--out", default="bench/out/overhead")
+    parser.add_argument("--out", default="results/out/overhead")
     parser.add_argument(
         "--peers",
         nargs="*",

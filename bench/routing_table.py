@@ -1,8 +1,8 @@
 """One table of routing results across scenarios: mean, p50 and p99 TTFT, cache hit rate, and the
 ratios that issue 18 sets targets on (against radix_cache_aware's TTFT and the oracle's hit rate).
 
-    python -m bench.routing_table bench/out/routing-hetero bench/out/routing-bursty ... [--out FILE]
-    python -m bench.routing_table --seeds bench/out/hetero-seed1 bench/out/hetero-seed2 ...
+    python -m bench.routing_table results/out/routing-hetero results/out/routing-bursty ... [--out FILE]
+    python -m bench.routing_table --seeds results/out/hetero-seed1 results/out/hetero-seed2 ...
 
 Each argument is a scenario's output directory (its report.json); every run in it becomes a row.
 With `--seeds`, the runs of one scenario and configuration over several directories (the same
@@ -16,6 +16,8 @@ import argparse
 import json
 from pathlib import Path
 from typing import Any
+
+from bench import result_files
 
 REFERENCE = "radix_cache_aware"
 ORACLE = "oracle"
@@ -52,14 +54,14 @@ def table(dirs: list[Path]) -> str:
         "| p99 / radix | hit / oracle | req/s |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    body = [row for d in dirs for row in rows(json.loads((d / "report.json").read_text()))]
+    body = [row for d in dirs for row in rows(json.loads(result_files.read_text(d / "report.json")))]
     return "\n".join(head + body) + "\n"
 
 
 def seeds_table(dirs: list[Path]) -> str:
     ratios: dict[tuple[str, str, str], list[tuple[float, float, float, float]]] = {}
     for d in dirs:
-        report = json.loads((d / "report.json").read_text())
+        report = json.loads(result_files.read_text(d / "report.json"))
         by_config = {r["config"]: r for r in report["runs"]}
         ref = by_config.get(REFERENCE)
         if ref is None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from bench import engine_metrics, loadgen, peers, procs
+from bench import engine_metrics, loadgen, procs
 from bench.client import ClientOptions
 from bench.loadgen import LoadSpec
 from bench.stats import summarize
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 BASE_GATEWAY_CONFIG = SCENARIO_DIR / "base_gateway.yaml"
-DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+DEFAULT_OUT = Path("results") / "out"  # under the working directory, never inside the package
 POOL_NAME = "bench"
 
 
@@ -72,9 +72,11 @@ class FleetSpec:
 @dataclass
 class ConfigSpec:
     name: str
-    mode: Literal["gateway", "direct", "peer"] = "gateway"
+    # gateway: kvgate serve; direct: the client round-robins over the engines; epp: Envoy in front
+    # of `kvgate epp` on the same config (bench/epp.py); router: `router` (sglang-router, smg).
+    mode: Literal["gateway", "direct", "epp", "router"] = "gateway"
+    router: str | None = None
     description: str = ""
-    peer: dict[str, Any] = field(default_factory=dict)  # mode peer: {router, policy, args} (bench.peers)
     pool: dict[str, Any] = field(default_factory=dict)  # merged into the benchmark pool
     gateway: dict[str, Any] = field(default_factory=dict)  # merged into the whole gateway config
     fleet: dict[str, Any] = field(default_factory=dict)  # FleetSpec fields to override
@@ -153,9 +155,6 @@ def _scenario_from_dict(data: dict[str, Any]) -> Scenario:
     data["sizes"] = {k: SizeSpec(**v) for k, v in (data.get("sizes") or {"quick": {}}).items()}
     scenario = Scenario(**data)
     names = [c.name for c in scenario.configs]
-    for c in scenario.configs:
-        if c.mode == "peer" and c.peer.get("router") not in peers.ROUTERS:
-            raise ValueError(f"config {c.name!r}: peer.router must be one of {sorted(peers.ROUTERS)}")
     if scenario.baseline_name not in names:
         raise ValueError(f"baseline {scenario.baseline_name!r} is not one of the configs {names}")
     return scenario
@@ -489,12 +488,19 @@ def run_point(
         pd_paths: dict[str, float] = {}
         if config.mode == "direct":
             result = loadgen.run_sync(loadgen.run(requests, load, fleet.urls, opts, len(fleet.urls)))
-        elif config.mode == "peer":
-            port = procs.free_port_range(1)
-            url = f"http://{procs.HOST}:{port}"
-            argv = peers.peer_from_config(config.peer, fleet.urls, port)
-            with procs.Child(f"peer {config.name}", argv, log_dir / f"{tag}-peer.log").start() as child:
-                child.wait_ready([f"{url}/health"], fleet_spec.startup_timeout_s)
+        elif config.mode in ("epp", "router"):
+            from bench import epp
+
+            with contextlib.ExitStack() as fronts:
+                if config.mode == "router":
+                    log = log_dir / f"{tag}-{config.router}.log"
+                    url = fronts.enter_context(
+                        epp.router(config.router or "", fleet.urls, log, fleet_spec.startup_timeout_s)
+                    )
+                else:
+                    cfg = gateway_config(scenario, config, fleet_spec, fleet.endpoints, 0)
+                    front = epp.EnvoyEpp(cfg, fleet.urls, log_dir, tag, "full")
+                    url = fronts.enter_context(front.running(fleet_spec.startup_timeout_s)).url
                 result = loadgen.run_sync(loadgen.run(requests, load, [url], opts, len(fleet.urls)))
         else:
             run_id = uuid.uuid4().hex[:12]

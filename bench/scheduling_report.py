@@ -3,7 +3,7 @@
 The client sees TTFT and status; only the gateway knows how long a request waited in its queue, so the
 scheduling scenarios run the gateway with `server.log_json` and this reads `queue_ms` back per request.
 
-    python -m bench.scheduling_report OUT_DIR [OUT_DIR ...] --results bench/results/scheduling --name NAME
+    python -m bench.scheduling_report OUT_DIR [OUT_DIR ...] --results results/scheduling --name NAME
 
 writes NAME.md (tables and the criteria of issue #7 with their verdicts) and NAME_*.png.
 """
@@ -22,6 +22,7 @@ import yaml
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench import result_files
 from bench.scenario import _slug
 from bench.stats import percentile
 from gateway.config import SchedulerConfig
@@ -37,7 +38,7 @@ def _f(v: float | None, digits: int = 0) -> str:
 
 def gateway_requests(log: Path) -> list[dict[str, Any]]:
     out = []
-    for line in log.read_text().splitlines():
+    for line in result_files.read_text(log).splitlines():
         if '"queue_ms"' not in line:
             continue
         doc = json.loads(line)
@@ -48,18 +49,18 @@ def gateway_requests(log: Path) -> list[dict[str, Any]]:
 
 
 def load_runs(out_dir: Path) -> list[dict[str, Any]]:
-    doc = json.loads((out_dir / "report.json").read_text())
+    doc = json.loads(result_files.read_text(out_dir / "report.json"))
     runs = doc["runs"]
     for run in runs:
         log = out_dir / "logs" / f"{run['config']}-{_slug(run['load'])}-gateway.log"
-        run["gateway"] = gateway_requests(log) if log.exists() else []
+        run["gateway"] = gateway_requests(log) if result_files.exists(log) else []
         cfg = yaml.safe_load((out_dir / "configs" / f"{run['config']}.yaml").read_text()) or {}
         run["aging_s"] = (cfg.get("scheduler") or {}).get("aging_s", SchedulerConfig().aging_s)
         run["records"] = [
             json.loads(line)
-            for line in (out_dir / "records" / f"{run['config']}-{_slug(run['load'])}.jsonl")
-            .read_text()
-            .splitlines()
+            for line in result_files.read_text(
+                out_dir / "records" / f"{run['config']}-{_slug(run['load'])}.jsonl"
+            ).splitlines()
         ]
     return runs
 
@@ -201,7 +202,7 @@ def cdf_plot(runs: list[dict[str, Any]], path: Path, title: str, values: str) ->
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out_dirs", nargs="+", type=Path, help="bench scenario output directories")
-    p.add_argument("--results", type=Path, default=Path("bench/results/scheduling"))
+    p.add_argument("--results", type=Path, default=Path("results/scheduling"))
     p.add_argument("--name", required=True, help="file name stem of the report")
     p.add_argument("--command", default="", help="the command that produced the runs, for the record")
     args = p.parse_args(argv)
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             if len(args.out_dirs) > 1:  # the same config may have run in several of them
                 run["config"] = f"{run['config']} ({d.name})"
             runs.append(run)
-    metas = [json.loads((d / "report.json").read_text())["meta"] for d in args.out_dirs]
+    metas = [json.loads(result_files.read_text(d / "report.json"))["meta"] for d in args.out_dirs]
     args.results.mkdir(parents=True, exist_ok=True)
     lines = [f"# Scheduling: {args.name}", ""]
     if args.command:

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--small-caches", action="store_true", help=f"prefix: {SMALL_CACHES}: caches full within minutes"
     )
-    parser.add_argument("--out", default="bench/out/soak")
+    parser.add_argument("--out", default="results/out/soak")
     args = parser.parse_args(argv)
     result = run(args)
     out = Path(args.out)

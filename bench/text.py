@@ -15,7 +15,7 @@ import re
 import string
 from functools import lru_cache
 
-from gateway.routing.tokens import get_tokenizer
+from gateway.prompt.tokens import get_tokenizer
 
 _WORD = re.compile(r" [a-z]+")
 _MAX_TOKEN_ID = 200_000

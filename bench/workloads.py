@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from bench import text
-from gateway.routing.tokens import get_tokenizer
+from gateway.prompt.tokens import get_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MOONCAKE_DIR = REPO_ROOT.parent / "shared" / "data" / "mooncake"

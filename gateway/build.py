@@ -12,7 +12,7 @@ from importlib.machinery import EXTENSION_SUFFIXES
 
 # On every request's path, and compiled by mypyc without a change of meaning; `make test-compiled`
 # runs the suites that cover them against the compiled build. What was measured, and which modules
-# mypyc refused as they are: bench/results/overhead/README.md, "Compiled modules".
+# mypyc refused as they are: results/overhead/README.md, "Compiled modules".
 COMPILED = (
     "gateway.http.httptools_server",
     "gateway.http.handling",
@@ -28,7 +28,7 @@ COMPILED = (
     "gateway.path.sse_events",
     "gateway.path.stream_end",
     "gateway.routing.pool_router",
-    "gateway.routing.tokens",
+    "gateway.prompt.tokens",
 )
 
 

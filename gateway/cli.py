@@ -1,4 +1,5 @@
-"""The `kvgate` command: serve, check-config, launch --dry-run, render k8s, sim, bench, rollout."""
+"""The `kvgate` command: serve, epp, check-config, config reference, launch --dry-run, render k8s,
+sim, bench, rollout."""
 
 from __future__ import annotations
 
@@ -27,8 +28,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", "-c", help=f"YAML config (default: {DEFAULT_CONFIG})")
     s.add_argument("--host", help="override server.host")
     s.add_argument("--port", type=int, help="override server.port")
+    e = sub.add_parser(
+        "epp", help="run as the Endpoint Picker of an Envoy gateway (ext_proc over gRPC; docs/epp.md)"
+    )
+    e.add_argument("--config", "-c", help=f"YAML config (default: {DEFAULT_CONFIG})")
+    e.add_argument("--host", help="override epp.host")
+    e.add_argument("--port", type=int, help="override epp.port")
     c = sub.add_parser("check-config", help="validate a config file and exit")
     c.add_argument("config")
+    ref = sub.add_parser("config", help="the settings reference: every key, its type, default and meaning")
+    ref.add_argument("what", choices=["reference"], help="reference: print docs/settings.md (Markdown)")
     launch = sub.add_parser("launch", help="show the engine command lines a config launches")
     launch.add_argument("config", nargs="?")
     launch.add_argument("--dry-run", action="store_true", required=True, help="print, do not start")
@@ -66,14 +75,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return render_main(argv[1:])
     args = _parser().parse_args(argv)
-    from gateway.control.preflight import preflight
+    if args.command == "config":
+        from gateway.config import settings_reference
+
+        print(settings_reference(), end="")
+        return 0
+    from gateway.control.preflight import engine_warnings, preflight
 
     try:
         if args.command == "check-config":
             settings = load_config(args.config)
             preflight(settings)
-            for deprecated in settings.deprecations():
-                print(f"kvgate: warning: {deprecated}", file=sys.stderr)
+            for warning in [*settings.deprecations(), *engine_warnings(settings)]:
+                print(f"kvgate: warning: {warning}", file=sys.stderr)
             print(f"{args.config}: ok ({len(settings.pools)} pools, {len(settings.routes)} routes)")
             return 0
         if args.command == "launch":
@@ -81,14 +95,20 @@ def main(argv: list[str] | None = None) -> int:
 
             settings = _load(args.config)
             preflight(settings)
+            for warning in engine_warnings(settings):
+                print(f"kvgate: warning: {warning}", file=sys.stderr)
             print(dry_run(settings))
             return 0
         settings = _load(args.config)
         preflight(settings)
-        server_overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-        if server_overrides:
-            server = settings.server.model_copy(update=server_overrides)
-            settings = settings.model_copy(update={"server": server})
+        overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        # `serve`'s flags are the data plane's address, `epp`'s the endpoint picker's.
+        section = "epp" if args.command == "epp" else "server"
+        if overrides:
+            changed = getattr(settings, section).model_copy(update=overrides)
+            settings = settings.model_copy(update={section: changed})
+        if section == "epp":
+            _epp_installed()
     except ConfigError as exc:
         print(f"kvgate: config error: {exc}", file=sys.stderr)
         return 2
@@ -96,4 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.server import run
 
     configure_logging(settings.server.log_level, settings.server.log_json)
-    return run(settings, str(args.config or default_config_path()), server_overrides)
+    server_overrides = overrides if section == "server" else {}
+    return run(settings, str(args.config or default_config_path()), server_overrides, epp=section == "epp")
+
+
+def _epp_installed() -> None:
+    """EPP mode's gRPC packages are an extra: say which, rather than fail on an import."""
+    try:
+        import grpc  # noqa: F401
+        import grpc_health.v1  # noqa: F401
+        from google.protobuf import runtime_version  # noqa: F401  # protobuf 5.26+, as the extra asks
+    except ImportError as exc:
+        raise ConfigError(f"kvgate epp needs {exc.name}: pip install 'kvgate[epp]'") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,6 +79,11 @@ _CONTEXT_LENGTH_TEXTS = (
     "maximum context length",
     "is longer than the model's context length",
 )
+# Clients that tell a context overflow from other 400s by its text alone (LiteLLM's
+# ExceptionCheckers.is_error_str_context_window_exceeded, which makes it a ContextWindowExceededError
+# where fallbacks to a longer-context model hang) know OpenAI's sentence and the older vLLM's, not
+# vLLM 0.26's: that one gets OpenAI's sentence appended, its own text kept whole before it.
+_VLLM_CONTEXT_LIMIT = re.compile(r"the model's context length is only (\d+) tokens")
 _MAX_MESSAGE = 4000
 _MAX_CODE = 64
 
@@ -102,7 +108,10 @@ def normalize_error_body(raw: bytes, status: int) -> bytes:
         text = raw.decode(errors="replace").strip()[:_MAX_MESSAGE] or f"upstream answered {status}"
         fields = (text, None, None, None)
     message, engine_type, param, code = fields
-    return error_body(message, _type_for(status), _code(status, message, engine_type, param, code), param)
+    code = _code(status, message, engine_type, param, code)
+    if code == "context_length_exceeded" and (limit := _VLLM_CONTEXT_LIMIT.search(message)):
+        message += f" This model's maximum context length is {limit.group(1)} tokens."
+    return error_body(message, _type_for(status), code, param)
 
 
 def _error_fields(doc: dict[str, Any], status: int) -> tuple[str, str | None, str | None, Any] | None:

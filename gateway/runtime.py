@@ -8,6 +8,7 @@ record. No part is handed the runtime itself.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ from gateway.observe.access_log import access_log
 from gateway.observe.dashboard import Dashboard
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import Tracing
-from gateway.observe.view import GatewayView
+from gateway.observe.view import GatewayView, RoutedTotals
 from gateway.path.exchange import Route
 from gateway.path.prepare import Preparation
 from gateway.path.proxy import Proxy
@@ -43,10 +44,12 @@ from gateway.path.upstream import Upstream
 from gateway.routing.lora import LoraWatch
 from gateway.routing.model_catalog import ModelCatalog
 from gateway.routing.pool_router import PoolRouter
-from gateway.routing.rollout import Router
+from gateway.routing.rollout import Rollouts
 
 if TYPE_CHECKING:
     from starlette.types import ASGIApp
+
+    from gateway.epp.server import EppServer
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +70,8 @@ class Runtime:
         # Each pool's router listens to its pool before any replica joins.
         self.routers: dict[str, PoolRouter] = {name: PoolRouter(pool) for name, pool in self.pools.items()}
         self.fleet.add_configured_endpoints()
-        self.router = Router(settings.routes, {p.name: p.model for p in self.pools.values()})
-        self.catalog = ModelCatalog(self.routers, self.router)
+        self.rollouts = Rollouts(settings.routes, {p.name: p.model for p in self.pools.values()})
+        self.catalog = ModelCatalog(self.routers, self.rollouts)
         # LoRA adapters: each replica's list read from its /v1/models, and loads on demand.
         self.lora = LoraWatch((r.lora for r in self.routers.values()), tls=control_tls)
         self.upstream = Upstream(settings.upstream)
@@ -76,14 +79,14 @@ class Runtime:
         # competes with at most one other holder of the GIL.
         self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgate-prepare")
         # State shared with other gateway instances (Redis), or this instance's own (memory).
-        self.state = make_state(settings.state, self.fleet, self.router)
+        self.state = make_state(settings.state, self.fleet, self.rollouts)
         for router in self.routers.values():
             # Precise mode needs nothing shared: every instance subscribes to the same KV events.
-            if router.precise is None:
-                router.prefix_index = self.state.share_index(router.name, router.prefix_index)
+            router.match.share(functools.partial(self.state.share_index, router.name))
         # Rate limits are charged through the state backend, so with Redis they hold fleet-wide.
         self.scheduler = Scheduler(settings.scheduler, settings.tenants, take=self.state.take)
-        self.retry_budget = RetryBudget(settings.retry.budget_ratio)
+        retry = settings.retry
+        self.retry_budget = RetryBudget(retry.budget_ratio, retry.budget_floor, retry.budget_refill_s)
         self.draining = False
         self.connections: ConnectionGuard | None = None  # set by the server once it listens
         self.observers: list[Observer] = []
@@ -93,11 +96,12 @@ class Runtime:
         self.view = GatewayView(
             pools=self.pools,
             routers=self.routers,
-            routes=self.router,
+            routes=self.rollouts,
             catalog=self.catalog,
             scheduler_stats=self.scheduler.stats,
             draining=lambda: self.draining,
             connections=lambda: self.connections,
+            routed=RoutedTotals(self.pools),
         )
         self.metrics = GatewayMetrics(self.view) if settings.telemetry.metrics else None
         if self.metrics is not None:
@@ -111,13 +115,13 @@ class Runtime:
         self.audit = AuditTrail()
         # Reloads (admin API, SIGHUP) re-read `config_path`; the command line's server.* values win.
         self.reloader = Reloader(
-            settings, self.fleet, self.router, self.state, self.audit, config_path, server_overrides
+            settings, self.fleet, self.rollouts, self.state, self.audit, config_path, server_overrides
         )
         self.dashboard = Dashboard(
             self.view, self.metrics, tracing=self.tracing is not None, check_admin=self.auth.admin
         )
 
-        preparation = Preparation(
+        self.preparation = preparation = Preparation(
             settings.server,
             self.catalog,
             self.scheduler.classes,
@@ -138,17 +142,18 @@ class Runtime:
         tokenize = Tokenize(
             self.catalog, self.upstream, settings.retry.max_attempts, settings.scheduler.retry_after_s
         )
+        caps = TenantCaps(settings)
         self.data_plane = DataPlane(
             settings.server,
             proxy,
-            ApiRoutes(settings.server, self.auth, self.catalog, tokenize, self.observe),
+            ApiRoutes(settings.server, self.auth, caps, self.catalog, tokenize, self.observe),
             self.auth,
             self.observe,
             tracer,
-            self.router,
+            self.rollouts,
             self.pools,
             lambda: self.draining,
-            TenantCaps(settings),
+            caps,
         )
 
     def routes(self) -> list[Route]:
@@ -156,6 +161,35 @@ class Runtime:
         read-only: Prometheus and the page's readers reach them where clients do)."""
         metrics = [] if self.metrics is None else [Route("GET", "/metrics", self.metrics.handle)]
         return [*self.data_plane.http_routes(), *metrics, *self.dashboard.routes()]
+
+    def probe_routes(self) -> list[Route]:
+        """EPP mode's HTTP routes: the GET ones (probes, the model list, metrics, the status page);
+        inference requests come through Envoy, never here."""
+        return [r for r in self.routes() if r.method == "GET"]
+
+    def ready(self) -> bool:
+        """Whether the gateway can serve, by `server.ready` (what /ready answers)."""
+        return self.data_plane.is_ready(self.data_plane.pools_ready())
+
+    def endpoint_picker(self) -> EppServer:
+        """EPP mode's gRPC server (not started): the proxy's preparation, admission and routing
+        deciding for an Envoy gateway. gRPC is imported only here (the `kvgate[epp]` extra)."""
+        from gateway.epp.picking import Picker
+        from gateway.epp.processor import Processor
+        from gateway.epp.server import EppServer
+
+        settings = self.settings
+        picker = Picker(
+            settings.epp,
+            settings.retry,
+            settings.scheduler.retry_after_s,
+            self.preparation,
+            self.scheduler,
+            self.pools,
+            self.lora,
+            self.observe,
+        )
+        return EppServer(settings.epp, Processor(picker, settings.server, settings.epp), self.ready)
 
     def control_app(self) -> ASGIApp | None:
         """The control plane's app (the admin API, its schema and docs page); None without an
@@ -166,7 +200,7 @@ class Runtime:
         # FastAPI takes about half a second to import: only a gateway with a control plane pays it.
         from gateway.control.admin import Admin
 
-        admin = Admin(self.fleet, self.router, self.state, self.reloader, self.audit, self.variant_stats)
+        admin = Admin(self.fleet, self.rollouts, self.state, self.reloader, self.audit, self.variant_stats)
         return admin.app(check_admin)
 
     @property

@@ -1,5 +1,6 @@
 """Process lifecycle: start the runtime and its listeners (the data plane's, and the control
-plane's when an admin key is set), stop gracefully on SIGTERM/SIGINT, reload on SIGHUP.
+plane's when an admin key is set; in EPP mode the endpoint picker's gRPC server, the data plane
+serving only its GET routes), stop gracefully on SIGTERM/SIGINT, reload on SIGHUP.
 
 On a stop signal /ready fails at once; after `server.shutdown_delay_s` (0: at once) both listeners
 close (new connections are refused), requests in flight get up to `server.grace_period_s` to
@@ -25,13 +26,15 @@ from gateway.runtime import Runtime
 
 if TYPE_CHECKING:
     from gateway.control.listener import ControlListener
+    from gateway.epp.server import EppServer
 
 log = logging.getLogger(__name__)
 
 
 class RunningGateway:
     """A started gateway: its runtime and listeners. `port` is the bound port (useful with port 0);
-    `control` is the control plane's listener, None without an admin key."""
+    `control` is the control plane's listener, None without an admin key; `epp` the endpoint
+    picker's gRPC server in EPP mode, else None."""
 
     def __init__(
         self,
@@ -40,12 +43,14 @@ class RunningGateway:
         listener: asyncio.Server,
         guard: ConnectionGuard,
         control: ControlListener | None,
+        epp: EppServer | None = None,
     ) -> None:
         self.runtime = runtime
         self.http = http  # the HTTP server (server.impl) behind the listener
         self.listener = listener
         self.guard = guard
         self.control = control
+        self.epp = epp
         self.port: int = listener.sockets[0].getsockname()[1]
 
     @property
@@ -75,7 +80,11 @@ class RunningGateway:
         try:
             self.listener.close()
             self.guard.close_all()
-            await asyncio.gather(self.http.shutdown(), *([self.control.stop()] if self.control else []))
+            await asyncio.gather(
+                self.http.shutdown(),
+                *([self.control.stop()] if self.control else []),
+                *([self.epp.stop(grace)] if self.epp else []),
+            )
         finally:
             shed.cancel()
             await self.runtime.stop()
@@ -86,14 +95,18 @@ class ListenError(Exception):
 
 
 async def start_gateway(
-    settings: Settings, config_path: str | None = None, server_overrides: dict[str, Any] | None = None
+    settings: Settings,
+    config_path: str | None = None,
+    server_overrides: dict[str, Any] | None = None,
+    epp: bool = False,
 ) -> RunningGateway:
-    """`config_path` and `server_overrides` (command-line server.* values) are what a reload re-reads."""
+    """`config_path` and `server_overrides` (command-line server.* values) are what a reload re-reads;
+    `epp`: EPP mode (the endpoint picker serves inference decisions; docs/epp.md)."""
     for deprecated in settings.deprecations():
         log.warning("%s", deprecated)
     runtime = Runtime(settings, config_path, server_overrides)
     server = settings.server
-    http = http_server(runtime.routes(), server)
+    http = http_server(runtime.probe_routes() if epp else runtime.routes(), server)
     # Listen first: a taken port must fail before any engine is launched.
     await http.setup()
     guard = ConnectionGuard(settings, connection_limit(settings), http.factory)
@@ -111,14 +124,23 @@ async def start_gateway(
         listener.close()
         await http.shutdown()
         raise
+    picker = None
     try:
+        if epp:  # listening before any engine is launched, as the HTTP listener is
+            picker = runtime.endpoint_picker()
+            try:
+                await picker.start()
+            except OSError as exc:
+                raise ListenError(str(exc)) from None
         await runtime.start()
     except BaseException:
         listener.close()
-        await asyncio.gather(http.shutdown(), *([control.stop()] if control else []))
+        await asyncio.gather(
+            http.shutdown(), *([control.stop()] if control else []), *([picker.stop(0)] if picker else [])
+        )
         await runtime.stop()
         raise
-    gateway = RunningGateway(runtime, http, listener, guard, control)
+    gateway = RunningGateway(runtime, http, listener, guard, control, picker)
     log.info(
         "kvgate listening on http://%s:%d (%s: %d of %d hot-path modules compiled)",
         server.host,
@@ -158,6 +180,7 @@ def _control_listener(runtime: Runtime, settings: Settings) -> ControlListener |
             cfg.idle_timeout_s,
             cfg.header_timeout_s,
             cfg.max_connections_per_address,
+            cfg.body_deadline_s,
         )
     except OSError as exc:
         raise ListenError(
@@ -184,17 +207,21 @@ async def _announce_ready(gateway: RunningGateway) -> None:
         while not plane.is_ready(plane.pools_ready()):  # noqa: ASYNC110
             await asyncio.sleep(READY_POLL_S)
     healthy = sum(r.healthy for pool in gateway.runtime.pools.values() for r in pool.replicas.values())
-    log.info("kvgate ready on %s: %d healthy replica(s)", gateway.url, healthy)
+    where = gateway.url if gateway.epp is None else f"{gateway.epp.address} (endpoint picker)"
+    log.info("kvgate ready on %s: %d healthy replica(s)", where, healthy)
 
 
 async def serve(
-    settings: Settings, config_path: str | None = None, server_overrides: dict[str, Any] | None = None
+    settings: Settings,
+    config_path: str | None = None,
+    server_overrides: dict[str, Any] | None = None,
+    epp: bool = False,
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    gateway = await start_gateway(settings, config_path, server_overrides)
+    gateway = await start_gateway(settings, config_path, server_overrides, epp)
     settle_gc()
     announcing = asyncio.create_task(_announce_ready(gateway))
     reloads: set[asyncio.Task[None]] = set()  # held so a running reload is not garbage-collected
@@ -234,7 +261,10 @@ def settle_gc() -> None:
 
 
 def run(
-    settings: Settings, config_path: str | None = None, server_overrides: dict[str, Any] | None = None
+    settings: Settings,
+    config_path: str | None = None,
+    server_overrides: dict[str, Any] | None = None,
+    epp: bool = False,
 ) -> int:
     try:
         import uvloop
@@ -243,7 +273,7 @@ def run(
     except ImportError:
         runner = asyncio.run
     try:
-        return runner(serve(settings, config_path, server_overrides))
+        return runner(serve(settings, config_path, server_overrides, epp))
     except ListenError as exc:
         log.error("%s", exc)
         return 1

@@ -2,10 +2,13 @@
 controls, and which counts what reached it.
 
 Each request is read in full (that is one delivery, recorded with the request's marker: the
-body's `prompt`), then answered as `mode` says. Modes, one per misbehaviour:
+body's `prompt`, or its first message's content), then answered as `mode` says, or as the next
+mode of `script` while it lasts (one per delivery). Modes, one per misbehaviour:
 
   ok                   a correct answer (JSON, or chunked SSE when the body asks to stream)
   hold                 like ok, but only once `release` is set (to pile requests up)
+  hold-then-reset      an SSE head and one event, then, once `release` is set, a TCP RST (streams
+                       that a killed engine was answering)
   close                close without a byte          reset      close with a TCP RST
   close-mid-head       part of a status line and headers, then close
   close-mid-body       Content-Length promises more than comes, then close
@@ -14,6 +17,7 @@ body's `prompt`), then answered as `mode` says. Modes, one per misbehaviour:
   malformed-mid-stream two SSE events, then one that is not JSON, then the rest
   error-mid-stream     two SSE events, then an engine error event and [DONE] (as vLLM ends a failed stream)
   end-mid-stream       two SSE events, then a clean end of the body without [DONE]
+  long-then-close      `max_tokens` SSE events of 1 KiB of text each, then close (no terminating chunk)
   reset-after-usage    a whole answer (finish reason, usage chunk) but for [DONE], then a TCP RST
   reset-after-done     a whole answer through [DONE], then a TCP RST instead of the last chunk
   extra-response       the answer and, in the same write, a second answer nobody asked for
@@ -30,7 +34,13 @@ body's `prompt`), then answered as `mode` says. Modes, one per misbehaviour:
   slow-drip            the answer in 16-byte pieces
   gzip                 the answer gzip-encoded         gzip-error  a gzip-encoded 400
   poison-500           a well-formed 500 when the prompt contains `boom` (a request that crashes generation)
-  status-503           a well-formed 503
+  status-503           a well-formed 503             status-500  a well-formed 500
+  error-first          an SSE head, then at once an engine error event and [DONE] (a decode leg
+                       whose KV could not be loaded, vLLM's kv_load_failure_policy: fail)
+  prefill-ok           a vLLM prefill leg's answer: one token and `kv_transfer_params` naming
+                       127.0.0.1 as the side channel
+  prefill-steer        the same naming `attacker.example` (a hostile prefill engine steering the
+                       decode engine elsewhere); prefill-bad-port: 127.0.0.1, port "19998"
   stale-on-reuse       answers a connection's first request, closes on its second without a byte
   close-after-answer   answers (keep-alive, as far as the headers say), then closes at once
   http10               HTTP/1.0, the body delimited by closing the connection
@@ -95,13 +105,28 @@ def response(status: int, body: bytes, *extra: str, reason: str = "OK") -> bytes
     return ("\r\n".join([*head, *extra]) + "\r\n\r\n").encode("latin-1") + body
 
 
-def sse_event(marker: str, i: int) -> bytes:
-    doc = {
-        "id": f"cmpl-{marker}",
-        "object": "text_completion",
-        "choices": [{"index": 0, "text": f"{marker}:{i}"}],
-    }
+def sse_event(marker: str, i: int, chat: bool = False) -> bytes:
+    """The i-th event of an answer: a completion's text, or a chat chunk's delta (`chat`)."""
+    if chat:
+        delta: dict[str, str] = {"content": f"{marker}:{i} "}  # words: a continuation has a seam
+        if i == 0:
+            delta["role"] = "assistant"
+        doc: dict[str, object] = {
+            "id": f"chatcmpl-{marker}",
+            "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": delta}],
+        }
+    else:
+        doc = {
+            "id": f"cmpl-{marker}",
+            "object": "text_completion",
+            "choices": [{"index": 0, "text": f"{marker}:{i}"}],
+        }
     return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+def is_chat(d: Delivery) -> bool:
+    return d.path.endswith("/chat/completions")
 
 
 def echoed(raw: bytes, d: Delivery) -> bytes:
@@ -135,7 +160,7 @@ def mode(name: str) -> Callable[[Mode], Mode]:
 
 async def _answer(d: Delivery, writer: asyncio.StreamWriter, stream: bool) -> None:
     if stream:
-        events = b"".join(chunk(sse_event(d.marker, i)) for i in range(3))
+        events = b"".join(chunk(sse_event(d.marker, i, is_chat(d))) for i in range(3))
         writer.write(sse_head(d) + events + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
     else:
         writer.write(response(200, completion(d.marker), *d.echo))
@@ -171,6 +196,18 @@ async def _hold(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool
     return True
 
 
+@mode("hold-then-reset")
+async def _hold_then_reset(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    w.write(sse_head(d) + chunk(sse_event(d.marker, 0, is_chat(d))))
+    await w.drain()
+    srv.held += 1
+    try:
+        await srv.release.wait()
+    finally:
+        srv.held -= 1
+    return await _reset(srv, d, r, w)
+
+
 @mode("close")
 async def _close(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
     return False
@@ -198,7 +235,9 @@ async def _mid_body(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> 
 
 @mode("close-mid-stream")
 async def _mid_stream(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-    w.write(sse_head(d) + chunk(sse_event(d.marker, 0)) + chunk(sse_event(d.marker, 1)))
+    w.write(
+        sse_head(d) + chunk(sse_event(d.marker, 0, is_chat(d))) + chunk(sse_event(d.marker, 1, is_chat(d)))
+    )
     return False
 
 
@@ -207,6 +246,17 @@ async def _reset_mid_stream(srv: HostileUpstream, d: Delivery, r: Reader, w: Wri
     await _mid_stream(srv, d, r, w)
     await w.drain()
     return await _reset(srv, d, r, w)
+
+
+@mode("long-then-close")
+async def _long_then_close(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    count = int(orjson.loads(d.body).get("max_tokens") or 1)
+    w.write(sse_head(d))
+    for i in range(count):
+        doc = {"id": f"cmpl-{d.marker}", "choices": [{"index": 0, "text": f" {i:04d}" + "x" * 1019}]}
+        w.write(chunk(b"data: " + orjson.dumps(doc) + b"\n\n"))
+        await w.drain()
+    return False
 
 
 _BROKEN_EVENTS = {
@@ -218,7 +268,9 @@ _BROKEN_EVENTS = {
 
 def _broken_stream(name: str) -> Mode:
     async def send(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
-        events = sse_event(d.marker, 0) + sse_event(d.marker, 1) + _BROKEN_EVENTS[name]
+        events = (
+            sse_event(d.marker, 0, is_chat(d)) + sse_event(d.marker, 1, is_chat(d)) + _BROKEN_EVENTS[name]
+        )
         w.write(sse_head(d) + chunk(events) + b"0\r\n\r\n")
         return True
 
@@ -372,7 +424,7 @@ async def _stall_head(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -
 @mode("stall-body")
 async def _stall_body(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
     if _streams(d):
-        w.write(sse_head(d) + chunk(sse_event(d.marker, 0)))
+        w.write(sse_head(d) + chunk(sse_event(d.marker, 0, is_chat(d))))
     else:
         w.write(response(200, completion(d.marker), *d.echo)[:-5])
     return await _until_peer_leaves(r)
@@ -415,6 +467,49 @@ async def _503(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
     return True
 
 
+@mode("status-500")
+async def _500(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    w.write(response(500, error_json("engine failed", 500), *d.echo, reason="Internal Server Error"))
+    return True
+
+
+@mode("error-first")
+async def _error_first(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    events = b"data: " + error_json("failed to load KV", 500) + b"\n\ndata: [DONE]\n\n"
+    w.write(sse_head(d) + chunk(events) + b"0\r\n\r\n")
+    return True
+
+
+PREFILL_KV = {
+    "do_remote_decode": False,
+    "do_remote_prefill": True,
+    "remote_engine_id": "engine-p0",
+    "remote_block_ids": [1, 2],
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+}
+
+
+@mode("prefill-ok")
+async def _prefill_ok(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+    doc = {**orjson.loads(completion(d.marker)), "kv_transfer_params": PREFILL_KV}
+    w.write(response(200, orjson.dumps(doc), *d.echo))
+    return True
+
+
+def _prefill_naming(**kv: object) -> Mode:
+    async def answer(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
+        doc = {**orjson.loads(completion(d.marker)), "kv_transfer_params": {**PREFILL_KV, **kv}}
+        w.write(response(200, orjson.dumps(doc), *d.echo))
+        return True
+
+    return answer
+
+
+MODES["prefill-steer"] = _prefill_naming(remote_host="attacker.example", remote_port=19998)
+MODES["prefill-bad-port"] = _prefill_naming(remote_port="19998")
+
+
 @mode("stale-on-reuse")
 async def _stale(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bool:
     if d.index > 0:
@@ -445,6 +540,9 @@ async def _canary(srv: HostileUpstream, d: Delivery, r: Reader, w: Writer) -> bo
 @dataclass
 class HostileUpstream:
     mode: str = "ok"
+    script: list[str] = field(default_factory=list)  # modes for the next deliveries, then `mode`
+    name: str = ""  # how `journal` names this server
+    journal: list[tuple[str, Delivery]] | None = None  # deliveries of several servers, in order
     echo: bool = True  # answers carry the request's X-Request-Id, as vLLM's with --enable-request-id-headers
     healthy: bool = True  # False: GETs (health checks) are answered 503
     tls: ssl.SSLContext | None = None
@@ -503,14 +601,13 @@ class HostileUpstream:
                     self.gets.append(path)
                     writer.write(response(200 if self.healthy else 503, b"{}", *echo))
                     continue
-                try:
-                    marker = str(orjson.loads(body).get("prompt", ""))
-                except (orjson.JSONDecodeError, AttributeError):
-                    marker = ""
-                d = Delivery(marker, path, headers, body, conn, index, echo)
+                d = Delivery(_marker(body), path, headers, body, conn, index, echo)
                 index += 1
                 self.deliveries.append(d)
-                keep = await MODES[self.mode](self, d, reader, writer)
+                if self.journal is not None:
+                    self.journal.append((self.name, d))
+                how = self.script.pop(0) if self.script else self.mode
+                keep = await MODES[how](self, d, reader, writer)
                 await writer.drain()
                 if not keep:
                     return
@@ -519,6 +616,17 @@ class HostileUpstream:
         finally:
             del self._handlers[task]
             writer.close()
+
+
+def _marker(body: bytes) -> str:
+    try:
+        doc = orjson.loads(body)
+        messages = doc.get("messages")
+        if isinstance(messages, list) and messages:
+            return str(messages[0].get("content", ""))
+        return str(doc.get("prompt", ""))
+    except (orjson.JSONDecodeError, AttributeError):
+        return ""
 
 
 async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, dict[str, str], bytes] | None:

@@ -1,6 +1,6 @@
 """A routing policy for tests, loaded by "tests.recording_policy:Recording" like any plugin: it
 ranks replicas by name (a request's `x-pin` header puts one first), can put a named prefill
-replica first in a pair, and records every `on_first_token` and `on_complete` call."""
+replica first in a pair, and records every `on_routed`, `on_first_token` and `on_complete` call."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ class Recording(Policy[RecordingParams]):
         super().__init__(params)
         self.ended: list[Ended] = []
         self.first_tokens: list[tuple[str | None, str, bool]] = []  # (test id, replica, ended already)
+        self.routed: list[tuple[str | None, str]] = []  # (test id, replica)
         self.pairs = 0
 
     def rank(self, request: RequestFeatures, candidates: Sequence[Candidate]) -> list[Candidate]:
@@ -43,6 +44,9 @@ class Recording(Policy[RecordingParams]):
         self.pairs += 1
         first = self.params.prefill_first
         return Pair(sorted(prefill, key=lambda c: c.replica.name != first), self.rank(request, decode))
+
+    def on_routed(self, request: RequestFeatures, replica: ReplicaView) -> None:
+        self.routed.append((request.headers.get(ID_HEADER), replica.name))
 
     def on_first_token(self, request: RequestFeatures, replica: ReplicaView) -> None:
         test_id = request.headers.get(ID_HEADER)

@@ -23,6 +23,20 @@ from tests.conftest import PYTHON, STARTUP_S, subprocess_env
 _LISTENING = re.compile(r"kvgate-sim listening on (\S+)")
 
 
+def launched_sims(tmp_path: Path, replicas: int, **extra: Any) -> dict[str, Any]:
+    """A pool's `engines:` that has the gateway launch `replicas` quick simulated engines, logs
+    under `tmp_path`, a killed one restarted at once."""
+    return {
+        "kind": "sim",
+        "replicas": replicas,
+        "startup_timeout_s": STARTUP_S,
+        "restart_backoff_s": 0.1,
+        "log_dir": str(tmp_path / "logs"),
+        "sim": {"profile": "tiny", "speedup": 20},
+        **extra,
+    }
+
+
 @dataclass
 class SimFleet:
     proc: subprocess.Popen[bytes]

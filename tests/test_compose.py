@@ -173,7 +173,27 @@ def test_dockerfile_is_slim_non_root_and_checks_health() -> None:
         for src in sources:
             if "*" not in src:
                 assert (REPO / src).exists(), f"COPY {src}: missing"
-            assert f"!{src}" in ignore or f"!{src}/" in ignore, f"COPY {src} is excluded by the dockerignore"
+            allowed = [src, f"{src}/", *(f"{parent}/" for parent in Path(src).parents if parent != Path("."))]
+            assert any(f"!{a}" in ignore for a in allowed), f"COPY {src} is excluded by the dockerignore"
+
+
+def test_the_image_serves_the_demo_without_a_mounted_config() -> None:
+    """`docker run kvgate:local` used to exit at once (no /etc/kvgate/config.yaml): its default
+    command now finds the demo config in the image, listening beyond the container's loopback."""
+    text = re.sub(r"\\\n\s*", " ", (REPO / "docker" / "Dockerfile").read_text())
+    final = text.rsplit("\nFROM ", 1)[1]
+    cmd = json.loads(re.findall(r"^CMD (\[.*\])$", final, re.M)[-1])
+    assert cmd[:2] == ["serve", "--config"]
+    config = cmd[2]
+    sources = [
+        line.split()[0]
+        for line in re.findall(r"^COPY (?!--from)(.+)$", final, re.M)
+        if line.split()[-1] == config
+    ]
+    assert sources == ["config/demo.yaml"], f"nothing in the image at {config}"
+    assert re.search(r"^ENV .*\bKVGATE_SERVER__HOST=0\.0\.0\.0\b", final, re.M)
+    demo = load_config(REPO / sources[0], {"server": {"host": "0.0.0.0"}})
+    assert [p.engines.kind for p in demo.pools if p.engines is not None] == ["sim"]
 
 
 @pytest.mark.parametrize("stack_name", ["cpu", "gpu"])

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import yaml
 
+from gateway.sim.cli import build_parser
 from tests.conftest import PYTHON, REPO, STARTUP_S, free_port, subprocess_env, wait_until_sync
 from tests.simfleet import sim_fleet
 
@@ -148,6 +149,8 @@ def run_command(
         # Serving it is what the test just did; a command that names a config names this one.
         assert "--config" not in command or f"--config config/{path.name}" in command
         return
+    if command.startswith("kvgate sim "):
+        return  # its engines: started on free ports by runnable(), checked by the test below
     ports = {
         original.get("server", {}).get("port", 8000): doc["server"]["port"],
         original.get("control", {}).get("port", 9001): doc["control"]["port"],
@@ -161,6 +164,27 @@ def run_command(
     )
     assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
     assert '"error"' not in done.stdout, (command, done.stdout[-2000:])
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_config_says_how_to_start_the_engines_it_expects_on_this_host(path: Path) -> None:
+    """Each endpoint on this host that nothing in the config launches: a simulator command in the
+    comments serves the model name its pool asks for on its port, with flags the simulator takes."""
+    doc = yaml.safe_load(path.read_text())
+    wanted = {
+        (int(url.port or 80), pool.get("served_model") or pool["model"])
+        for pool in doc["pools"]
+        for ep in pool.get("endpoints", [])
+        if (url := httpx.URL(ep["url"])).host in ("127.0.0.1", "localhost")
+    }
+    started = set()
+    for command in commands(path):
+        if command.startswith("kvgate sim "):
+            args, unknown = build_parser().parse_known_args(shlex.split(command)[2:])
+            assert not unknown, (command, unknown)
+            names = args.served_model_name or [args.model]
+            started |= {(args.port + i, name) for i in range(args.replicas) for name in names}
+    assert wanted <= started, f"{path.name}: no `kvgate sim` command in its comments for {wanted - started}"
 
 
 def kvgate_on_path(tmp_path: Path) -> Path:

@@ -18,6 +18,8 @@ from tests.conftest import REPO
 CHART = REPO / "deploy" / "helm" / "kvgate"
 K8S_VERSION = "1.37.0"
 CRDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
+INFERENCE_POOL = ("inference.networking.k8s.io/v1", "InferencePool")  # a CRD too: checked field by field
+EPP = {"mode": "epp"}
 EVERYTHING = {
     "exampleEngine": {"enabled": True},
     "redis": {"enabled": True},
@@ -39,20 +41,33 @@ def find(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict
     return doc
 
 
+def test_the_image_to_build_and_publish_is_explained() -> None:
+    """The chart names `kvgate:local`, which no registry has: its values and the docs say how to
+    build it and get it to a cluster."""
+    values = (CHART / "values.yaml").read_text()
+    head = values[: values.index("\nimage:")]
+    assert "docker build -f docker/Dockerfile -t kvgate:local ." in head
+    assert "kind load docker-image kvgate:local" in head and "image.repository=REGISTRY/kvgate" in head
+    docs = " ".join((REPO / "docs" / "kubernetes.md").read_text().split())
+    assert "No kvgate image is published" in docs and "docker push REGISTRY/kvgate:TAG" in docs
+
+
 def test_lint_finds_no_errors() -> None:
     assert helm.lint(str(CHART))["errors"] == []
 
 
 @pytest.mark.parametrize(
-    "values", [{}, EVERYTHING, {**EVERYTHING, "exampleEngine": {"enabled": True, "pd": True}}]
+    "values",
+    [{}, EVERYTHING, {**EVERYTHING, "exampleEngine": {"enabled": True, "pd": True}}, {**EVERYTHING, **EPP}],
 )
 def test_every_manifest_validates(values: dict[str, Any]) -> None:
     docs = rendered(values)
     kinds = {(d["apiVersion"], d["kind"]) for d in docs}
     for doc in docs:
-        if (doc["apiVersion"], doc["kind"]) in CRDS:
+        if (doc["apiVersion"], doc["kind"]) in {*CRDS, INFERENCE_POOL}:
             continue  # custom resources: no schema ships offline (see the README)
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    assert (INFERENCE_POOL in kinds) == (values.get("mode") == "epp")
     if values:
         assert CRDS <= kinds
     assert not any(kind.startswith("Cluster") for _, kind in kinds), "nothing cluster-wide"
@@ -160,3 +175,61 @@ def test_example_engine_is_what_the_renderer_produces(pd: bool, pool: str, roles
         want_svc = expected[("Service", role)]["spec"]
         want_svc["selector"]["kvgate.io/pool"] = "llama"
         assert charted[("Service", role)]["spec"] == want_svc
+
+
+@pytest.mark.parametrize("failure_mode", ["FailClose", "FailOpen"])
+def test_epp_mode_renders_the_picker_its_service_and_an_inference_pool(failure_mode: str) -> None:
+    docs = rendered({**EPP, "epp": {"inferencePool": {"failureMode": failure_mode}}})
+    container = container_of(docs)
+    assert container["args"][0] == "epp"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    (config_text,) = find(docs, "ConfigMap")["data"].values()
+    settings = load_config(
+        None,
+        {
+            **yaml.safe_load(config_text),
+            "epp": {"host": env["KVGATE_EPP__HOST"], "port": env["KVGATE_EPP__PORT"]},
+        },
+    )
+    assert settings.epp.host == "0.0.0.0"
+    (grpc_port,) = [p for p in container["ports"] if p["name"] == "grpc"]
+    assert grpc_port["containerPort"] == settings.epp.port == 9002
+    # The protocol's gRPC health services are the probes.
+    assert container["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    service = find(docs, "Service", "kv-kvgate")
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    assert ports["grpc"] == {
+        "name": "grpc",
+        "port": 9002,
+        "targetPort": "grpc",
+        "protocol": "TCP",
+        "appProtocol": "kubernetes.io/h2c",
+    }
+    pool = find(docs, "InferencePool")
+    spec = pool["spec"]
+    assert set(spec) == {"selector", "targetPorts", "endpointPickerRef"}
+    ref = spec["endpointPickerRef"]
+    # The v1 API's shape: the picker is this release's Service, by its gRPC port.
+    assert ref == {
+        "kind": "Service",
+        "name": service["metadata"]["name"],
+        "port": {"number": 9002},
+        "failureMode": failure_mode,
+    }
+    assert spec["targetPorts"] == [{"number": 8000}]
+    # kvgate's discovery watches the pods the pool selects.
+    (discovery,) = [p.discovery for p in settings.pools if p.discovery is not None]
+    selector = ",".join(f"{k}={v}" for k, v in spec["selector"]["matchLabels"].items())
+    assert discovery.kubernetes.label_selector == selector
+
+
+def test_epp_mode_refuses_what_the_api_would() -> None:
+    with pytest.raises(helm.HelmRenderError, match="failureMode must be FailOpen or FailClose"):
+        rendered({**EPP, "epp": {"inferencePool": {"failureMode": "Sometimes"}}})
+    with pytest.raises(helm.HelmRenderError, match="mode must be proxy or epp"):
+        rendered({"mode": "sidecar"})
+    # The proxy mode has neither the picker's port nor a pool.
+    docs = rendered()
+    assert [p["name"] for p in container_of(docs)["ports"]] == ["http"]
+    assert not [d for d in docs if d["kind"] == "InferencePool"]

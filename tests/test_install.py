@@ -21,6 +21,7 @@ import sys
 import tomllib
 import urllib.error
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,43 @@ def wheelhouse(extras: str) -> Path:
     (partial / ".complete").touch()
     partial.replace(house) if not house.exists() else shutil.rmtree(partial)
     return house
+
+
+def test_the_readme_says_what_kvgate_bench_needs() -> None:
+    """The wheel carries `bench`, but `kvgate bench` runs only with the `bench` extra."""
+    readme = " ".join((REPO / "README.md").read_text().split())
+    installing = readme[readme.index("**Installing.**") :]
+    assert "`kvgate bench`, which also needs the `bench` extra: `pip install 'kvgate[bench]'`" in installing
+
+
+def test_building_from_a_checkout_leaves_no_build_directory(tmp_path: Path) -> None:
+    """`pip install <checkout>` builds in the checkout: setuptools' `build/` stayed there, and its
+    copies of modules since deleted (gateway/config.py, now a package) went into the next wheel."""
+    checkout = tmp_path / "checkout"
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    for name in files:
+        if (REPO / name).is_file():  # a file deleted but not yet committed is still listed
+            (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, checkout / name)
+    stale = checkout / "build" / "lib" / "gateway"
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INDEX": "1"}
+    wheels = tmp_path / "wheels"
+    argv = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+    argv += ["-w", str(wheels)]
+    _run([*argv, str(checkout)], env, tmp_path)
+    assert not (checkout / "build").exists()
+    # A build/ left by an older build (here: a module the tree no longer has) is not packaged either.
+    stale.mkdir(parents=True)
+    (stale / "config.py").write_text("raise ImportError('stale')\n")
+    for wheel in wheels.iterdir():
+        wheel.unlink()
+    _run([*argv, str(checkout)], env, tmp_path)
+    (wheel,) = wheels.iterdir()
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+    assert "gateway/config/__init__.py" in names and "gateway/config.py" not in names
 
 
 @pytest.mark.timeout(600)

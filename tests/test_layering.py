@@ -3,8 +3,8 @@
 Every module of `gateway` belongs to one part (its subpackage, or a named top-level module), and
 each part may import only the parts `MAY_IMPORT` names, so imports run one way:
 
-    top (cli, server, runtime: the composition root) -> http | control | observe -> path
-        -> admission -> routing -> fleet -> base (build, config, errors, logs)
+    top (cli, server, runtime: the composition root) -> http | epp | control | observe -> path
+        -> admission -> routing -> prompt | fleet -> base (build, config and its modules, errors, logs)
 
 with `sim` beside them, sharing only the token counter. Imports made for type checking only count
 too. Nothing may import in a circle: not at run time anywhere, and not even for type checking
@@ -16,34 +16,38 @@ outside the simulator. The README's module map is checked against `MAY_IMPORT`.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = frozenset({"gateway.build", "gateway.config", "gateway.errors", "gateway.logs"})
+BASE_PACKAGES = ("gateway.config.",)  # their submodules are the base too
 TOP = frozenset({"gateway", "gateway.__main__", "gateway.cli", "gateway.server", "gateway.runtime"})
-SUBPACKAGES = ("http", "control", "observe", "path", "admission", "routing", "fleet", "sim")
-LOWER = ("path", "admission", "routing", "fleet", "base")
+SUBPACKAGES = ("http", "epp", "control", "observe", "path", "admission", "routing", "prompt", "fleet", "sim")
+LOWER = ("path", "admission", "routing", "prompt", "fleet", "base")
 MAY_IMPORT: dict[str, frozenset[str]] = {
-    "top": frozenset({"top", "http", "control", "observe", *LOWER, "facade", "sim"}),
+    "top": frozenset({"top", "http", "epp", "control", "observe", *LOWER, "facade", "sim"}),
     "http": frozenset({"http", *LOWER}),
+    "epp": frozenset({"epp", *LOWER}),
     "control": frozenset({"control", *LOWER}),
     "observe": frozenset({"observe", *LOWER}),
-    "path": frozenset({"path", "admission", "routing", "fleet", "base"}),
-    "admission": frozenset({"admission", "routing", "fleet", "base"}),
-    "routing": frozenset({"routing", "fleet", "base"}),
+    "path": frozenset({"path", "admission", "routing", "prompt", "fleet", "base"}),
+    "admission": frozenset({"admission", "routing", "prompt", "fleet", "base"}),
+    "routing": frozenset({"routing", "prompt", "fleet", "base"}),
+    "prompt": frozenset({"prompt", "base"}),
     "fleet": frozenset({"fleet", "base"}),
     "base": frozenset({"base"}),
     "facade": frozenset({"routing"}),  # gateway.policy: the plugin API's public path
     "sim": frozenset({"sim"}),
 }
 # Single modules a part may import beyond its rule: what the simulator shares with the gateway.
-SHARED = {"sim": frozenset({"gateway.routing.tokens"})}
+SHARED = {"sim": frozenset({"gateway.prompt.tokens"})}
 
 
 def part(module: str) -> str:
-    if module in BASE:
+    if module in BASE or module.startswith(BASE_PACKAGES):
         return "base"
     if module in TOP:
         return "top"
@@ -142,11 +146,13 @@ def rules_text() -> str:
     order = [
         "top",
         "http",
+        "epp",
         "control",
         "observe",
         "path",
         "admission",
         "routing",
+        "prompt",
         "fleet",
         "base",
         "facade",
@@ -193,6 +199,28 @@ def test_the_layering_test_sees_what_it_forbids() -> None:
     assert ("gateway.http", False) not in g["gateway.runtime"]  # `from gateway.http.app import ...`
 
 
+def test_config_is_one_import() -> None:
+    """`gateway.config` is split by concern into modules, and every name they define is importable
+    from `gateway.config` itself: importers never name a submodule."""
+    import gateway.config as config
+
+    missing = []
+    for path in sorted((REPO / "gateway" / "config").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef | ast.FunctionDef):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            public = [n for n in names if not n.startswith("_")]
+            missing += [f"{path.stem}.{n}" for n in public if n not in config.__all__]
+    assert not missing, f"defined in gateway/config/ but not exported by gateway.config: {missing}"
+    assert all(hasattr(config, name) for name in config.__all__)
+
+
 def test_readme_module_map_states_these_rules() -> None:
     readme = (REPO / "README.md").read_text()
     assert rules_text() in readme, (
@@ -218,3 +246,57 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv))
+
+
+# What only an engine adapter (gateway/fleet/engines/) may say: engine kinds and their hand-off
+# protocols. The request path and routing speak through adapters, so a new engine kind is one
+# adapter module and its test.
+ENGINE_WORDS = re.compile(r"vllm|sglang|nixl|bootstrap|mooncake", re.IGNORECASE)
+ENGINE_KINDS = frozenset({"vllm", "sglang", "sim", "openai"})
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def engine_names(path: Path) -> list[str]:
+    """Engine names in a module's code (identifiers and strings; docstrings and comments explain)."""
+    tree = ast.parse(path.read_text())
+    explaining = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        text = None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in explaining:
+            if ENGINE_WORDS.search(node.value) or node.value in ENGINE_KINDS:
+                text = node.value
+        elif isinstance(
+            node, ast.Name | ast.arg | ast.alias | ast.Attribute | ast.FunctionDef | ast.ClassDef
+        ):
+            name = {ast.Name: "id", ast.arg: "arg", ast.Attribute: "attr"}.get(type(node), "name")
+            if ENGINE_WORDS.search(getattr(node, name)):
+                text = getattr(node, name)
+        if text is not None:
+            found.append(f"{path.relative_to(REPO)}:{getattr(node, 'lineno', 0)}: {text[:60]!r}")
+    return found
+
+
+def test_no_engine_is_named_in_the_request_path_or_routing() -> None:
+    named = [
+        hit
+        for sub in ("path", "routing")
+        for p in sorted((REPO / "gateway" / sub).rglob("*.py"))
+        for hit in engine_names(p)
+    ]
+    assert not named, (
+        "engine names outside gateway/fleet/engines/ (say it through an adapter):\n" + "\n".join(named)
+    )
+
+
+def test_the_engine_name_check_sees_what_it_forbids() -> None:
+    assert engine_names(REPO / "gateway" / "fleet" / "engines" / "nixl.py")  # the connector names itself

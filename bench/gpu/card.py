@@ -1,4 +1,4 @@
-"""Which GPU the device lent, and the kit's shape on it (issue 37): one H100 (80 GB) or one H200 (141 GB).
+"""Which GPU the device lent, and the kit's shape on it: one H100 (80 GB) or one H200 (141 GB).
 
 python3 -m bench.gpu.card detect KG MODEL_DIR    read nvidia-smi (or KG_CARD), write KG/card.json and
                                                  KG/card.env, and the model folder's config.json

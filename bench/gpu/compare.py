@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench import result_files
+
 SIM_TOLERANCE = 0.15
 TITLES = {
     "probe": "Capacity probes (completions/s served over the whole overload run)",
@@ -41,7 +43,7 @@ FAULT_GROUPS = ("failover-vllm",)
 
 def _load(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads(path.read_text())
+        return json.loads(result_files.read_text(path))
     except (OSError, ValueError):
         return None
 
@@ -59,9 +61,9 @@ def _ratio(sim: float | None, gpu: float | None) -> str:
 
 def steps(kg: Path) -> list[dict[str, Any]]:
     path = kg / "steps.jsonl"
-    if not path.exists():
+    if not result_files.exists(path):
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in result_files.read_text(path).splitlines() if line.strip()]
 
 
 def runs(report_dir: Path) -> list[dict[str, Any]]:

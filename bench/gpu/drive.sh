@@ -87,7 +87,7 @@ kvgate_install() {
   [ -f "$KG/admin_key" ] || (umask 077; $PY -c "import secrets; print(secrets.token_hex(16))" > "$KG/admin_key")
   (cd "$KG" && $PY -c "
 import gateway.server, gateway.fleet.launcher, gateway.routing.kv_events, gateway.control.admin, bench.gpu.host, zmq, msgpack, orjson, redis, pydantic
-from gateway.routing.tokens import get_tokenizer
+from gateway.prompt.tokens import get_tokenizer
 assert get_tokenizer().name.startswith('tiktoken'), get_tokenizer().name
 print('kvgate', gateway.__file__, 'tokenizer', get_tokenizer().name, 'pydantic', pydantic.VERSION, 'zmq', zmq.__version__)
 ") && touch "$KVSITE/.ok"
@@ -145,7 +145,7 @@ gpu_mem() { [ "${KG_DRY:-0}" = 1 ] || nvidia-smi --query-gpu=memory.used,memory.
 dtype() { if [ -f "$KG/fleet_fallback" ]; then echo auto; else echo "$KV_DTYPE"; fi; }
 calib() { host calib "$KG" --gateway "$GW" --out "$1" && gpu_mem; }
 
-# QUEUE=tiers (issues 30 and 37): the four replicas with a CPU tier each, four times their GPU KV (card.py),
+# QUEUE=tiers: the four replicas with a CPU tier each, four times their GPU KV (card.py),
 # then, on the same engines: the tiered workload for every router (routing-tiers-gpu), the canonicalization
 # row (canonicalize-gpu) and mid-stream failover (failover-vllm). Priority order: kvgate's tier rows, the
 # canonicalization rows, the peers' rows (their archive rides in call 3), failover (it kills a replica).

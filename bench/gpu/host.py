@@ -36,6 +36,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from bench import result_files
+
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 _DRYRUN_REPLICA = re.compile(
     r"^# (\S+) role=(\S+) url=(\S+) log=\S+(?: .*?kv_events=(\S+))?(?: .*?device=(\S+))?"
@@ -240,7 +242,7 @@ def calib(kg: Path, gateway: str | None, out_name: str) -> int:
     from bench import text
     from bench.scenario import ExistingFleet
     from gateway.fleet.engines.vllm import VLLMAdapter
-    from gateway.routing.tokens import get_tokenizer
+    from gateway.prompt.tokens import get_tokenizer
 
     eps = _endpoints(kg)
     urls = eps["urls"]
@@ -365,11 +367,11 @@ def served_rate(records: list[dict[str, Any]]) -> float | None:
 
 
 def capacity(run_dir: Path) -> int:
-    files = sorted((run_dir / "records").glob("*.jsonl"))
+    files = result_files.glob(run_dir / "records", "*.jsonl")
     if not files:
         print(f"no records under {run_dir}", file=sys.stderr)
         return 1
-    records = [json.loads(line) for line in files[0].read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in result_files.read_text(files[0]).splitlines() if line.strip()]
     rate = served_rate([r for r in records if r["kind"] != "prime" and not r["warmup"]])
     if rate is None:
         print("too few completions to measure a rate", file=sys.stderr)

@@ -1,5 +1,5 @@
 """Whether and when a request runs: priority classes, the scheduler (order and admission
-only), per-tenant rate limits, and the prompt window.
+only) and per-tenant rate limits.
 
-May import: routing, fleet and the base modules.
+May import: routing, prompt, fleet and the base modules.
 """

@@ -432,7 +432,7 @@ class Scheduler:
         """Estimated job size: prompt tokens not cached on the best replica, plus expected output."""
         uncached = features.prompt_tokens
         if features.block_hashes:
-            matched = router.prefix_index.match(features.block_hashes, list(router.pool.replicas))
+            matched = router.match.index.match(features.block_hashes, list(router.pool.replicas))
             best = max(matched.values(), default=0)
             uncached -= sum(features.block_tokens[:best])
         return max(0, uncached) + self._expected_output(features)

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.config import EndpointConfig
+from gateway.config import EndpointConfig, RouteWeight
 from gateway.control.audit import AuditTrail
 from gateway.control.reload import Reloader, ReloadRejected
 from gateway.control.state import StateBackend
@@ -39,7 +39,7 @@ from gateway.fleet.fleet import Fleet
 from gateway.fleet.pool import Pool
 from gateway.fleet.replica import Replica
 from gateway.logs import clip
-from gateway.routing.rollout import Router
+from gateway.routing.rollout import Rollouts
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,9 @@ class RoutesView(_Model):
     routes: dict[str, list[RuleView]] = Field(description="Each route's rules, in order")
 
 
-# A number (not a string, not a bool), finite: the router checks the rest (>= 0, one positive).
-Weight = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+# A number (not a string, not a bool) in the bounds the config file holds weights to; the router
+# checks the rule as a whole (one weight positive).
+Weight = Annotated[RouteWeight, Field(strict=True)]
 
 
 class WeightsUpdate(_Model):
@@ -248,7 +249,7 @@ class Admin:
     def __init__(
         self,
         fleet: Fleet,
-        router: Router,
+        router: Rollouts,
         state: StateBackend,
         reloader: Reloader,
         audit: AuditTrail,
@@ -612,7 +613,8 @@ async def _invalid_body(request: Request, exc: Exception) -> Response:
         code = "unknown_field"
     else:
         code = f"invalid_{where[0]}" if where else f"invalid_{first['loc'][0]}"
-    message = f"{param or first['loc'][0]}: {first['msg']}"
+    reason = first["msg"].removeprefix("Value error, ")  # a validator's own words
+    message = f"{param or first['loc'][0]}: {reason}"
     return _error_response(client_error(clip(message, 500), code, param))
 
 

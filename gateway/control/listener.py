@@ -11,7 +11,10 @@ An operator's port, but still reached by peers that may misbehave; what bounds t
 bounds a head still incomplete); a head must be whole within `control.header_timeout_s` of the
 connection's start, or of its first byte for a keep-alive connection's next request (uvicorn's
 idle timer restarts on every byte, so a head sent a byte at a time was never cut off); a connection
-silent for `control.idle_timeout_s` is closed, before its first request too; at most
+silent for `control.idle_timeout_s` is closed, before its first request too; a request body must
+be whole within `control.body_deadline_s` of its head (408, and the connection closed: uvicorn has
+no timer while a request is in progress, so a body trickled by a key holder held its slot for as
+long as it went on, and that address's slots, once all held, locked every other call out); at most
 `control.max_connections` connections (uvicorn answers 503 beyond) and
 `control.max_connections_per_address` from one address. A newcomer at either cap first closes the
 connection (of that address, at its cap) that has waited longest for a head: a slowloris flood
@@ -27,6 +30,7 @@ import math
 import socket
 from collections.abc import Iterator
 
+import h11
 import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -56,14 +60,28 @@ HEAD_TOO_LARGE_RESPONSE = (
 ) + _HEAD_TOO_LARGE
 
 
+def _body_timeout_response(deadline_s: float) -> bytes:
+    body = error_body(
+        f"request body not received within control.body_deadline_s ({deadline_s:g} s)",
+        "invalid_request_error",
+        "request_timeout",
+    )
+    head = b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+    return head % len(body) + b"Connection: close\r\n\r\n" + body
+
+
 class _Slots:
     """One listener's connections that wait for a request head (oldest first), and its
     connections per peer address."""
 
-    def __init__(self, max_connections: int, per_address: int, header_timeout_s: float) -> None:
+    def __init__(
+        self, max_connections: int, per_address: int, header_timeout_s: float, body_deadline_s: float
+    ) -> None:
         self.max_connections = max_connections
         self.per_address = per_address
         self.header_timeout_s = header_timeout_s
+        self.body_deadline_s = body_deadline_s
+        self.body_timeout_response = _body_timeout_response(body_deadline_s)
         self.waiting: dict[_BoundedH11, None] = {}  # insertion order: longest waiting first
         self.by_address: dict[str, int] = {}
 
@@ -80,6 +98,7 @@ class _BoundedH11(H11Protocol):
     address: str | None = None
     _head: bytearray | None = None  # the next head's bytes so far, while waiting for one
     _head_timer: asyncio.TimerHandle | None = None
+    _body_timer: asyncio.TimerHandle | None = None  # while a request's body is still coming
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         slots = self.slots
@@ -116,6 +135,7 @@ class _BoundedH11(H11Protocol):
             del slots.by_address[self.address]
         self.address = None
         self._head_done()
+        self._body_done()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -133,6 +153,12 @@ class _BoundedH11(H11Protocol):
             if end >= 0:
                 self._head_done()
         super().data_received(data)
+        # h11 has consumed what it could: the request's body is still coming, or it is whole.
+        if self.conn.their_state is h11.SEND_BODY:
+            if self._body_timer is None:
+                self._body_timer = self.loop.call_later(self.slots.body_deadline_s, self._body_timeout)
+        else:
+            self._body_done()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -149,6 +175,19 @@ class _BoundedH11(H11Protocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
+
+    def _body_done(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timeout(self) -> None:
+        self._body_timer = None
+        # The app is still reading the body, so nothing of an answer has gone out; the app then
+        # hears a disconnect, and what it sends after is dropped.
+        if not self.cycle.response_started:
+            self.transport.write(self.slots.body_timeout_response)
+        self.evict()
 
     def _head_timeout(self) -> None:
         self._head_timer = None
@@ -173,12 +212,15 @@ class ControlListener:
         idle_timeout_s: float = 5.0,
         header_timeout_s: float = 5.0,
         max_connections_per_address: int = 8,
+        body_deadline_s: float = 10.0,
     ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.create_server((host, port), family=family, backlog=128)
         self.host = host
         self.port: int = self.sock.getsockname()[1]
-        self.slots = slots = _Slots(max_connections, max_connections_per_address, header_timeout_s)
+        self.slots = slots = _Slots(
+            max_connections, max_connections_per_address, header_timeout_s, body_deadline_s
+        )
         protocol = type("ControlH11", (_BoundedH11,), {"slots": slots})
         config = uvicorn.Config(
             app,

@@ -1,6 +1,11 @@
 """Config reload: re-read the config file the gateway started from and apply, in place and at
 once, what may change while serving (routes, their weights, unmanaged pool endpoints); refuse,
 naming the keys, anything that needs a restart. The admin API and SIGHUP both come here.
+
+The file wins only where it changed: a route whose definition in the file is the same as at the
+last load keeps the weights in force (set at run time by the admin API or the shared state), and a
+pool whose `endpoints` are the same keeps its replicas as they are (added or removed at run time).
+A route that changed takes the file's weights, and the answer names each weight that moved.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from gateway.control.audit import AuditTrail
 from gateway.control.preflight import preflight
 from gateway.control.state import StateBackend
 from gateway.fleet.fleet import Fleet
-from gateway.routing.rollout import Router
+from gateway.routing.rollout import Rollouts
 
 
 class ReloadRejected(Exception):
@@ -42,6 +47,39 @@ def live_differences(old: Settings, new: Settings) -> list[str]:
     return problems
 
 
+def _fmt(weight: float | None) -> str:
+    return "none" if weight is None else f"{weight:g}"
+
+
+def carry_weights(old: Settings, new: Settings, live: Rollouts, fresh: Rollouts) -> list[str]:
+    """Give `fresh` (built from `new`) the weights in force in `live` for every route the file did
+    not change; for each route it did change, one line per weight that moves, saying whether the
+    weight it replaces had been set at run time."""
+    before = {r.model: r for r in old.routes}
+    lines = []
+    for route in new.routes:
+        model, rules, now = route.model, fresh.routes[route.model], live.routes.get(route.model, [])
+        if before.get(model) == route:
+            for rule, kept in zip(rules, now, strict=True):
+                rule.weights = list(kept.weights)
+            continue
+        if not now:
+            continue  # a new route: no weight was in force
+        in_file = [[p.weight for p in r.pools] for r in before[model].rules] if model in before else []
+        for i, rule in enumerate(rules):
+            was = dict(zip(now[i].pools, now[i].weights, strict=True)) if i < len(now) else {}
+            at_run_time = i < min(len(now), len(in_file)) and now[i].weights != in_file[i]
+            after = dict(zip(rule.pools, rule.weights, strict=True))
+            for pool in [*was, *(p for p in after if p not in was)]:
+                if was.get(pool) != after.get(pool):
+                    note = " (set at run time)" if at_run_time and pool in was else ""
+                    lines.append(
+                        f"route {model} rule {i}: {pool} weight {_fmt(was.get(pool))}{note}"
+                        f" -> {_fmt(after.get(pool))} (the file's)"
+                    )
+    return lines
+
+
 class Reloader:
     """Holds the settings in force and where they came from (`config_path`, and the command
     line's `server.*` values, which win over the file as they did at start)."""
@@ -50,7 +88,7 @@ class Reloader:
         self,
         settings: Settings,
         fleet: Fleet,
-        router: Router,
+        router: Rollouts,
         state: StateBackend,
         audit: AuditTrail,
         config_path: str | None = None,
@@ -74,11 +112,14 @@ class Reloader:
             raise ReloadRejected(f"these cannot change without a restart: {', '.join(problems)}")
         pools = self.fleet.pools
         try:
-            router = Router(new.routes, {p.name: p.model for p in pools.values()})
+            router = Rollouts(new.routes, {p.name: p.model for p in pools.values()})
         except ValueError as exc:
             raise ReloadRejected(f"routes: {exc}") from None
+        weight_changes = carry_weights(self.settings, new, self.router, router)
         plan: list[tuple[str, list[str], list[EndpointConfig]]] = []
         for pcfg in new.pools:
+            if pcfg.endpoints == self.settings.pool(pcfg.name).endpoints:
+                continue  # unchanged in the file: replicas added or removed at run time stay so
             pool = pools[pcfg.name]
             wanted = {ep.url: ep for ep in pcfg.endpoints}
             current = {r.url: r for r in pool.replicas.values() if not r.managed}
@@ -103,10 +144,12 @@ class Reloader:
             for ep in add:
                 r = self.fleet.add_endpoint(pool, ep)
                 changes.append(f"pool {name}: added replica {r.name} at {r.url}")
-            pool.cfg = new.pool(name)
+        for pcfg in new.pools:
+            pools[pcfg.name].cfg = pcfg
         if router.describe() != self.router.describe():
             changes.append("routes replaced")
-        # The one Router everyone holds takes the new rules (pools, and so direct models, are unchanged).
+            changes += weight_changes
+        # The one Rollouts everyone holds takes the new rules (pools, and so direct models, are unchanged).
         self.router.routes = router.routes
         self.settings = new
         self.audit.record(who, "config reloaded: " + ("; ".join(changes) or "no changes"))

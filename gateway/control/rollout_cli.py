@@ -6,7 +6,7 @@ on the gateway's control listener (the URL it logs at start: `kvgate control pla
 
 `status` prints each route's rules, then its variants side by side: weight and share in the
 route's split (its last rule), requests and errors since start, error rate, TTFT and e2e
-percentiles over the gateway's recent window. Rollback is `weights MODEL canary=0`.
+percentiles over the gateway's recent window. Rollback is `weights MODEL CANARY_POOL=0`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
+
+from gateway.config import check_weight
 
 COLUMNS = (
     ("variant", "<"),
@@ -164,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
                 sep = ""
             if not sep or not pool:
                 print(f"kvgate rollout: expected POOL=WEIGHT, got {item!r}", file=sys.stderr)
+                return 2
+            try:
+                check_weight(weights[pool])
+            except ValueError as exc:
+                print(f"kvgate rollout: {item}: {exc}", file=sys.stderr)
                 return 2
         body: dict[str, Any] = {"weights": weights}
         if args.rule is not None:

@@ -17,7 +17,7 @@ from gateway.fleet.discovery import make_discovery
 from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.engines.base import KV_EVENTS_TOPIC
 from gateway.fleet.health import HealthChecker
-from gateway.fleet.launcher import FleetLauncher, LaunchedReplica
+from gateway.fleet.launcher import FleetLauncher, LaunchedReplica, PortPlan
 from gateway.fleet.load_scraper import LoadScraper
 from gateway.fleet.pool import Pool
 from gateway.fleet.replica import Replica, Role
@@ -35,6 +35,7 @@ class Fleet:
         }
         self.scraper = LoadScraper.from_config(settings.scrape, on_update=self._engine_load, tls=tls)
         self.health = HealthChecker(settings.health, self.replicas, tls=tls)
+        ports = PortPlan.for_settings(settings)  # as `kvgate launch --dry-run` plans them
         self.launchers = [
             FleetLauncher(
                 pool.name,
@@ -43,6 +44,7 @@ class Fleet:
                 on_ready=self._launched(pool),
                 on_down=self._went_down(pool),
                 served_model_name=pool.upstream_model,
+                ports=ports,
             )
             for pool in self.pools.values()
             if pool.cfg.engines is not None
@@ -74,6 +76,7 @@ class Fleet:
         kv_events: KVEventsSource | None = None,
         device: str | None = None,
         kv_side_channel_host: str | None = None,
+        kv_side_channel_ports: range | None = None,
     ) -> Replica:
         """Add a replica to a pool and start watching its engine's load (and KV events)."""
         replica = pool.add_replica(
@@ -86,9 +89,10 @@ class Fleet:
             kv_events=kv_events,
             device=device,
             kv_side_channel_host=kv_side_channel_host,
+            kv_side_channel_ports=kv_side_channel_ports,
         )
         adapter = pool.adapter_for(replica)
-        if adapter is not None:
+        if adapter.load_path is not None:  # an engine that reports its load
             self.scraper.add(replica.name, replica.url, adapter)
         return replica
 
@@ -128,6 +132,7 @@ class Fleet:
                 else None,
                 device=launched.device,
                 kv_side_channel_host=launched.kv_side_channel_host,
+                kv_side_channel_ports=launched.kv_side_channel_ports,
             )
 
         return on_ready

@@ -11,6 +11,12 @@ the thread that lives as long as the gateway (the event loop's).
 
 `start()` returns at once: the gateway serves while engines load (minutes for a real model), and
 replicas join the pool as they become ready. `wait_ready()` is for callers that want to block.
+
+A command that cannot start at all (its executable not on PATH or not there, or the module a
+`python -m` command runs not importable) is not retried: the replica is `failed`, with an error
+naming the command and the setting to change (`engines.command`), logged once. Retrying could not
+help: the gateway's PATH and the command are fixed at start. `command_problem` is that check, which
+`kvgate check-config` runs too.
 """
 
 from __future__ import annotations
@@ -18,11 +24,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import importlib.util
 import inspect
 import logging
 import os
 import shlex
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +41,7 @@ from typing import Literal
 
 import aiohttp
 
-from gateway.config import EngineSpec, Settings
+from gateway.config import EngineSpec, Settings, parse_target
 from gateway.fleet.engines import adapter_for_spec
 from gateway.fleet.engines.base import (
     BOOTSTRAP_PORT,
@@ -47,12 +56,17 @@ from gateway.fleet.replica import Role
 log = logging.getLogger("kvgate.launcher")
 
 LOG_TAIL_LINES = 20
+# Engines without a base port take theirs from the gateway's port plus this (8000: 8100 upwards).
+ENGINE_PORT_OFFSET = 100
 LOG_ROTATE_BYTES = 64 * 1024 * 1024
 PROGRESS_EVERY_S = 10.0
 
 ReadyCallback = Callable[["LaunchedReplica"], Awaitable[None] | None]
 DownCallback = Callable[[str], Awaitable[None] | None]
-ReplicaState = Literal["idle", "starting", "ready", "backoff", "stopped"]
+ReplicaState = Literal["idle", "starting", "ready", "backoff", "stopped", "failed"]
+# What to do about an engine that is not installed, by kind (`engines.command` is always the other way).
+_INSTALL = {"vllm": "install vLLM", "sglang": "install SGLang"}
+_MODULE_CHECK = "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)"
 
 
 class LaunchError(Exception):
@@ -95,6 +109,7 @@ class LaunchedReplica:
     kv_events_endpoint: str | None = None
     device: str | None = None
     kv_side_channel_host: str | None = None  # what it names as its KV's host, as the launcher set it
+    kv_side_channel_ports: range | None = None  # and the ports its KV is served on, where it set them
 
 
 @dataclass(slots=True)
@@ -108,8 +123,32 @@ class ReplicaStatus:
     last_error: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PortPlan:
+    """Where engines without an `engines.base_port` get their ports: the first free ones from
+    `start` upwards, pool after pool, never one of `avoid`; without a start (a gateway on port 0),
+    ports the system picks. From a config, the same every time while those ports are free, so that
+    `kvgate launch --dry-run` shows the ports `kvgate serve` will use."""
+
+    start: int | None = None
+    avoid: frozenset[int] = frozenset()
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> PortPlan:
+        """From `server.port + ENGINE_PORT_OFFSET`, avoiding the gateway's listeners and every
+        port an endpoint of the config names."""
+        avoid = {settings.server.port, settings.control.port}
+        avoid.update(parse_target(ep.url).port for pool in settings.pools for ep in pool.endpoints)
+        start = settings.server.port + ENGINE_PORT_OFFSET if settings.server.port else None
+        return cls(start, frozenset(avoid))
+
+
 def plan_fleet(
-    pool_name: str, spec: EngineSpec, model: str, served_model_name: str | None = None
+    pool_name: str,
+    spec: EngineSpec,
+    model: str,
+    served_model_name: str | None = None,
+    ports: PortPlan = PortPlan(),
 ) -> list[LaunchPlan]:
     """Roles, GPUs, ports and command lines for every replica. Reserves the ports it picks
     (`gateway.fleet.ports`); whoever discards the plans should `release_ports` them."""
@@ -125,20 +164,24 @@ def plan_fleet(
             users[gpu] = users.get(gpu, 0) + 1
     reserved: list[int] = []
     try:
-        http_ports = [
-            reserve_port(spec.host, spec.base_port + i) if spec.base_port else reserve_free_port(spec.host)
-            for i in range(spec.replicas)
-        ]
-        reserved += http_ports
-        # With a base port the auxiliary ports follow the HTTP ones, so a dry run is repeatable.
-        next_aux = spec.base_port + spec.replicas if spec.base_port else None
+        http_ports: list[int] = []
+        # With a start the auxiliary ports follow the HTTP ones, so a dry run is repeatable.
+        next_port = spec.base_port or ports.start
+        for i in range(spec.replicas):
+            if spec.base_port:
+                http_ports.append(reserve_port(spec.host, spec.base_port + i))
+            else:
+                http_ports.append(reserve_free_port(spec.host, next_port, avoid=ports.avoid))
+                next_port = http_ports[-1] + 1 if next_port is not None else None
+            reserved.append(http_ports[-1])
+        next_aux = spec.base_port + spec.replicas if spec.base_port else next_port
         plans: list[LaunchPlan] = []
         for i, role in enumerate(roles):
             aux: dict[str, int] = {}
             first_reserved = len(reserved)
             for aux_name in adapter.aux_port_names(spec, role):
                 span = adapter.aux_port_span(spec, aux_name)
-                aux[aux_name] = reserve_free_port(spec.host, next_aux, span)
+                aux[aux_name] = reserve_free_port(spec.host, next_aux, span, ports.avoid)
                 reserved += range(aux[aux_name], aux[aux_name] + span)
                 if next_aux is not None:
                     next_aux = aux[aux_name] + span
@@ -197,15 +240,19 @@ def _gpu_assignment(spec: EngineSpec, adapter: EngineAdapter) -> list[tuple[int,
 
 
 def dry_run(settings: Settings) -> str:
-    """Every managed pool's command lines, for review before `kvgate launch`."""
+    """Every managed pool's command lines, for review before `kvgate launch`: planned as `serve`
+    plans them (pool after pool, each keeping its ports until the last is planned)."""
     out: list[str] = []
-    for pool in settings.pools:
-        spec = pool.engines
-        if spec is None:
-            continue
-        model = spec.model or pool.model
-        plans = plan_fleet(pool.name, spec, model, pool.served_model or pool.model)
-        try:
+    planned: list[int] = []
+    ports = PortPlan.for_settings(settings)
+    try:
+        for pool in settings.pools:
+            spec = pool.engines
+            if spec is None:
+                continue
+            model = spec.model or pool.model
+            plans = plan_fleet(pool.name, spec, model, pool.served_model or pool.model, ports)
+            planned += [p for plan in plans for p in plan.ports]
             split = f" (prefill {spec.roles.prefill}, decode {spec.roles.decode})" if spec.roles else ""
             out.append(f"# pool {pool.name}: {spec.replicas} x {spec.kind}{split}, model {model}")
             for plan in plans:
@@ -217,9 +264,49 @@ def dry_run(settings: Settings) -> str:
                 out.append(f"# {plan.name} role={plan.role} url={plan.url} log={plan.log_path}{extra}")
                 out.append(plan.shell())
             out.append("")
-        finally:
-            release_ports([p for plan in plans for p in plan.ports])
+    finally:
+        release_ports(planned)
     return "\n".join(out) if out else "# no managed pools (no `engines:` section in any pool)\n"
+
+
+def command_problem(argv: list[str], engine_env: dict[str, str], kind: str) -> str | None:
+    """Why an engine's command (with the environment set on top of the gateway's) cannot start, in
+    words that say what to set; None when it can, as far as can be told without starting it: its
+    executable exists, and a `python -m` command's package is found by that interpreter."""
+    exe, env = argv[0], {**os.environ, **engine_env}
+    fix = "set engines.command" + (f" or {_INSTALL[kind]}" if kind in _INSTALL else "")
+    if os.sep in exe:
+        if not os.path.isfile(exe):
+            return f"`{exe}` does not exist: {fix}"
+        if not os.access(exe, os.X_OK):
+            return f"`{exe}` is not executable: {fix}"
+        found = exe
+    else:
+        which = shutil.which(exe, path=env.get("PATH", os.defpath))
+        if which is None:
+            return f"`{exe}` not found on PATH: {fix}"
+        found = which
+    if len(argv) > 2 and argv[1] == "-m":
+        package = argv[2].split(".")[0]
+        if os.path.abspath(found) == os.path.abspath(sys.executable) and "PYTHONPATH" not in engine_env:
+            importable = importlib.util.find_spec(package) is not None  # this interpreter: ask itself
+        else:
+            importable = _importable(found, package, env)
+        if not importable:
+            return f"`{exe}` cannot import {package} (for `-m {argv[2]}`): {fix}"
+    return None
+
+
+def _importable(python: str, package: str, env: dict[str, str]) -> bool:
+    """Whether another interpreter finds `package` (locating a top-level package imports nothing).
+    One that cannot say counts as finding it: the start then fails, or not, on its own terms."""
+    try:
+        done = subprocess.run(
+            [python, "-c", _MODULE_CHECK, package], env=env, capture_output=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return done.returncode != 1
 
 
 def _load_prctl() -> Callable[[int, int], int] | None:
@@ -291,6 +378,7 @@ class FleetLauncher:
         on_down: DownCallback,
         *,
         served_model_name: str | None = None,
+        ports: PortPlan = PortPlan(),
         health_poll_s: float = 0.25,
         progress_every_s: float = PROGRESS_EVERY_S,
     ) -> None:
@@ -298,6 +386,7 @@ class FleetLauncher:
         self.spec = spec
         self.model = model
         self.served_model_name = served_model_name
+        self._ports = ports
         self._on_ready = on_ready
         self._on_down = on_down
         self._health_poll_s = health_poll_s
@@ -312,7 +401,9 @@ class FleetLauncher:
     def command_lines(self) -> list[LaunchPlan]:
         """The launch plan of every replica (ports are chosen, and kept, on the first call)."""
         if self._plans is None:
-            self._plans = plan_fleet(self.pool_name, self.spec, self.model, self.served_model_name)
+            self._plans = plan_fleet(
+                self.pool_name, self.spec, self.model, self.served_model_name, self._ports
+            )
         return list(self._plans)
 
     def status(self) -> dict[str, ReplicaStatus]:
@@ -390,6 +481,7 @@ class FleetLauncher:
             kv_events_endpoint=plan.kv_events_endpoint,
             device=plan.device,
             kv_side_channel_host=plan.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST"),
+            kv_side_channel_ports=_side_channel_ports(plan.env, self.spec.tensor_parallel_size),
         )
 
     async def _set_state(self, replica: _Replica, state: ReplicaState) -> None:
@@ -401,6 +493,13 @@ class FleetLauncher:
         name, status = replica.plan.name, replica.status
         while not self._stopping:
             await self._set_state(replica, "starting")
+            plan = replica.plan
+            problem = await asyncio.to_thread(command_problem, plan.argv, plan.env, plan.kind)
+            if problem is not None:
+                status.last_error = f"replica {name} cannot be started: {problem}"
+                log.error("%s; not retried (fix it, then restart the gateway)", status.last_error)
+                await self._set_state(replica, "failed")
+                return
             try:
                 error = await self._run_once(replica)
             except OSError as exc:  # the executable is missing, the log dir unwritable...
@@ -515,3 +614,9 @@ class FleetLauncher:
                 _signal_group(proc.pid, signal.SIGKILL)
                 await proc.wait()
         _signal_group(proc.pid, signal.SIGKILL)
+
+
+def _side_channel_ports(env: dict[str, str], ranks: int) -> range | None:
+    """The NIXL side-channel ports the launcher gave a replica: its base port plus each worker's rank."""
+    base = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    return range(int(base), int(base) + ranks) if base is not None and base.isdigit() else None

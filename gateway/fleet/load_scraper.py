@@ -62,8 +62,10 @@ class LoadScraper:
 
     def add(self, name: str, url: str, adapter: EngineAdapter) -> None:
         """Scrape a replica (again, if it was known: a restarted replica keeps its old figure
-        until a fresh one arrives)."""
+        until a fresh one arrives). Its engine must report its load (`adapter.load_path`)."""
         self.remove(name)
+        if adapter.load_path is None:
+            raise ValueError(f"replica {name}: a {adapter.kind} engine reports no load")
         target = _Target(url.rstrip("/") + adapter.load_path, adapter)
         self._targets[name] = target
         if self._client is not None:

@@ -15,7 +15,7 @@ from typing import Protocol
 from gateway.config import BreakerConfig, KVEventsSource, PoolConfig, ScrapeConfig
 from gateway.fleet.breaker import CircuitBreaker
 from gateway.fleet.engine_load import EngineLoad
-from gateway.fleet.engines import EngineAdapter, adapter_for_spec, get_adapter
+from gateway.fleet.engines import Connector, EngineAdapter, adapter_for_spec, get_adapter
 from gateway.fleet.replica import Replica, Role
 
 log = logging.getLogger(__name__)
@@ -54,23 +54,37 @@ class Pool:
         self._listeners: list[PoolListener] = []
         # Managed pools know their engine exactly; unmanaged ones by each endpoint's kind.
         self.adapter = adapter_for_spec(cfg.engines) if cfg.engines is not None else None
+        # The dialect a request to the pool is written in (one body serves every replica its
+        # retries may walk): the launched engine's, else the kind of the first endpoint configured
+        # or discovered; None until a replica says, for a pool given neither.
+        kind = (
+            cfg.endpoints[0].kind
+            if cfg.endpoints
+            else cfg.discovery.kubernetes.kind
+            if cfg.discovery
+            else None
+        )
+        self._dialect = self.adapter or (get_adapter(kind) if kind is not None else None)
 
     def listen(self, listener: PoolListener) -> None:
         self._listeners.append(listener)
 
-    def adapter_for(self, replica: Replica) -> EngineAdapter | None:
-        if self.adapter is not None:
-            return self.adapter
-        try:
-            return get_adapter(replica.kind)
-        except KeyError:  # e.g. a plain OpenAI-compatible server: no load figures to read
-            return None
+    def adapter_for(self, replica: Replica) -> EngineAdapter:
+        return self.adapter if self.adapter is not None else get_adapter(replica.kind)
 
     @property
-    def pd_protocol(self) -> str | None:
+    def dialect(self) -> EngineAdapter | None:
+        """The pool's engines' adapter for what the request path writes and reads (None: no
+        replica and no configured kind to say)."""
+        if self._dialect is None and self.replicas:
+            return self.adapter_for(next(iter(self.replicas.values())))
+        return self._dialect
+
+    @property
+    def connector(self) -> Connector | None:
+        """How the pool's prefill replicas hand their KV to decode replicas (None: no hand-off)."""
         prefill = next((r for r in self.replicas.values() if r.role == "prefill"), None)
-        adapter = self.adapter_for(prefill) if prefill is not None else None
-        return adapter.pd_protocol if adapter is not None else None
+        return self.adapter_for(prefill).connector if prefill is not None else None
 
     def priority_adapter(self) -> EngineAdapter | None:
         """The adapter of engines that schedule by body `priority` (None: they do not)."""
@@ -82,12 +96,13 @@ class Pool:
         return self.direction_adapter()
 
     def direction_adapter(self) -> EngineAdapter | None:
-        """The adapter that says which way the pool's engines read `priority`."""
+        """The adapter that says which way the pool's engines read `priority` (None: they do not)."""
         if self.adapter is not None:
             return self.adapter
         # One body serves every replica the retries may walk: the pool's first replica sets the direction.
         first = next(iter(self.replicas.values()), None)
-        return self.adapter_for(first) if first is not None else None
+        adapter = self.adapter_for(first) if first is not None else None
+        return adapter if adapter is not None and adapter.schedules_by_priority else None
 
     # -- membership -------------------------------------------------------------------
     def add_replica(
@@ -103,6 +118,7 @@ class Pool:
         kv_events: KVEventsSource | None = None,
         device: str | None = None,
         kv_side_channel_host: str | None = None,
+        kv_side_channel_ports: range | None = None,
     ) -> Replica:
         if name is None:
             name = f"{self.name}-{next(self._names)}"
@@ -123,10 +139,19 @@ class Pool:
             stale_after_s=self._scrape_cfg.stale_after_s,
             device=device,
             kv_side_channel_host=kv_side_channel_host,
+            kv_side_channel_ports=kv_side_channel_ports,
         )
         self.replicas[name] = replica
         self._members.clear()
         log.info("pool %s: replica %s added at %s (role %s)", self.name, name, replica.url, role)
+        if role == "prefill" and kv_side_channel_host is None:
+            log.info(
+                "pool %s: prefill replica %s hands its KV over only from %s (its URL's host; set "
+                "kv_side_channel_host where its engine names another)",
+                self.name,
+                name,
+                replica.kv_side_channel_host,
+            )
         for listener in self._listeners:
             listener.replica_added(replica, kv_events)
         return replica

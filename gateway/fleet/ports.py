@@ -30,13 +30,15 @@ def reserve_port(host: str, port: int) -> int:
         return port
 
 
-def reserve_free_port(host: str, start: int | None = None, count: int = 1) -> int:
-    """The first of `count` consecutive free ports: the first such run from `start` upwards, or
-    from a port the kernel picks (bind to 0). All `count` ports are reserved."""
+def reserve_free_port(
+    host: str, start: int | None = None, count: int = 1, avoid: frozenset[int] = frozenset()
+) -> int:
+    """The first of `count` consecutive free ports: the first such run from `start` upwards (none of
+    them in `avoid`), or from a port the kernel picks (bind to 0). All `count` ports are reserved."""
     with _lock:
         if start is not None:
             for port in range(start, 65536 - count + 1):
-                if _claim(host, port, count):
+                if avoid.isdisjoint(range(port, port + count)) and _claim(host, port, count):
                     return port
             raise OSError(f"no {count} free port(s) from {start} upwards on {host}")
         for _ in range(64):

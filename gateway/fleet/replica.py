@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
+from urllib.parse import urlsplit
 
 from gateway.fleet.breaker import BreakerState, CircuitBreaker
 from gateway.fleet.engine_load import EngineLoad
@@ -40,6 +41,7 @@ class Replica:
         "inflight_tokens",
         "kind",
         "kv_side_channel_host",
+        "kv_side_channel_ports",
         "managed",
         "name",
         "on_eject",
@@ -68,6 +70,7 @@ class Replica:
         stale_after_s: float = 3.0,
         device: str | None = None,
         kv_side_channel_host: str | None = None,
+        kv_side_channel_ports: range | None = None,
     ) -> None:
         self.name = name
         self.url = url.rstrip("/")
@@ -81,7 +84,10 @@ class Replica:
         self.device = device
         # The host a vLLM prefill replica names for its KV (VLLM_NIXL_SIDE_CHANNEL_HOST), where
         # known: a prefill answer naming another is not relayed to a decode replica.
-        self.kv_side_channel_host = kv_side_channel_host
+        # Where a prefill answer may tell a decode engine to fetch this replica's KV: the host its
+        # engine was given (else its URL's), and the ports where known (launched engines).
+        self.kv_side_channel_host = kv_side_channel_host or urlsplit(url).hostname
+        self.kv_side_channel_ports = kv_side_channel_ports
         self.healthy = healthy
         self.draining = False
         self.inflight_requests = 0

@@ -16,6 +16,7 @@ from gateway.errors import GatewayError, model_not_found
 from gateway.http.auth import Auth
 from gateway.http.handling import error_response, new_record
 from gateway.http.request_body import read_body
+from gateway.http.tenant_caps import TenantCaps
 from gateway.path.exchange import Exchange, Reply, Route, json_reply
 from gateway.path.request import parse_json_body
 from gateway.path.request_record import Observer
@@ -25,10 +26,17 @@ from gateway.routing.model_catalog import ModelCatalog
 
 class ApiRoutes:
     def __init__(
-        self, server: ServerConfig, auth: Auth, catalog: ModelCatalog, tokenize: Tokenize, observe: Observer
+        self,
+        server: ServerConfig,
+        auth: Auth,
+        caps: TenantCaps,
+        catalog: ModelCatalog,
+        tokenize: Tokenize,
+        observe: Observer,
     ) -> None:
         self.server = server
         self.auth = auth
+        self.caps = caps  # /tokenize's bodies count against the key's cap as inference bodies do
         self.catalog = catalog
         self.tokenize = tokenize
         self.observe = observe
@@ -57,11 +65,13 @@ class ApiRoutes:
     async def tokenizer(self, request: Exchange) -> Reply:
         rec = new_record(request, request.path[1:], inference=False)
         try:
-            rec.tenant = self.auth.client(request)
+            caller = self.auth.client(request)
+            rec.tenant = caller.tenant
             server = self.server
-            raw = await read_body(request, server)
-            body = parse_json_body(raw, server.max_json_depth)
-            reply = await self.tokenize.handle(request.path, request.headers, raw, body, rec)
+            with self.caps.hold(caller.holder):
+                raw = await read_body(request, server)
+                body = parse_json_body(raw, server.max_json_depth)
+                reply = await self.tokenize.handle(request.path, request.headers, raw, body, rec)
             rec.status = reply.status
             return reply
         except GatewayError as exc:

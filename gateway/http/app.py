@@ -19,11 +19,11 @@ from gateway.http.tenant_caps import TenantCaps
 from gateway.logs import clip
 from gateway.path.exchange import Exchange, Reply, Route, StreamOut, json_reply
 from gateway.path.proxy import Proxy
-from gateway.path.request import ENDPOINTS
 from gateway.path.request_record import Observer
 from gateway.path.sanitize import invalid_header
 from gateway.path.trace import Tracer
-from gateway.routing.rollout import Router
+from gateway.prompt.endpoints import PATHS
+from gateway.routing.rollout import Rollouts
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class DataPlane:
         auth: Auth,
         observe: Observer,
         tracer: Tracer,
-        routes: Router,
+        routes: Rollouts,
         pools: Mapping[str, Pool],
         draining: Callable[[], bool],
         caps: TenantCaps,
@@ -64,7 +64,7 @@ class DataPlane:
     def http_routes(self) -> list[Route]:
         """The data plane's routes (metrics and the status page are added by the runtime)."""
         return [
-            *(Route("POST", path, self.inference) for path in ENDPOINTS),
+            *(Route("POST", path, self.inference) for path in PATHS),
             *self.api.routes(),
             Route("GET", "/live", live),
             Route("GET", "/health", live),
@@ -75,7 +75,7 @@ class DataPlane:
     # -- inference ----------------------------------------------------------------------------
     async def inference(self, request: Exchange) -> Reply | StreamOut:
         """The envelope of an inference request: its ids and record, its span, its error form."""
-        rec = new_record(request, ENDPOINTS[request.path])
+        rec = new_record(request, PATHS[request.path])
         root = self.tracer.request(request.method, request.path, request.headers, rec)
         try:
             bad_header = invalid_header(request.headers)
@@ -84,12 +84,12 @@ class DataPlane:
                     f"header {clip(bad_header, 64)!r}: values may hold only visible ASCII, spaces and tabs",
                     "invalid_header",
                 )
-            tenant = self.auth.client(request)
-            rec.tenant = tenant
+            caller = self.auth.client(request)
+            rec.tenant = caller.tenant
             server = self.server
-            with self.caps.hold(tenant):
+            with self.caps.hold(caller.holder):
                 raw = await read_body(request, server)
-                response = await self.proxy.handle(request, raw, tenant, rec)
+                response = await self.proxy.handle(request, raw, caller.tenant, rec)
         except GatewayError as exc:
             response = error_response(exc, rec)
         except asyncio.CancelledError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from gateway.config import Settings
 from gateway.errors import GatewayError
@@ -17,30 +18,44 @@ def _bearer(headers: Mapping[str, str]) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def _find(token: str, keys: list[tuple[bytes, str | None]]) -> tuple[bool, str | None]:
-    """Compare against every key in constant time each, without stopping at a match,
-    so the time taken says nothing about which key (or how much of one) matched."""
-    found, tenant = False, None
+class Caller(NamedTuple):
+    """Who sent a request, as far as its key says."""
+
+    tenant: str | None  # the tenant its key names; None: no keys configured, or a plain key
+    # What the per-key cap counts it under: the tenant's name, a plain key's place in
+    # `server.api_keys` (never the key itself), None when no keys are configured.
+    holder: str | int | None
+
+
+ANONYMOUS = Caller(None, None)
+
+
+def _find(token: str, keys: list[tuple[bytes, str | int]]) -> str | int | None:
+    """The holder of the key that matches: compared against every key in constant time each,
+    without stopping at a match, so the time taken says nothing about which key (or how much of
+    one) matched."""
+    found: str | int | None = None
     given = token.encode()
-    for key, name in keys:
+    for key, holder in keys:
         if hmac.compare_digest(given, key):
-            found, tenant = True, name
-    return found, tenant
+            found = holder
+    return found
 
 
 class Auth:
     def __init__(self, settings: Settings) -> None:
-        keys: list[tuple[bytes, str | None]] = [(k.encode(), None) for k in settings.server.api_keys]
+        plain = enumerate(settings.server.api_keys)
+        keys: list[tuple[bytes, str | int]] = [(k.encode(), i) for i, k in plain]
         keys += [(t.api_key.encode(), t.name) for t in settings.tenants]
         self._client_keys = keys
         admin_key = settings.control.admin_key
         self._admin_key = admin_key.encode() if admin_key else None
 
-    def client(self, request: object) -> str | None:
-        """The tenant name of the request (None when anonymous or an untenanted key)."""
+    def client(self, request: object) -> Caller:
+        """Who sent the request (ANONYMOUS when no keys are configured); 401 without a valid key."""
         headers: Mapping[str, str] = request.headers  # type: ignore[attr-defined]
         if not self._client_keys:
-            return None
+            return ANONYMOUS
         token = _bearer(headers)
         if token is None:
             raise GatewayError(
@@ -49,10 +64,10 @@ class Auth:
                 "authentication_error",
                 "missing_api_key",
             )
-        ok, tenant = _find(token, self._client_keys)
-        if not ok:
+        holder = _find(token, self._client_keys)
+        if holder is None:
             raise GatewayError(401, "invalid API key", "authentication_error", "invalid_api_key")
-        return tenant
+        return Caller(holder if isinstance(holder, str) else None, holder)
 
     @property
     def admin(self) -> Callable[[Mapping[str, str]], None] | None:

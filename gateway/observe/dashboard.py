@@ -117,11 +117,11 @@ class Dashboard:
             "prompt_tokens": traffic and traffic.prompt_tokens,
             "matched_tokens": traffic and traffic.matched_tokens,
             "hit_ratio": traffic and traffic.hit_ratio,
-            "replicas": [self._replica(r, precise) for r in pool.replicas.values()],
+            "replicas": [self._replica(r, precise, self.view.routed.of(r)) for r in pool.replicas.values()],
         }
 
     @staticmethod
-    def _replica(r: Replica, precise: PrecisePrefix | None) -> dict[str, Any]:
+    def _replica(r: Replica, precise: PrecisePrefix | None, routed: int) -> dict[str, Any]:
         eng = r.engine
         return {
             "name": r.name,
@@ -133,7 +133,7 @@ class Dashboard:
             "circuit": r.circuit.value,
             "inflight_requests": r.inflight_requests,
             "inflight_tokens": r.inflight_tokens,
-            "total_requests": r.total_requests,
+            "total_requests": routed,
             "engine": {
                 "fresh": r.engine_fresh,
                 "age_s": round(time.monotonic() - eng.updated_at, 2) if eng.updated_at else None,

@@ -282,6 +282,13 @@ class GatewayMetrics:
             "Answers continued on another replica after their attempt broke mid-answer, by why it broke",
             ["pool", "reason"],
         )
+        self.resume_blocked = LoopFamily(
+            "kvgate_resume_blocked",
+            "Answers failover followed that could no longer be continued, by why (too_long: past"
+            " failover.max_kept_bytes; too_large: an assembled answer past upstream.max_response_bytes;"
+            " tool_call, reasoning, diverged)",
+            ["pool", "reason"],
+        )
         self.shed = LoopFamily(
             "kvgate_shed_requests", "Requests refused by admission control", ["pool", "priority", "reason"]
         )
@@ -301,6 +308,7 @@ class GatewayMetrics:
                     self.matched_tokens,
                     self.retries,
                     self.resumed,
+                    self.resume_blocked,
                     self.shed,
                     self.disconnects,
                 ]
@@ -364,6 +372,8 @@ class GatewayMetrics:
             bound.retries.inc(rec.retries)
         for resumed in rec.resumed:  # rare: not worth a bound child
             self.resumed.labels(rec.pool or NONE, resumed.partition("@")[0]).inc()
+        if rec.resume_blocked is not None:  # rare: not worth a bound child
+            self.resume_blocked.labels(rec.pool or NONE, rec.resume_blocked).inc()
         if bound.shed is not None:
             bound.shed.inc()
         if rec.client_disconnected:
@@ -631,7 +641,7 @@ class FleetCollector(Collector):
                     circuit.add_metric([*lv, state.value], float(r.circuit is state))
                 inflight.add_metric(lv, r.inflight_requests)
                 inflight_tokens.add_metric(lv, r.inflight_tokens)
-                routed.add_metric(lv, r.total_requests)
+                routed.add_metric(lv, view.routed.of(r))
                 waiting.add_metric(lv, r.engine.waiting)
                 running.add_metric(lv, r.engine.running)
                 kv.add_metric(lv, r.engine.kv_usage)
@@ -661,7 +671,7 @@ class FleetCollector(Collector):
             "kvgate_token_count_cache_entries", "Prompt blocks whose token count is cached", labels=["pool"]
         )
         for name, router in list(view.routers.items()):
-            index.add_metric([name], router.prefix_index.entries())
+            index.add_metric([name], router.match.index.entries())
             tokens.add_metric([name], router.hasher.cached_blocks())
         yield from (index, tokens)
 

@@ -35,9 +35,9 @@ from gateway.path.sanitize import new_request_id
 from gateway.path.trace import Tracer
 from gateway.path.upstream import Upstream, UpstreamError
 from gateway.path.work_bounds import sequences
-from gateway.routing.canonicalize import canonicalize
+from gateway.prompt.canonicalize import canonicalize
+from gateway.prompt.prefix_hash import PrefixHasher
 from gateway.routing.model_catalog import ModelCatalog, Target
-from gateway.routing.prefix_hash import PrefixHasher
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +82,18 @@ class Preparation:
         if offload:
             # The worker reads the pool's caches through a detached hasher; what it learned joins
             # them back here, on the loop.
-            hasher = router.hasher.detached()
+            hasher = router.detached()
             call = contextvars.copy_context().run
             measure = functools.partial(call, self._measure, req, hasher)
             await asyncio.get_running_loop().run_in_executor(self.workers, measure)
-            router.hasher.absorb(hasher)
-            router.learn_token_size(len(req.features.text), req.features.prompt_tokens)
+            router.absorb(hasher, req.features)
         else:
             self._measure(req)
         req.features.sequences = answers
         classify(req, self.classes)
         fit_prompt(req, self.classes)
         forward_priority(req, self.classes)
-        if router.precise is not None and router.policy.uses_prefix_match:
+        if router.engine_tokens is not None:
             with self.tracer.span("tokenize"):
                 await self._engine_tokens(req)
         features = req.features
@@ -129,7 +128,7 @@ class Preparation:
         """Canonicalize (when the pool does) and measure the prompt. With a detached `hasher` it
         runs off the event loop and touches none of the pool's state."""
         router = req.router
-        canon = router.cfg.canonicalize
+        canon = router.pool.cfg.canonicalize
         if canon.enabled and not req.headers.get(canon.opt_out_header):
             with self.tracer.span("canonicalize"):
                 result = canonicalize(req.body, canon, req.endpoint)
@@ -142,7 +141,7 @@ class Preparation:
 
     async def _engine_tokens(self, req: InferenceRequest) -> None:
         """Precise prefix mode: the engine's own token ids of the prompt, from one of the pool's engines."""
-        precise = req.router.precise
+        precise = req.router.engine_tokens
         assert precise is not None
         request = precise.tokenize_request(req.body, req.endpoint)
         replicas = req.router.pool.serving("decode")

@@ -13,28 +13,14 @@ from typing import Any, cast
 
 import orjson
 
-from gateway.admission.prompt_window import fit_window
 from gateway.errors import client_error
 from gateway.path.model_names import ModelRename
 from gateway.path.request_record import RequestRecord
 from gateway.path.sanitize import strip_body
+from gateway.prompt.endpoints import Endpoint
+from gateway.prompt.window import fit_window
 from gateway.routing.policy import RequestFeatures
 from gateway.routing.pool_router import PoolRouter
-from gateway.routing.prefix_hash import Endpoint
-
-ENDPOINTS: dict[str, Endpoint] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-    "/v1/embeddings": "embeddings",
-    "/pooling": "pooling",
-    "/classify": "classify",
-    "/score": "score",
-    "/v1/score": "score",
-    "/rerank": "rerank",
-    "/v1/rerank": "rerank",
-    "/v2/rerank": "rerank",
-}
 
 
 def parse_json_body(raw: bytes, max_depth: int) -> dict[str, Any]:
@@ -89,7 +75,8 @@ class InferenceRequest:
 
     @property
     def endpoint(self) -> Endpoint:
-        # The record names any endpoint (/tokenize's too); an inference request's comes from ENDPOINTS.
+        # The record names any endpoint (/tokenize's too); an inference request's comes from the
+        # endpoint table (gateway.prompt.endpoints).
         return cast("Endpoint", self.record.endpoint)
 
     # -- the body's changes: each marks it dirty ----------------------------------------------

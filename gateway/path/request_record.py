@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.routing.tokens import engine_prompt_tokens, usage_figure
+from gateway.prompt.tokens import engine_prompt_tokens, usage_figure
 
 
 @dataclass(slots=True)
@@ -44,6 +44,7 @@ class RequestRecord:
     shed_reason: str | None = None
     retries: int = 0
     resumed: list[str] = field(default_factory=list)  # per continuation: "<reason>@<replica it broke on>"
+    resume_blocked: str | None = None  # why an answer that failover followed could no longer be continued
     queued_s: float = 0.0
     sent_at: float | None = None  # perf_counter when the last attempt was sent to its replica
     first_byte_at: float | None = None  # perf_counter when the first body byte went to the client

@@ -4,10 +4,11 @@ The gateway sees every event it relays, so it knows the text already sent. When 
 after the answer began (the connection reset or closed early, a malformed event, an engine error
 event, no bytes for the idle timeout), the next replica is asked to *continue* it:
 
-- chat: the original messages plus an assistant message holding the text sent so far, with
-  `continue_final_message: true, add_generation_prompt: false` (vLLM's switch; SGLang reads the
-  same `continue_final_message` and renders the open message the same way);
-- completions: the prompt followed by the text sent so far.
+- chat: the original messages plus an assistant message holding the text sent so far, left open;
+- completions: the prompt followed by the text sent so far,
+
+in the engines' dialect (the pool's engine adapter's `continuation`; an engine that cannot continue
+an answer, such as a plain OpenAI-compatible server, gets no failover).
 
 The continuation starts from the sent text cut back to its last word boundary: the engine may
 tokenize a half-sent word differently from how it generated it, so the tail is generated again
@@ -24,6 +25,11 @@ engine as a stream and assembled here, so that it can be continued the same way.
 
 What is not continued (`blocked`) ends as before: n > 1, logprobs, echo, token-id prompts,
 structured output, a tool call or reasoning being streamed, a client's `x-kvgate-no-resume: 1`.
+
+Memory stays bounded whatever an engine sends: a streamed answer keeps at most
+`failover.max_kept_bytes` of its events; past them what was kept is dropped and the answer is
+relayed on without failover (`too_long`). A non-streamed answer assembled here is bounded by
+`upstream.max_response_bytes`, as a plain one is (`too_large`: 502 `upstream_response_too_large`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from gateway.config import FailoverConfig
 from gateway.path.exchange import StreamOut
 from gateway.path.sse_events import sse_error_event
 
+# Asks an engine to go on from an answer's text: (body, chat, text) -> the continuation's body.
+Continuation = Callable[[Mapping[str, Any], bool, str], dict[str, Any]]
 NO_RESUME_HEADER = "x-kvgate-no-resume"
 _DONE = b"[DONE]"
 # Fields whose output a continuation cannot reproduce from text alone (besides response_format).
@@ -55,7 +63,8 @@ _STRUCTURED = (
 def resumable(
     endpoint: str, body: Mapping[str, Any], headers: Mapping[str, str], cfg: FailoverConfig
 ) -> bool:
-    """Whether an answer to this request may be continued on another replica."""
+    """Whether an answer to this request may be continued on another replica (by an engine that
+    can continue answers)."""
     if not cfg.mid_stream or cfg.max_resumes < 1 or headers.get(NO_RESUME_HEADER, "").strip() == "1":
         return False
     if not body.get("stream") and not cfg.non_streamed:
@@ -87,11 +96,23 @@ class Resume:
     """One answer across its attempts: what was sent, and how the next attempt continues it."""
 
     def __init__(
-        self, endpoint: str, body: dict[str, Any], cfg: FailoverConfig, count: Callable[[str], int]
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        cfg: FailoverConfig,
+        count: Callable[[str], int],
+        max_response_bytes: int,
+        continue_body: Continuation,
     ) -> None:
         self.chat = endpoint == "chat"
+        self.continue_body = continue_body  # the engines' way to ask them to go on from a text
         self.body = body  # as the engines are sent it (the model's upstream name in it)
         self.buffered = not body.get("stream")  # the client wants one JSON body: assembled here
+        # What may be kept of the answer's events: all of an assembled answer, up to the bound of
+        # any answer read whole; enough of a streamed one to continue it.
+        self.max_kept = max_response_bytes if self.buffered else cfg.max_kept_bytes
+        self.kept = 0  # bytes of events fed so far, while they are kept
+        self.keep = True  # False once past `max_kept`: events go by unread where they can
         self.left = cfg.max_resumes
         self.count = count
         self.out: StreamOut | None = None  # the client's stream, once opened
@@ -148,14 +169,8 @@ class Resume:
         if self.buffered:
             doc["stream"] = True
             doc["stream_options"] = {"include_usage": True}
-        if not start:
-            pass  # nothing to continue from: the request as it was, its first word regenerated
-        elif self.chat:
-            doc["messages"] = [*self.body["messages"], {"role": "assistant", "content": start}]
-            doc["continue_final_message"] = True
-            doc["add_generation_prompt"] = False
-        else:
-            doc["prompt"] = self.body["prompt"] + start
+        if start:  # else nothing to continue from: the request as it was, its first word regenerated
+            doc = self.continue_body(doc, self.chat, start)
         for key in ("max_tokens", "max_completion_tokens"):
             if isinstance(doc.get(key), int):
                 doc[key] = max(1, doc[key] - self.base_tokens)
@@ -168,8 +183,16 @@ class Resume:
     def feed(self, events: bytes) -> bytes:
         """Whole SSE events from the current attempt; what of them the client gets (b"" while
         assembling a non-streamed answer). Stops at the first event that fails the attempt."""
+        if self.keep:
+            self.kept += len(events)
+            if self.kept > self.max_kept:
+                if self.buffered:
+                    self.blocked = self.failure = "too_large"
+                    return b""
+                self._forget()
         if self._plain(events):
-            self.text.append(events)
+            if self.keep:
+                self.text.append(events)
             return b"" if self.buffered else events
         out: list[bytes] = []
         for event in events.split(b"\n\n"):
@@ -181,6 +204,13 @@ class Resume:
             if kept is not None and not self.buffered:
                 out.append(kept + b"\n\n")
         return b"".join(out)
+
+    def _forget(self) -> None:
+        """Past `max_kept`: what was kept goes, and so does the chance to continue the answer."""
+        self.settle()
+        self.text, self.reasoning = [], []
+        self.keep = False
+        self.blocked = self.blocked or "too_long"
 
     def sent_text(self) -> str:
         """The answer's text so far (the events kept as they came read now)."""
@@ -277,7 +307,8 @@ class Resume:
             if delta.get("tool_calls") or delta.get("function_call"):
                 self.blocked = "tool_call"  # arguments cannot be continued safely
             if delta.get("reasoning_content") or delta.get("reasoning"):
-                self.reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
+                if self.keep:
+                    self.reasoning.append(delta.get("reasoning_content") or delta.get("reasoning") or "")
                 self.blocked = "reasoning"
             if self.continuing:
                 delta.pop("role", None)
@@ -301,7 +332,8 @@ class Resume:
                 self.error_event = sse_error_event(message, "upstream_resume_diverged")
                 return None
             holder[field] = text
-        self.text.append(text)
+        if self.keep:
+            self.text.append(text)
         return text
 
     def _encode(self, doc: dict[str, Any], event: bytes) -> bytes:
@@ -349,8 +381,12 @@ class Resume:
 
 def word_boundary(text: str) -> int:
     """Where the text's last word begins (its leading whitespace included): tokenizers that glue a
-    word to the space before it end a token there, whatever they made of the word itself."""
+    word to the space before it end a token there, whatever they made of the word itself. Whitespace
+    after the last word stays with it: a seam of whitespace alone would check nothing, and a
+    continuation that started over (or went elsewhere) would be relayed as if it went on."""
     i = len(text)
+    while i > 0 and text[i - 1].isspace():
+        i -= 1
     while i > 0 and not text[i - 1].isspace():
         i -= 1
     while i > 0 and text[i - 1].isspace():

@@ -1,10 +1,12 @@
 """What of a client's request may reach an engine.
 
 Engines trust their callers: a body field or header can point a decode engine at another host for
-its KV transfer (vLLM's `kv_transfer_params`, SGLang's `bootstrap_*`), pin a data-parallel rank,
-reuse another request's engine id, or inject faults (the simulator's `x-sim-fault`). The gateway
-is the caller engines trust, so a client's copy of these is removed before the request is routed,
-and the gateway's own values (PD hand-off, request id, priority) are the only ones an engine sees.
+its KV transfer, pin a data-parallel rank, reuse another request's engine id, make the engine run
+code, or inject faults. Each engine adapter names what steers its kind (`control_fields`,
+`control_headers`, `control_header_prefixes` in gateway/fleet/engines/); the gateway is the caller
+engines trust, so a client's copy of any of them is removed before the request is routed, whatever
+engine serves it, and the gateway's own values (PD hand-off, request id, priority) are the only
+ones an engine sees.
 A pool may let named fields or headers through (`client_passthrough`), for engines that are meant
 to take them from clients.
 
@@ -20,25 +22,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-# Body fields that steer an engine: PD transfer targets, data-parallel placement, engine request
-# ids, and SGLang's serialized custom logit processor (code the engine would run).
-ENGINE_BODY_FIELDS = frozenset(
-    {
-        "kv_transfer_params",
-        "bootstrap_host",
-        "bootstrap_port",
-        "bootstrap_room",
-        "disagg_prefill_dp_rank",
-        "routed_dp_rank",
-        "data_parallel_rank",
-        "request_id",
-        "rid",
-        "custom_logit_processor",
-    }
-)
-# Headers engines act on (vLLM and SGLang both honour X-Data-Parallel-Rank).
-ENGINE_HEADERS = frozenset({"x-data-parallel-rank"})
-ENGINE_HEADER_PREFIXES = ("x-vllm-", "x-sglang-", "x-sim-")
+from gateway.fleet.engines import CONTROL_FIELDS, CONTROL_HEADER_PREFIXES, CONTROL_HEADERS
+
 # Hop-by-hop (RFC 9110 7.6.1, plus the de facto Keep-Alive and Proxy-Connection), framing the
 # proxy redoes, the gateway's own credentials, content coding the gateway has already undone, and
 # the request id, which is always the gateway's (it keys the engine's request and the gateway's own
@@ -109,9 +94,9 @@ def client_request_id(value: str | None) -> str | None:
 
 def strip_body(body: dict[str, Any], allowed: frozenset[str]) -> list[str]:
     """Remove the engine-steering fields a client sent (except those `allowed`); their names."""
-    if ENGINE_BODY_FIELDS.isdisjoint(body):
+    if CONTROL_FIELDS.isdisjoint(body):
         return []
-    removed = [k for k in ENGINE_BODY_FIELDS.intersection(body) if k not in allowed]
+    removed = [k for k in CONTROL_FIELDS.intersection(body) if k not in allowed]
     for key in removed:
         del body[key]
     return sorted(removed)
@@ -132,7 +117,7 @@ def _kind(key: str) -> tuple[str, int]:
     name = key.lower()
     if name in NEVER_FORWARDED:
         kind = _NEVER
-    elif name in ENGINE_HEADERS or name.startswith(ENGINE_HEADER_PREFIXES):
+    elif name in CONTROL_HEADERS or name.startswith(CONTROL_HEADER_PREFIXES):
         kind = _ENGINE
     else:
         kind = _FORWARD

@@ -3,12 +3,15 @@
 A body well under `server.max_body_bytes` can still ask for 100,000 completions (`n`), a batch of
 500,000 prompts, or 100,000 embedding inputs: each is forwarded as one request that pins a
 replica for minutes (and, abandoned, keeps it busy or gets it ejected). The caps are
-`server.max_n`, `server.max_prompts` (a completions batch) and `server.max_inputs` (the inputs of
-an embeddings, pooling or classify request, the documents of a rerank, the texts of a score);
-past one the request is a 400 naming the field. What passes is counted: `sequences` (n x prompts)
+`server.max_n` (`n`, and `best_of`), `server.max_prompts` (a completions batch),
+`server.max_sequences` (prompts times choices) and `server.max_inputs` (the inputs of an
+embeddings, pooling or classify request, the documents of a rerank, the texts of a score); past
+one the request is a 400 naming the field. What passes is counted: `sequences` (prompts x choices)
 is what admission and shortest-job-first charge the expected output for.
 
-Fields of the wrong type are left to the engine, which says what it expects.
+A capped count must be an integer: engines read `"1000"`, `" 1000"`, `1000.0` and `1e3` as 1,000
+(pydantic's lax mode), so a cap that only looked at integers was bypassed by them. Other fields of
+the wrong type are left to the engine, which says what it expects.
 """
 
 from __future__ import annotations
@@ -18,15 +21,7 @@ from typing import Any
 
 from gateway.config import ServerConfig
 from gateway.errors import client_error
-
-_PROMPTS = {"completions": ("prompt",)}
-_INPUTS = {
-    "embeddings": ("input",),
-    "pooling": ("input",),
-    "classify": ("input",),
-    "rerank": ("documents",),
-    "score": ("text_1", "text_2", "queries", "documents", "items"),
-}
+from gateway.prompt.endpoints import BY_NAME
 
 
 def _count(value: Any) -> int:
@@ -36,13 +31,24 @@ def _count(value: Any) -> int:
     return len(value)
 
 
+def _choices(body: Mapping[str, Any], name: str, cap: int) -> int:
+    """A count of choices (`n`, `best_of`): 1 when absent; 400 when it is no integer or past `cap`."""
+    value = body.get(name)
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise client_error(f"`{name}` must be an integer, not {type(value).__name__}", "invalid_type", name)
+    if value > cap:
+        raise client_error(f"`{name}` is {value}; at most {cap} (server.max_n)", "too_many_choices", name)
+    return max(1, value)
+
+
 def sequences(body: Mapping[str, Any], endpoint: str, cfg: ServerConfig) -> int:
-    """The answers the request asks engines for (n x prompts); 400 past `cfg`'s caps."""
-    n = body.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > cfg.max_n:
-        raise client_error(f"`n` is {n}; at most {cfg.max_n} (server.max_n)", "too_many_choices", "n")
+    """The answers the request asks engines for (prompts x choices); 400 past `cfg`'s caps."""
+    choices = max(_choices(body, "n", cfg.max_n), _choices(body, "best_of", cfg.max_n))
     prompts = 1
-    for name in _PROMPTS.get(endpoint, ()):
+    spec = BY_NAME[endpoint]
+    for name in spec.prompts:
         prompts = _count(body.get(name))
         if prompts > cfg.max_prompts:
             raise client_error(
@@ -50,7 +56,7 @@ def sequences(body: Mapping[str, Any], endpoint: str, cfg: ServerConfig) -> int:
                 "too_many_prompts",
                 name,
             )
-    for name in _INPUTS.get(endpoint, ()):
+    for name in spec.inputs:
         inputs = _count(body.get(name))
         if inputs > cfg.max_inputs:
             raise client_error(
@@ -58,4 +64,11 @@ def sequences(body: Mapping[str, Any], endpoint: str, cfg: ServerConfig) -> int:
                 "too_many_inputs",
                 name,
             )
-    return prompts * (n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1)
+    if prompts * choices > cfg.max_sequences:
+        raise client_error(
+            f"{prompts} prompts x {choices} choices is {prompts * choices} sequences; at most"
+            f" {cfg.max_sequences} (server.max_sequences)",
+            "too_many_sequences",
+            "n",
+        )
+    return prompts * choices

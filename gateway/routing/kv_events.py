@@ -46,7 +46,7 @@ from typing import Any
 
 import xxhash
 
-from gateway.routing.prefix_hash import chain_seed
+from gateway.prompt.prefix_hash import chain_seed
 from gateway.routing.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,6 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.config import PoolConfig
-from gateway.fleet.engines import EngineAdapter, get_adapter
 from gateway.fleet.pool import Pool
 from gateway.fleet.replica import Replica
 from gateway.routing.policy import Candidate
@@ -76,17 +74,6 @@ def parse_models(body: bytes) -> tuple[list[str], list[str], int | None]:
     return bases, adapters, max_len
 
 
-def _endpoint_adapter(cfg: PoolConfig) -> EngineAdapter | None:
-    """An unmanaged pool's engine kind, as its first endpoint (or discovery) names it."""
-    kind = (
-        cfg.endpoints[0].kind if cfg.endpoints else cfg.discovery.kubernetes.kind if cfg.discovery else None
-    )
-    try:
-        return get_adapter(kind) if kind is not None else None
-    except KeyError:  # a plain OpenAI-compatible server
-        return None
-
-
 class PoolLora:
     """One pool's adapters: declared, learned per replica, loaded by the gateway, believed resident.
     Kept by the pool's router, which tells it when a replica leaves (`forget`)."""
@@ -103,8 +90,6 @@ class PoolLora:
         )
         engine_slots = cfg.engines.lora.max_loras if cfg.engines and cfg.engines.lora else None
         self.slots = self.cfg.slots_per_replica or engine_slots or 1
-        # Managed pools know their engine exactly; unmanaged ones by their first endpoint's kind.
-        self.engine = pool.adapter or _endpoint_adapter(cfg)
         self.learned: dict[str, frozenset[str]] = {}  # replica -> its adapters, from its /v1/models
         self.loaded: dict[str, set[str]] = {}  # replica -> adapters the gateway loaded there
         self.resident: dict[str, OrderedDict[str, None]] = {}  # replica -> adapters routed there lately
@@ -129,21 +114,17 @@ class PoolLora:
     def knows(self, adapter: str) -> bool:
         return adapter in self.declared or any(adapter in s for s in self.learned.values())
 
-    @property
-    def _sglang(self) -> bool:
-        return self.engine is not None and self.engine.kind == "sglang"
-
     def upstream_name(self, adapter: str) -> str:
-        """The `model` the engines are sent for `adapter` (SGLang's OpenAI API: `base:adapter`)."""
-        return f"{self.base_model}:{adapter}" if self._sglang else adapter
+        """The `model` the engines are sent for `adapter`, in their dialect."""
+        engine = self.pool.dialect
+        return engine.lora_model(self.base_model, adapter) if engine is not None else adapter
 
     def adapter_of(self, upstream: str) -> str | None:
         """The adapter an engine-bound `model` names; None for the base model."""
         if upstream == self.base_model:
             return None
-        if self._sglang:
-            return upstream.removeprefix(self.base_model + ":")
-        return upstream
+        engine = self.pool.dialect
+        return engine.lora_adapter(self.base_model, upstream) if engine is not None else upstream
 
     # -- per replica ------------------------------------------------------------------------
     def has(self, replica: str, adapter: str) -> bool:
@@ -216,7 +197,8 @@ class PoolLora:
         return await asyncio.shield(loading)
 
     async def _load(self, replica: Replica, adapter: str, session: aiohttp.ClientSession) -> bool:
-        path = self.engine.lora_load_path if self.engine is not None else "/v1/load_lora_adapter"
+        engine = self.pool.dialect
+        path = engine.lora_load_path if engine is not None else "/v1/load_lora_adapter"
         body = {"lora_name": adapter, "lora_path": self.declared[adapter].path}
         started = time.monotonic()
         try:
@@ -226,8 +208,7 @@ class PoolLora:
                     status = resp.status
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return self._load_failed(replica, adapter, f"{type(exc).__name__}: {exc}")
-        # vLLM answers 400 when the adapter is there already: as good as loaded.
-        if status == 200 or (status == 400 and "already been loaded" in text):
+        if (engine is not None and engine.lora_loaded(status, text)) or (engine is None and status == 200):
             self.loaded.setdefault(replica.name, set()).add(adapter)
             self._failed.pop((replica.name, adapter), None)
             self.loads += 1

@@ -20,21 +20,9 @@ from typing import Any
 
 from gateway.errors import GatewayError, model_not_found
 from gateway.logs import clip
+from gateway.prompt.endpoints import BY_NAME
 from gateway.routing.pool_router import PoolRouter
-from gateway.routing.rollout import Choice, Router
-
-# Which pool tasks can answer each endpoint (vLLM registers routes the same way: embeddings for
-# `embed`, classify for `classify`, score and rerank for `score` or `embed`, pooling for any of them).
-ENDPOINT_TASKS: dict[str, frozenset[str]] = {
-    "chat": frozenset({"generate"}),
-    "completions": frozenset({"generate"}),
-    "responses": frozenset({"generate"}),
-    "embeddings": frozenset({"embed"}),
-    "pooling": frozenset({"embed", "classify", "score"}),
-    "classify": frozenset({"classify"}),
-    "score": frozenset({"score", "embed"}),
-    "rerank": frozenset({"score", "embed"}),
-}
+from gateway.routing.rollout import Choice, Rollouts
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass is four times as slow to build
@@ -50,7 +38,7 @@ class Target:
 
 
 class ModelCatalog:
-    def __init__(self, routers: Mapping[str, PoolRouter], routes: Router) -> None:
+    def __init__(self, routers: Mapping[str, PoolRouter], routes: Rollouts) -> None:
         """`routes` is the one rollout router (a config reload changes its rules in place)."""
         self.routers = routers
         self.routes = routes
@@ -61,7 +49,8 @@ class ModelCatalog:
         self, model: str, endpoint: str | None, headers: Mapping[str, str], body: Mapping[str, Any]
     ) -> Target:
         """The target of a request for `model` on `endpoint` (None: any task, e.g. /tokenize)."""
-        wanted = ENDPOINT_TASKS.get(endpoint) if endpoint is not None else None
+        spec = BY_NAME.get(endpoint) if endpoint is not None else None
+        wanted = spec.tasks if spec is not None else None
         if model in self.routes.routes:
             choice = self.routes.resolve(model, headers, body)
         else:
@@ -99,7 +88,7 @@ class ModelCatalog:
             return None
         fit = found[0]
         if wanted is not None and len(found) > 1:
-            fit = next((r for r in found if not wanted.isdisjoint(r.cfg.tasks)), fit)
+            fit = next((r for r in found if not wanted.isdisjoint(r.pool.cfg.tasks)), fit)
         return Choice(fit.name, None if fit.pool.model == model else model)
 
     def only_model(self) -> str | None:

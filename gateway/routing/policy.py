@@ -80,7 +80,7 @@ class RequestFeatures:
     request_id: str
     model: str
     pool: str
-    endpoint: str  # "chat" | "completions" | "responses" | "embeddings" | "pooling" | ... (ENDPOINTS)
+    endpoint: str  # "chat", "completions", "responses", "embeddings", ...: gateway.prompt.endpoints
     prompt_tokens: int
     max_tokens: int | None = None
     sequences: int = 1  # answers generated: n x prompts (what the expected output is charged per)

@@ -119,8 +119,9 @@ class PrecisePrefix:
                 log.warning(
                     "precise prefix: no usable KV events from replica %s (%s, topic %r) %.1f s after "
                     "a request was routed to it; it is routed by the approximate index until they "
-                    "come. Check that the engine binds its publisher (vLLM and SGLang bind only an "
-                    "endpoint holding `*`), the topic, and the block size (%d tokens expected)",
+                    "come. Check that the engine binds its publisher (engines' ZMQ publishers bind only "
+                    "an endpoint holding `*` or an ipc:// path), the topic, and the block size (%d "
+                    "tokens expected)",
                     replica,
                     sub.endpoint,
                     sub.topic,

@@ -1,6 +1,6 @@
 """Which prefix blocks each replica is believed to hold warm, and how deep a prompt matches on each.
 
-Block hashes are chained (see gateway.routing.prefix_hash), so a replica's useful match is its number of
+Block hashes are chained (see gateway.prompt.prefix_hash), so a replica's useful match is its number of
 LEADING blocks: the walk stops at the first block it lacks. Each replica is given a bit, and each
 hash maps to a bitmask of the replicas holding it, so one walk step is a dict lookup and an integer
 AND whatever the number of replicas; the walk ends as soon as no candidate is left. It runs as

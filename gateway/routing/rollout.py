@@ -121,7 +121,10 @@ def sticky_bucket(salt: str, key: str) -> int:
     return xxhash.xxh64_intdigest((salt + key).encode()) % BUCKETS
 
 
-class Router:
+class Rollouts:
+    """The rollout routes: which pool (and adapter) each route's model sends a request to, by its
+    rules, weights and sticky keys; a model no route names goes to the pool serving it."""
+
     def __init__(self, routes: list[RouteConfig], pool_models: Mapping[str, str]) -> None:
         """`pool_models` maps each pool name to the model name it serves."""
         self.routes: dict[str, list[Rule]] = {

@@ -102,6 +102,14 @@ class ApiExtras:
             return [value]
         return [enc(v) if isinstance(v, str) else v for v in value]
 
+    def _text(self, ids: list[int]) -> str:
+        """The text of a pooling input's ids; none for ids the tokenizer has no text for (a client may
+        send any integers): their vector is then their tokens' alone."""
+        try:
+            return self.r.tokenizer.decode(ids)
+        except (KeyError, OverflowError, ValueError):
+            return ""
+
     def _check_input_length(self, prompts: list[list[int]], operation: str) -> None:
         limit = self.r.opts.engine.max_model_len
         for ids in prompts:
@@ -281,7 +289,7 @@ class ApiExtras:
         prio = self._priority(request, priority)
         await self._prefill(prompts, lora, prio)
         dim = self.r.serving.embedding_dim
-        vectors = [P.embed(ids, dim, normalize) for ids in prompts]
+        vectors = [P.embed(ids, self._text(ids), dim, normalize) for ids in prompts]
         return vectors, sum(len(p) for p in prompts), self.r.model_name(lora)
 
     async def embeddings(self, request: web.Request) -> web.Response:

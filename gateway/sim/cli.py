@@ -24,7 +24,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from gateway.routing.tokens import TokenizerError, load_tokenizer, use_tokenizer
+from gateway.prompt.tokens import TokenizerError, load_tokenizer, use_tokenizer
 from gateway.sim.device import SharedDevice
 from gateway.sim.engine import EngineConfig
 from gateway.sim.faults import FaultConfig
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="PD decode: KV bytes/s from the prefill replica, shared by the transfers in flight (default: "
         "the profile's RDMA link; two vLLM processes on one H200 measured ~3.1e8 through NIXL's UCX for "
-        "fragmented blocks, bench/results/gpu/2026-12-02-pd)",
+        "fragmented blocks, results/gpu/2026-12-02-pd)",
     )
     sim.add_argument("--log-level", default="info")
     return p

@@ -1,10 +1,13 @@
 """Pooling-model outputs: deterministic embeddings and the scores built from them.
 
 An input's vector is a hashed bag of its tokens (each token adds +-1 at four positions picked by a hash of
-its id), normalized to unit length, so equal texts give equal vectors and texts that share tokens score
-high under cosine similarity, as real embeddings roughly do. `dimensions` truncates and renormalizes
-(a Matryoshka model). Score and rerank use the cosine similarity of the two embeddings, which is what vLLM
-does for an embedding (bi-encoder) model.
+its id) and of the character trigrams of its words (each adds +-1/2 at two positions picked by a stable
+hash), normalized to unit length: equal texts give equal vectors, texts that share tokens score high under
+cosine similarity, and texts that share only parts of words (`capital` and `capitals`, `France` and
+`France's`) still score above unrelated ones, as real embeddings roughly do; the same input gives the same
+vector in every process. `dimensions` truncates and renormalizes (a Matryoshka model). Score and rerank
+use the cosine similarity of the two embeddings, which is what vLLM does for an embedding (bi-encoder)
+model.
 
 Response layouts follow vLLM's pooling protocols (vllm/entrypoints/pooling/{embed,pooling,score}/protocol.py):
 `/v1/embeddings` {id "embd-...", object "list", created, model, data [{index, object "embedding",
@@ -17,27 +20,42 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from array import array
 from collections.abc import Sequence
 from typing import Any
 
+import xxhash
+
 _MASK = 2**64 - 1
+_WORD = re.compile(r"\w+")
 
 
-def embed(ids: Sequence[int], dim: int, normalize: bool = True) -> list[float]:
+def embed(ids: Sequence[int], text: str, dim: int, normalize: bool = True) -> list[float]:
+    """The vector of an input: its token ids and its text (the ids decoded, or as sent)."""
     v = [0.0] * dim
     for t in ids:
-        h = ((t + 1) * 0x9E3779B97F4A7C15) & _MASK
-        h ^= h >> 29
-        for j in range(4):
-            bits = (h >> (16 * j)) & 0xFFFF
-            v[(bits >> 1) % dim] += 1.0 if bits & 1 else -1.0
+        _spread(v, (t + 1) * 0x9E3779B97F4A7C15, 4, 1.0)
+    for word in _WORD.findall(text.lower()):
+        padded = f"<{word}>"
+        for k in range(len(padded) - 2):
+            _spread(v, xxhash.xxh64_intdigest(padded[k : k + 3].encode()), 2, 0.5)
     if not any(v):
         v[0] = 1.0  # an empty input still gets a unit vector
     if normalize:
         norm = math.sqrt(sum(x * x for x in v))
         v = [x / norm for x in v]
     return v
+
+
+def _spread(v: list[float], seed: int, positions: int, weight: float) -> None:
+    """Add +-`weight` at `positions` places of `v` picked by the bits of `seed` (a hash)."""
+    h = seed & _MASK
+    h ^= h >> 29
+    dim = len(v)
+    for j in range(positions):
+        bits = (h >> (16 * j)) & 0xFFFF
+        v[(bits >> 1) % dim] += weight if bits & 1 else -weight
 
 
 def truncate(v: list[float], dimensions: int | None) -> list[float]:

@@ -2,7 +2,7 @@
 
 A profile fixes the roofline inputs (peak FLOP/s, HBM bandwidth, model shape) and the efficiencies and
 overheads that turn them into step times. `h200-llama3.1-8b` is calibrated to the measured vLLM 0.26
-figures in docs (calibration-h200-vllm.md); the others use the roofline formula with textbook efficiencies.
+figures (bench/sim_calibration.py); the others use the roofline formula with textbook efficiencies.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ PROFILES: dict[str, Profile] = {
     for p in (
         Profile(
             "h200-llama3.1-8b",
-            "calibrated to measurement: vLLM 0.26 on one H200 (calibration-h200-vllm.md), 2026-11-29; "
-            "four replicas sharing it (--gpu-share 4): bench/gpu, 2026-12-01",
+            "calibrated to measurement: vLLM 0.26 on one H200, 2026-11-29 (bench/sim_calibration.py); "
+            "four replicas sharing it (--gpu-share 4): results/gpu/, 2026-12-01",
             H200,
             LLAMA_8B,
             mfu=0.67,
@@ -112,7 +112,7 @@ PROFILES: dict[str, Profile] = {
         ),
         Profile(
             "h100x4-llama3.1-70b",
-            "roofline formula (simulator.md: MFU 0.5, MBU 0.75, 1 ms overhead), not measured",
+            "roofline formula (textbook efficiencies: MFU 0.5, MBU 0.75, 1 ms overhead), not measured",
             H100,
             LLAMA_70B,
             tp=4,
@@ -121,7 +121,7 @@ PROFILES: dict[str, Profile] = {
         ),
         Profile(
             "h100-llama3.1-8b",
-            "roofline formula (simulator.md: MFU 0.5, MBU 0.75, 1 ms overhead), not measured",
+            "roofline formula (textbook efficiencies: MFU 0.5, MBU 0.75, 1 ms overhead), not measured",
             H100,
             LLAMA_8B,
             activation_bytes=int(1.1 * GiB),

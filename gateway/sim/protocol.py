@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from gateway.routing.tokens import get_tokenizer
+from gateway.prompt.tokens import get_tokenizer
 
 _WORDS = (
     "the of and to in is that for it as with was on be by at this are from or have an not but which one all "

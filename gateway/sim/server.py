@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 from aiohttp import ClientSession, ClientTimeout, web
 
-from gateway.routing.tokens import get_tokenizer
+from gateway.prompt.tokens import get_tokenizer
 from gateway.sim import protocol as proto
 from gateway.sim import structured
 from gateway.sim import validation as V
@@ -49,7 +49,7 @@ from gateway.sim.serving_flags import ServingOptions
 log = logging.getLogger("gateway.sim")
 # A decode replica's KV fetch fails at once when the prefill replica is gone (vLLM recomputed in
 # 0.17 s on the H200), but waits without a deadline on one that accepted it and hangs: a stopped
-# vLLM prefill replica held the request until its client gave up (bench/results/gpu/2026-12-02-pd).
+# vLLM prefill replica held the request until its client gave up (results/gpu/2026-12-02-pd).
 _KV_FETCH_TIMEOUT = ClientTimeout(total=None, sock_connect=10)
 # vLLM's text for a request whose KV could not be loaded (`kv_load_failure_policy: fail`).
 _KV_LOAD_FAILED = "Internal server error"

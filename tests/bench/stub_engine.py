@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.routing.tokens import get_tokenizer
+from gateway.prompt.tokens import get_tokenizer
 
 BLOCK = 16
 

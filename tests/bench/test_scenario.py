@@ -64,14 +64,6 @@ def test_builtin_scenarios_are_valid() -> None:
             assert set(size.configs or known) <= known, (name, size_name)
 
 
-def test_a_peer_configuration_names_a_router_the_bench_knows() -> None:
-    base = {"name": "s", "workload": "shared-prefix"}
-    with pytest.raises(ValueError, match=r"peer\.router must be one of"):
-        scenario_from_dict({**base, "configs": [{"name": "p", "mode": "peer", "peer": {"router": "nginx"}}]})
-    ok = scenario_from_dict({**base, "configs": [{"name": "p", "mode": "peer", "peer": {"router": "smg"}}]})
-    assert ok.configs[0].peer == {"router": "smg"}
-
-
 def test_deep_merge_and_baseline_validation() -> None:
     base = {"a": {"b": 1, "c": [1]}, "d": 2}
     assert deep_merge(base, {"a": {"c": [2], "e": 3}}) == {"a": {"b": 1, "c": [2], "e": 3}, "d": 2}

@@ -11,7 +11,7 @@ import pytest
 
 from bench import text
 from bench.workloads import WORKLOADS, MooncakeTrace, make_workload, mooncake_dir
-from gateway.routing.tokens import get_tokenizer
+from gateway.prompt.tokens import get_tokenizer
 
 SMALL: dict[str, dict[str, Any]] = {
     "shared-prefix": {"groups": 3, "prompts_per_group": 4, "system_tokens": 64, "question_tokens": 8},

@@ -103,7 +103,7 @@ async def test_weight_change_rollback_stats_and_status_cli(upstreams, gateway, c
 
     argv = ["--admin", gw.control_url, "--admin-key", KEY]
     assert await asyncio.to_thread(rollout_main, ["weights", *argv, "llama", "canary=25", "stable=75"]) == 0
-    assert gw.runtime.router.weights("llama") == {"stable": 75.0, "canary": 25.0}
+    assert gw.runtime.rollouts.weights("llama") == {"stable": 75.0, "canary": 25.0}
     capsys.readouterr()
     assert await asyncio.to_thread(rollout_main, ["status", *argv]) == 0
     out = capsys.readouterr().out
@@ -124,6 +124,30 @@ async def test_weight_change_rollback_stats_and_status_cli(upstreams, gateway, c
     # Pointed at the data plane (where /admin used to be), it says where to look.
     assert await asyncio.to_thread(rollout_main, ["status", "--admin", gw.url, "--admin-key", KEY]) == 1
     assert "HTTP 404" in (err := capsys.readouterr().err) and "control.host:control.port" in err
+
+
+async def test_weights_out_of_bounds_are_refused_by_the_api_and_the_cli(upstreams, gateway, capsys) -> None:
+    """1e308 for both pools overflowed the split (every request to the second); 5e-324 was accepted."""
+    s, c = await upstreams(2)
+    gw = await gateway(rollout_settings(s.url, c.url, 50, 50, control={"admin_key": KEY}))
+    url = gw.control_url + "/admin/routes/llama/weights"
+    async with httpx.AsyncClient() as client:
+        for weights in ({"stable": 1e308, "canary": 1e308}, {"canary": 5e-324}, {"canary": 1_000_001}):
+            r = await client.put(url, json={"weights": weights}, headers=AUTH)
+            assert r.status_code == 400, (weights, r.text)
+            error = r.json()["error"]
+            assert error["code"] == "invalid_weights" and error["param"].startswith("weights.")
+            assert "a weight is 0 (out of the split) or from 0.001 to 1,000,000, not " in error["message"]
+            assert "Value error" not in error["message"]
+        r = await client.put(url, json={"weights": {"canary": 1_000_000, "stable": 0.001}}, headers=AUTH)
+        assert r.status_code == 200, r.text
+    assert gw.runtime.rollouts.weights("llama") == {"stable": 0.001, "canary": 1_000_000.0}
+    argv = ["--admin", gw.control_url, "--admin-key", KEY, "llama"]
+    for bad in ("canary=1e308", "canary=5e-324", "canary=inf", "canary=nan"):
+        assert await asyncio.to_thread(rollout_main, ["weights", *argv, bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvgate rollout: {bad}: a weight is 0 (out of the split) or from 0.001"), err
+    assert gw.runtime.rollouts.weights("llama") == {"stable": 0.001, "canary": 1_000_000.0}
 
 
 async def test_a_json_body_needs_no_content_type(upstreams, gateway) -> None:
@@ -247,6 +271,17 @@ def file_config(
     }
 
 
+def serve(path: Path) -> subprocess.Popen[bytes]:
+    """`kvgate serve --config path` in a process of its own, its log on a pipe."""
+    return subprocess.Popen(
+        [PYTHON, "-m", "gateway", "serve", "--config", str(path)],
+        env=subprocess_env(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
 async def reloadable(gateway, path: Path, data: dict[str, Any]):  # type: ignore[no-untyped-def]
     """A gateway started from `data`, written to `path`, which its reloads re-read."""
     from gateway.config import load_config
@@ -277,6 +312,8 @@ async def test_reload_valid_invalid_and_inflight_survives(upstreams, gateway, tm
             "pool stable: removed replica stable-0",
             f"pool stable: added replica new at {extra.url}",
             "routes replaced",
+            "route llama rule 0: stable weight 100 -> 0 (the file's)",
+            "route llama rule 0: canary weight 0 -> 100 (the file's)",
         ]
         assert (await post(client, gw.url)).headers["x-kvgate-pool"] == "canary"
         assert (await slow).status_code == 200
@@ -299,7 +336,7 @@ async def test_reload_valid_invalid_and_inflight_survives(upstreams, gateway, tm
         r = await client.post(gw.control_url + "/admin/reload", headers=AUTH)
         assert r.status_code == 409 and "invalid YAML" in r.json()["error"]["message"]
         # Nothing of a rejected reload was applied.
-        assert gw.runtime.router.weights("llama") == {"stable": 0.0, "canary": 100.0}
+        assert gw.runtime.rollouts.weights("llama") == {"stable": 0.0, "canary": 100.0}
         assert gw.runtime.settings.server.max_body_bytes != 1000
 
 
@@ -327,13 +364,7 @@ async def test_sighup_reloads_a_serving_process(upstreams, tmp_path) -> None:
     control_port = free_port()
     data = file_config(s.url, c.url, (100, 0), port, control_port)
     write_config(path, data)
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "gateway", "serve", "--config", str(path)],
-        env=subprocess_env(),
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = serve(path)
     url = f"http://127.0.0.1:{control_port}"
     try:
         async with httpx.AsyncClient(timeout=5) as client:

@@ -31,7 +31,7 @@ def config(tmp_path: Path, **pool: Any) -> str:
             "args.prefill_tokens_per_sec: Extra inputs are not permitted",
         ),
         ({"policy": {"type": "no_such_module:Policy"}}, "cannot import 'no_such_module'"),
-        ({"pd": {"prefill_policy": {"type": "fastest"}}}, "pools.0 (p).pd.prefill_policy: unknown policy"),
+        ({"pd": {"prefill_policy": {"type": "least_load"}}}, "prefill_policy was removed"),
         ({"tokenizer": "/no/such/tokenizer.json"}, "pools.0 (p).tokenizer: tokenizer '/no/such"),
         ({"tokenizer": "builtin:bpe"}, "unknown; built-in: builtin:cl100k, builtin:words"),
         (
@@ -134,3 +134,23 @@ def test_ports_apart_or_on_other_hosts_pass(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(doc))
     out = kvgate("check-config", str(path))
     assert out.returncode == 0, out.stderr
+
+
+def test_an_engine_not_installed_here_is_a_warning(tmp_path: Path) -> None:
+    """The config may be checked away from the GPU host: a missing engine command warns (the
+    launcher refuses to start it, in the same words), it does not fail the check."""
+    pool = {"name": "p", "model": "m", "engines": {"kind": "vllm", "env": {"PATH": str(tmp_path)}}}
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump({"pools": [pool]}))
+    warning = (
+        "kvgate: warning: pools.0 (p).engines: `vllm` not found on PATH: set engines.command or install vLLM"
+    )
+    for command in (["check-config", str(path)], ["launch", str(path), "--dry-run"]):
+        out = kvgate(*command)
+        assert out.returncode == 0, out.stderr
+        assert out.stderr.splitlines() == [warning]
+    assert f"{path}: ok (1 pools, 0 routes)" in kvgate("check-config", str(path)).stdout
+    # A fleet that can start here: no warning.
+    pool["engines"] = {"kind": "sim"}
+    path.write_text(yaml.safe_dump({"pools": [pool]}))
+    assert kvgate("check-config", str(path)).stderr == ""

@@ -145,7 +145,7 @@ async def test_every_route_needs_the_key_checked_in_constant_time(
     assert len(compared) == 2 * len(ROUTES)
     # Nothing the unauthenticated calls asked for happened.
     assert not gw.runtime.audit.changes
-    assert gw.runtime.router.weights("llama") == {"stable": 90.0, "canary": 10.0}
+    assert gw.runtime.rollouts.weights("llama") == {"stable": 90.0, "canary": 10.0}
     assert not gw.runtime.pools["stable"].replicas["stable-0"].draining
     # An unknown path needs the key too, before it is found missing.
     assert_openai_error(await control.get("/admin/nope"), 401, "invalid_admin_key")
@@ -170,7 +170,7 @@ async def test_routes_and_rollouts_show_rules_as_the_router_has_them(upstreams, 
     async with httpx.AsyncClient(base_url=gw.control_url, headers=AUTH) as client:
         shown = (await client.get("/admin/routes")).json()["routes"]
         rollouts = (await client.get("/admin/rollouts")).json()["routes"]
-    assert shown == gw.runtime.router.describe()  # the same keys: optional ones only when set
+    assert shown == gw.runtime.rollouts.describe()  # the same keys: optional ones only when set
     assert "adapter" not in shown["llama"][0]["pools"][0] and shown["assistant"][0]["rewrite_model"] is False
     assert rollouts["assistant"]["rules"] == shown["assistant"]
     assert rollouts["assistant"]["variants"]["p"]["weight"] == 50.0
@@ -389,6 +389,39 @@ async def test_connections_per_address_are_capped(upstreams, gateway) -> None:
     finally:
         for _, writer in busy:
             writer.close()
+
+
+async def test_a_trickled_body_gets_408_and_frees_its_slot(upstreams, gateway) -> None:
+    """A key holder's bodies trickled a byte at a time held the address's slots for as long as
+    they went on (uvicorn has no timer during a request), so every other admin call from that
+    address failed; `control.body_deadline_s` ends each with a 408."""
+    gw, host, port = await _control_gateway(
+        upstreams, gateway, max_connections_per_address=2, body_deadline_s=1.0
+    )
+    head = b"PUT /admin/routes/llama/weights HTTP/1.1\r\nHost: c\r\nAuthorization: Bearer " + KEY.encode()
+    body = b'{"weights": {"canary": 0}}' + b" " * 200  # ~40 s at a byte every 0.2 s
+
+    async def trickle() -> bytes:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(head + b"\r\nContent-Length: %d\r\n\r\n" % len(body))
+            for i in range(len(body)):
+                writer.write(body[i : i + 1])
+                with contextlib.suppress(TimeoutError):
+                    return await asyncio.wait_for(reader.read(), 0.2)  # the answer, then closed
+            return b"whole body sent, no answer"
+        finally:
+            writer.close()
+
+    answers = await asyncio.gather(trickle(), trickle())
+    for answer in answers:
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        assert b'"code":"request_timeout"' in answer and b"control.body_deadline_s (1 s)" in answer
+    assert gw.control is not None
+    await wait_until(lambda: not gw.control.slots.by_address, what="the trickling connections closed")  # type: ignore[union-attr]
+    async with httpx.AsyncClient(base_url=gw.control_url) as client:
+        r = await client.put("/admin/routes/llama/weights", json={"weights": {"canary": 0}}, headers=AUTH)
+        assert r.status_code == 200, r.text  # a whole body in time is served as before
 
 
 @pytest.mark.parametrize("pieces", [1, 8], ids=["whole", "in-pieces"])

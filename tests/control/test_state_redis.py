@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -85,7 +86,7 @@ async def complete(
 
 
 def blocks(gw: RunningGateway) -> int:
-    return int(gw.runtime.routers["p"].prefix_index.stats()["distinct_blocks"])  # type: ignore[call-overload]
+    return int(gw.runtime.routers["p"].match.index.stats()["distinct_blocks"])  # type: ignore[call-overload]
 
 
 async def test_two_instances_send_a_prefix_to_the_same_replica(key_prefix, upstreams, gateway) -> None:
@@ -167,7 +168,7 @@ async def test_weight_change_on_one_instance_reaches_the_other(key_prefix, upstr
         )
         assert r.status_code == 200
         await wait_until(
-            lambda: b.runtime.router.weights("llama") == {"stable": 50.0, "canary": 0.0},
+            lambda: b.runtime.rollouts.weights("llama") == {"stable": 50.0, "canary": 0.0},
             timeout=LOADED,
             what="the rollback on B",
         )
@@ -181,12 +182,34 @@ async def test_weight_change_on_one_instance_reaches_the_other(key_prefix, upstr
         # A third instance started later adopts the fleet's weights, not its file's.
         late = await gateway(rollout_settings(s.url, c.url, 50, 50, control={"admin_key": KEY}, state=state))
         await wait_until(
-            lambda: late.runtime.router.weights("llama") == {"stable": 50.0, "canary": 0.0},
+            lambda: late.runtime.rollouts.weights("llama") == {"stable": 50.0, "canary": 0.0},
             timeout=LOADED,
             what="the late instance to adopt the weights",
         )
         audit = (await client.get(a.control_url + "/admin/audit", headers=AUTH)).json()["changes"]
         assert "weights" in audit[-1]["what"]
+
+
+async def test_shared_weights_out_of_bounds_are_not_applied(key_prefix, upstreams, gateway, caplog) -> None:
+    """Whatever writes the shared weights, an instance holds them to the file's bounds."""
+    from tests.routing.test_rollout import rollout_settings
+
+    s, c = await upstreams(2)
+    state = {"backend": "redis", "key_prefix": key_prefix, "sync_interval_s": 0.05}
+    gw = await gateway(rollout_settings(s.url, c.url, 50, 50, control={"admin_key": KEY}, state=state))
+    await wait_until(lambda: gw.runtime.state.connected, what="connected")
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        raw = orjson.dumps({"weights": {"stable": 1e308, "canary": 1e308}, "by": "someone", "at": 0})
+        await client.hset(f"{key_prefix}:weights", "llama\t1", raw)
+        await wait_until(
+            lambda: "shared weights for route llama rule 1 not applied: a weight is 0" in caplog.text,
+            timeout=LOADED,
+            what="the refusal",
+        )
+    finally:
+        await client.aclose()
+    assert gw.runtime.rollouts.weights("llama") == {"stable": 50.0, "canary": 50.0}
 
 
 async def test_drain_on_one_instance_drains_everywhere(key_prefix, upstreams, gateway) -> None:
@@ -257,9 +280,9 @@ def test_shared_state_wraps_approximate_indexes_and_leaves_precise_ones_to_kv_ev
     settings = load_config(None, {"pools": pools, "state": {"backend": "redis", "key_prefix": key_prefix}})
     runtime = Runtime(settings)
     approx, precise = runtime.routers["approx"], runtime.routers["precise"]
-    assert isinstance(approx.prefix_index, SharedPrefixIndex)
-    assert approx.prefix_index.prefix_closed  # the fast match survives the wrapping
-    assert precise.precise is not None and precise.prefix_index is precise.precise.index
+    assert isinstance(approx.match.index, SharedPrefixIndex)
+    assert approx.match.index.prefix_closed  # the fast match survives the wrapping
+    assert precise.precise is not None and precise.match.index is precise.precise.index
 
 
 async def test_fleet_token_buckets_are_exact_and_all_or_nothing(key_prefix, upstreams, gateway) -> None:
@@ -385,18 +408,18 @@ async def test_redis_outage_serves_locally_and_resynchronizes(upstreams, gateway
         status = (await client.get(a.control_url + "/admin/state", headers=AUTH)).json()
         assert status["connected"] is False and status["last_error"]
 
-        learned_on_a = set(a.runtime.routers["canary"].prefix_index.snapshot("canary-0"))
+        learned_on_a = set(a.runtime.routers["canary"].match.index.snapshot("canary-0"))
         procs.append(_start_redis(port))  # an empty Redis: everything must be pushed again
         await wait_until(
             lambda: a.runtime.state.connected and b.runtime.state.connected, timeout=10, what="reconnect"
         )
         await wait_until(
-            lambda: b.runtime.router.weights("llama") == {"stable": 0.0, "canary": 50.0},
+            lambda: b.runtime.rollouts.weights("llama") == {"stable": 0.0, "canary": 50.0},
             timeout=LOADED,
             what="A's outage-time weight change to reach B",
         )
         await wait_until(
-            lambda: learned_on_a <= set(b.runtime.routers["canary"].prefix_index.snapshot("canary-0")),
+            lambda: learned_on_a <= set(b.runtime.routers["canary"].match.index.snapshot("canary-0")),
             timeout=LOADED,
             what="A's prefix index to be republished to B",
         )

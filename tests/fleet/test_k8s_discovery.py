@@ -142,7 +142,7 @@ async def test_removed_replica_leaves_the_prefix_index(kube, upstreams, k8s_gate
             "/v1/completions", json={"model": "m", "prompt": "a shared system prompt " * 20}
         )
         assert r.status_code == 200
-    index = gw.runtime.routers["p"].prefix_index
+    index = gw.runtime.routers["p"].match.index
     assert index.snapshot("a"), "routing taught the index what a holds"
     kube.terminate_pod(NS, "a")
     await wait_until(lambda: "a" not in pool_of(gw).replicas, what="a to be removed")

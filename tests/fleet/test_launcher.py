@@ -12,16 +12,19 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from gateway.config import EngineSpec, Settings
 from gateway.fleet.engines import adapter_for_spec, get_adapter
 from gateway.fleet.launcher import FleetLauncher, LaunchedReplica, LaunchError, dry_run
 from gateway.fleet.load_scraper import LoadScraper
 from gateway.logs import TextFormatter
-from tests.conftest import REPO, STARTUP_S, wait_until
+from tests.conftest import PYTHON, REPO, STARTUP_S, free_port, subprocess_env, wait_until, wait_until_sync
+from tests.test_lifecycle import kvgate
 
 
 def alive(pid: int) -> bool:
@@ -170,6 +173,67 @@ async def test_readiness_timeout_kills_the_replica(tmp_path: Path) -> None:
         await launcher.stop()
 
 
+def _not_executable(tmp_path: Path) -> str:
+    path = tmp_path / "vllm"
+    path.write_text("#!/bin/sh\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("engines", "expected"),
+    [
+        (  # the issue's case: reported as `[Errno 2] No such file or directory` and retried forever
+            lambda tmp: {"kind": "vllm", "env": {"PATH": str(tmp)}},
+            "`vllm` not found on PATH: set engines.command or install vLLM",
+        ),
+        (
+            lambda tmp: {
+                "kind": "sglang",
+                "command": [str(tmp / "venv" / "bin" / "python3"), "-m", "sglang"],
+            },
+            "`{tmp}/venv/bin/python3` does not exist: set engines.command or install SGLang",
+        ),
+        (
+            lambda tmp: {"kind": "vllm", "command": [_not_executable(tmp), "serve"]},
+            "`{tmp}/vllm` is not executable: set engines.command or install vLLM",
+        ),
+        (  # this interpreter, which answers for itself
+            lambda tmp: {"command": [sys.executable, "-m", "no_such_engine.server"]},
+            f"`{sys.executable}` cannot import no_such_engine (for `-m no_such_engine.server`): "
+            "set engines.command",
+        ),
+        (  # another module path: that interpreter is asked, as a process of its own
+            lambda tmp: {
+                "command": [sys.executable, "-m", "no_such_engine"],
+                "env": {"PYTHONPATH": str(tmp)},
+            },
+            f"`{sys.executable}` cannot import no_such_engine (for `-m no_such_engine`): set engines.command",
+        ),
+    ],
+)
+async def test_an_engine_that_cannot_start_is_named_and_not_retried(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, engines: Any, expected: str
+) -> None:
+    spec = fast_spec(tmp_path, **engines(tmp_path))
+    launcher = FleetLauncher("gpu", spec, "m", lambda r: None, lambda n: None)
+    caplog.set_level(logging.INFO, logger="kvgate.launcher")
+    await launcher.start()
+    try:
+        with pytest.raises(LaunchError) as err:
+            await launcher.wait_ready(timeout_s=STARTUP_S)
+    finally:
+        await launcher.stop()
+    message = expected.replace("{tmp}", str(tmp_path))
+    assert str(err.value) == f"gpu-0: replica gpu-0 cannot be started: {message}"
+    status = launcher.status()["gpu-0"]
+    assert status.restarts == 0 and status.pid is None  # never spawned, never retried
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [
+        f"replica gpu-0 cannot be started: {message}; not retried (fix it, then restart the gateway)"
+    ]
+    assert "restarting replica" not in caplog.text
+
+
 DRIVER = textwrap.dedent(
     """
     import asyncio, sys
@@ -245,6 +309,66 @@ def test_dry_run_renders_a_vllm_pd_fleet() -> None:
     events = [json.loads(c.split("--kv-events-config ")[1].split("'")[1])["endpoint"] for c in commands]
     assert len(set(events)) == 3
     assert "remote" not in text
+
+
+def test_dry_run_shows_the_ports_serve_uses(tmp_path: Path) -> None:
+    """Without `engines.base_port`, `kvgate launch --dry-run` printed different free ports every run,
+    so the lines reviewed were not the lines that ran. Now two dry runs agree, and `kvgate serve`
+    launches its engines on exactly those ports."""
+    port, control = free_port(), free_port()
+    engines = {"kind": "sim", "replicas": 2, "log_dir": str(tmp_path / "logs"), "sim": {"profile": "tiny"}}
+    doc = {
+        "server": {"port": port},
+        "control": {"port": control, "admin_key": "k"},
+        "pools": [{"name": "sim", "model": "m", "policy": {"type": "round_robin"}, "engines": engines}],
+    }
+    config = tmp_path / "kvgate.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    first, second = (kvgate("launch", str(config), "--dry-run") for _ in range(2))
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+    planned = re.findall(r"url=(\S+)", first.stdout)
+    assert len(planned) == 2 and all(int(url.rsplit(":", 1)[1]) >= port + 100 for url in planned)
+    serve = subprocess.Popen(
+        [PYTHON, "-m", "gateway", "serve", "--config", str(config)],
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
+    try:
+
+        def launched() -> list[str] | None:
+            assert serve.poll() is None, "kvgate serve exited"
+            try:
+                pools = httpx.get(
+                    f"http://127.0.0.1:{control}/admin/pools", headers={"authorization": "Bearer k"}
+                ).json()["pools"]
+            except httpx.TransportError:
+                return None
+            urls = sorted(r["url"] for r in pools["sim"]["replicas"].values())
+            return urls if len(urls) == 2 else None
+
+        assert wait_until_sync(launched, STARTUP_S, "both replicas to join", 0.2) == sorted(planned)
+    finally:
+        serve.terminate()
+        serve.wait(timeout=60)
+
+
+def test_the_memory_split_of_a_shared_gpu_is_the_one_documented() -> None:
+    """docs/engines.md's example: four replicas on GPU 0 share the engine's default fraction."""
+    on_gpu0 = {"replicas": 4, "gpu_ids": [[0], [0], [0], [0]]}
+    settings = Settings(
+        pools=[
+            {"name": "v", "model": "m", "engines": {"kind": "vllm", **on_gpu0}},
+            {"name": "s", "model": "n", "engines": {"kind": "sglang", **on_gpu0}},
+        ]
+    )
+    flags = re.findall(r"--(?:gpu-memory-utilization|mem-fraction-static) \S+", dry_run(settings))
+    assert flags == ["--gpu-memory-utilization 0.23"] * 4 + ["--mem-fraction-static 0.22"] * 4
+    doc = " ".join((REPO / "docs" / "engines.md").read_text().split())
+    assert "vLLM 0.92: four replicas on GPU 0 get `--gpu-memory-utilization 0.23` each" in doc
+    assert "SGLang `--mem-fraction-static`, 0.88: 0.22" in doc
 
 
 async def test_restart_backoff_doubles_up_to_the_cap(

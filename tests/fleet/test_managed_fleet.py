@@ -10,6 +10,7 @@ import signal
 import httpx
 
 from tests.conftest import STARTUP_S, gateway_settings, wait_until
+from tests.simfleet import launched_sims
 
 
 def _alive(pid: int) -> bool:
@@ -26,14 +27,7 @@ def _alive(pid: int) -> bool:
 
 
 async def test_killed_replica_restarts_rejoins_and_no_request_fails(gateway, tmp_path):
-    engines = {
-        "kind": "sim",
-        "replicas": 3,
-        "startup_timeout_s": STARTUP_S,
-        "restart_backoff_s": 0.1,
-        "log_dir": str(tmp_path / "logs"),
-        "sim": {"profile": "tiny", "speedup": 20},
-    }
+    engines = launched_sims(tmp_path, 3)
     settings = gateway_settings(
         [], pool={"endpoints": [], "engines": engines, "policy": {"type": "round_robin"}}
     )

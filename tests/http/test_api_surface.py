@@ -7,8 +7,13 @@ adapter sql) and `raw` (pool gen, responses keep the engine's name).
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import logging
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -110,6 +115,40 @@ async def test_an_over_long_prompt_is_context_length_exceeded(client: openai.Asy
         err = exc.value.body
         assert err["code"] == "context_length_exceeded" and err["param"] == "input_tokens"  # type: ignore[index]
         assert "context length is only 4096 tokens" in err["message"]  # type: ignore[index]
+
+
+# LiteLLM's view of an over-long prompt, asked of the gateway as an OpenAI-compatible provider: the
+# class of the exception it raises, and its message. In a process of its own: LiteLLM reads .env files
+# and patches logging when imported. Its cost map is the bundled one (no download).
+LITELLM_CALL = """
+import sys, litellm
+litellm.suppress_debug_info = True
+try:
+    litellm.completion(model="openai/llama", api_base=sys.argv[1], api_key="unused", max_tokens=8,
+                       messages=[{"role": "user", "content": "word " * 5000}], num_retries=0)
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+async def test_litellm_sees_an_over_long_prompt_as_a_context_window_error(
+    client: openai.AsyncOpenAI,
+) -> None:
+    """LiteLLM decides by the message's text; vLLM 0.26's wording is not among those it knows, so
+    without OpenAI's sentence after it LiteLLM raised a plain BadRequestError (no fallback to a
+    longer-context model)."""
+    if importlib.util.find_spec("litellm") is None:
+        pytest.skip("litellm is not installed (pip install litellm): its mapping of the error is unchecked")
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", LITELLM_CALL, client.gateway_url + "/v1"],  # type: ignore[attr-defined]
+        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.startswith("ContextWindowExceededError "), done.stdout + done.stderr[-2000:]
+    assert "context length is only 4096 tokens" in done.stdout  # vLLM's own text still there
 
 
 async def test_generation_names_the_model_the_client_asked_for(client: openai.AsyncOpenAI) -> None:
@@ -224,3 +263,17 @@ def test_batched_and_token_id_prompts_are_counted_whole() -> None:
     assert flat.prompt_tokens == 300 and sum(flat.block_tokens) <= 300
     emb = pool.features({"model": "m", "input": ["a b", "c d", "e f"]}, "embeddings", "r", {})
     assert emb.prompt_tokens == 6
+
+
+async def test_tokenize_needs_no_model_only_when_one_name_is_served(gen_sim, gateway) -> None:  # type: ignore[no-untyped-def]
+    """As in vLLM, `/tokenize` may leave `model` out when the gateway serves one model under one
+    name: one pool and no routes. A route is a second name for it, so the default config (pool
+    `meta-llama/...` behind the route `llama`) needs `model` (docs/api.md)."""
+    route = [{"model": "llama", "rules": [{"pools": [{"name": "p"}]}]}]
+    one = await gateway(gateway_settings([gen_sim], pool={"served_model": "internal-fp8"}))
+    aliased = await gateway(gateway_settings([gen_sim], pool={"served_model": "internal-fp8"}, routes=route))
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(one.url + "/tokenize", json={"prompt": "hello world"})
+        assert r.status_code == 200 and r.json()["count"] == 2, r.text
+        r = await c.post(aliased.url + "/tokenize", json={"prompt": "hello world"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "missing_model", r.text

@@ -14,7 +14,7 @@ import pytest
 
 from gateway.logs import TextFormatter
 from gateway.path.stream_end import StreamEnd
-from gateway.routing.prefix_hash import PrefixHasher
+from gateway.prompt.prefix_hash import PrefixHasher
 from tests.conftest import gateway_settings, wait_until
 from tests.rawhttp import closed_within, exchange, post, read_response
 
@@ -74,6 +74,28 @@ async def test_work_one_request_asks_for_is_bounded(upstreams, gateway):
         ids = {"model": "m", "prompt": list(range(5000))}
         assert (await c.post(gw.url + COMPLETIONS, json=ids)).status_code == 200
     assert len(up.state.seen) == 3
+
+
+async def test_a_capped_count_must_be_an_integer_and_prompts_times_choices_are_capped(upstreams, gateway):
+    """Issue 35: `"n": "1000"`, `" 1000"`, `1000.0`, `1e3` went past server.max_n (the engine reads
+    them as 1,000), and 256 prompts x n 128 = 32,768 sequences were accepted."""
+    (up,) = await upstreams(1)
+    gw = await gateway(gateway_settings([up.url]))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    async with httpx.AsyncClient(timeout=30) as c:
+        for n in ("1000", " 1000", 1000.0, 1e3, "2", True, [3]):
+            r = await c.post(gw.url + "/v1/chat/completions", json={**chat, "n": n})
+            assert r.json()["error"]["param"] == "n" and "integer" in _error(r, 400, "invalid_type"), n
+        r = await c.post(gw.url + COMPLETIONS, json={"model": "m", "prompt": "x", "best_of": "1000"})
+        assert r.json()["error"]["param"] == "best_of" and _error(r, 400, "invalid_type")
+        r = await c.post(gw.url + COMPLETIONS, json={"model": "m", "prompt": "x", "best_of": 1000})
+        _error(r, 400, "too_many_choices")
+        batch = {"model": "m", "prompt": [f"p{i}" for i in range(256)], "n": 128}
+        r = await c.post(gw.url + COMPLETIONS, json=batch)
+        assert "32768 sequences" in _error(r, 400, "too_many_sequences")
+        assert not up.state.seen  # refused before anything reached an engine
+        ok = await c.post(gw.url + COMPLETIONS, json={**batch, "n": 4})  # 1,024 sequences: the cap
+        assert ok.status_code == 200 and len(up.state.seen) == 1
 
 
 async def test_work_caps_are_configurable(upstreams, gateway):
@@ -219,11 +241,11 @@ async def test_large_bodies_are_measured_off_the_loop_exactly_as_small_ones(upst
     # What the worker thread learned joined the pool's caches on the loop.
     assert pool.hasher.cached_blocks() > 0
     inline = pool.features(body, "chat", "r", {})
-    for hasher in (pool.hasher.detached(), PrefixHasher(pool.cfg.prefix.block_chars)):
+    for hasher in (pool.hasher.detached(), PrefixHasher(pool.pool.cfg.prefix.block_chars)):
         detached = pool.features(body, "chat", "r", {}, hasher)
         assert detached.block_hashes == inline.block_hashes and detached.block_tokens == inline.block_tokens
     # The offloaded request was learned under the same hashes the inline path computes.
-    assert pool.prefix_index.match(inline.block_hashes, ["r0"])["r0"] == len(inline.block_hashes)
+    assert pool.match.index.match(inline.block_hashes, ["r0"])["r0"] == len(inline.block_hashes)
 
 
 async def test_header_and_idle_timeouts_close_waiting_connections(upstreams, gateway):

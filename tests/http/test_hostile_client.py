@@ -261,6 +261,37 @@ async def test_one_key_cannot_hold_every_connection_with_pending_bodies(upstream
     assert again.status == 200  # the count went back down with the requests that left
 
 
+async def test_a_plain_key_cannot_hold_every_connection_with_pending_bodies(upstreams, gateway):
+    """Each key of `server.api_keys` counts on its own against `server.max_requests_per_tenant`, on
+    the inference routes and /tokenize alike: one plain key's trickled bodies used to be bounded by
+    the connection cap alone, and made everyone's requests 503 `too_many_connections`."""
+    (up,) = await upstreams(1)
+    server = {"api_keys": ["k-slow", "k-other"], "max_requests_per_tenant": 3, "max_connections": 8}
+    gw = await gateway(gateway_settings([up.url], server=server))
+    pending = []
+    for path in (b"/v1/completions", b"/tokenize", b"/v1/chat/completions"):  # heads sent, bodies never
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(b"POST %s HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer k-slow\r\n" % path)
+        writer.write(b"Content-Length: 26\r\n\r\n")
+        pending.append((reader, writer))
+    await wait_until(lambda: gw.runtime.connections.open == 3, what="three busy connections")  # type: ignore[union-attr]
+    for path in ("/v1/completions", "/tokenize"):
+        refused = await exchange(gw.port, post(path, BODY, "Authorization: Bearer k-slow"))
+        assert refused.status == 429 and refused.header("retry-after") == "1"
+        assert refused.json()["error"]["code"] == "too_many_concurrent_requests"  # type: ignore[index]
+    ok = await exchange(gw.port, post("/v1/completions", BODY, "Authorization: Bearer k-other"))
+    assert ok.status == 200  # the other key is not counted with it
+    models = await exchange(
+        gw.port, b"GET /v1/models HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer k-other\r\n\r\n"
+    )
+    assert models.status == 200
+    for _, writer in pending:
+        writer.transport.abort()
+    await wait_until(lambda: gw.runtime.connections.open == 0, what="pending connections gone")  # type: ignore[union-attr]
+    again = await exchange(gw.port, post("/v1/completions", BODY, "Authorization: Bearer k-slow"))
+    assert again.status == 200  # the count went back down with the requests that left
+
+
 @pytest.mark.parametrize(
     ("data", "status"),
     [

@@ -6,7 +6,9 @@ without it they skip and say so.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -15,7 +17,8 @@ import httpx
 from gateway.config import Settings
 from gateway.server import RunningGateway
 from tests.browser import chromium, needs_chromium
-from tests.conftest import gateway_settings
+from tests.conftest import STARTUP_S, gateway_settings, wait_until
+from tests.simfleet import launched_sims
 from tests.upstream_app import Upstream
 
 MakeUpstreams = Callable[[int], Awaitable[list[Upstream]]]
@@ -64,6 +67,37 @@ async def test_state_is_live_and_keeps_secrets(upstreams: MakeUpstreams, gateway
         gw.runtime.pools["p"].add_replica(ups[2].url, name="r2")
         state = (await client.get("/dashboard/state", headers=admin)).json()
         assert state["totals"]["replicas"] == 3
+
+
+async def test_routed_goes_on_when_a_launched_replica_restarts(gateway: MakeGateway, tmp_path: Path) -> None:
+    """A killed engine comes back as a new replica of the same name: its ROUTED column (and
+    `kvgate_replica_requests_total`) goes on from what it had counted, not from 0."""
+    gw = await gateway(gateway_settings([], pool={"endpoints": [], "engines": launched_sims(tmp_path, 1)}))
+    pool = gw.runtime.pools["p"]
+    await wait_until(lambda: "p-0" in pool.replicas, timeout=STARTUP_S, what="the launched replica")
+    body = {"model": "m", "prompt": "hello", "max_tokens": 2}
+
+    async def routed(client: httpx.AsyncClient) -> tuple[int, float]:
+        (replica,) = (await client.get("/dashboard/state")).json()["pools"][0]["replicas"]
+        metrics = (await client.get("/metrics")).text
+        total = re.search(r'kvgate_replica_requests_total\{[^}]*replica="p-0"[^}]*\} (\S+)', metrics)
+        assert total is not None
+        return replica["total_requests"], float(total.group(1))
+
+    async with httpx.AsyncClient(base_url=gw.url, timeout=30) as client:
+        for _ in range(3):
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert await routed(client) == (3, 3.0)
+        first = pool.replicas["p-0"]
+        (status,) = gw.runtime.fleet.launchers[0].status().values()
+        assert status.pid is not None
+        os.kill(status.pid, signal.SIGKILL)
+        await wait_until(
+            lambda: pool.replicas.get("p-0") not in (None, first), timeout=STARTUP_S, what="the restart"
+        )
+        await wait_until(lambda: pool.replicas["p-0"].healthy, timeout=STARTUP_S, what="it healthy")
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert await routed(client) == (4, 4.0)
 
 
 async def test_state_is_open_without_admin_key(upstreams: MakeUpstreams, gateway: MakeGateway) -> None:

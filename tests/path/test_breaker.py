@@ -13,7 +13,7 @@ import pytest
 from gateway.fleet.breaker import Admission, BreakerState, CircuitBreaker
 from gateway.fleet.replica import Replica
 from gateway.path.claim import Claim
-from gateway.path.retry_budget import RetryBudget
+from gateway.path.retry_budget import ContinuationBudget, RetryBudget
 from tests.conftest import wait_until
 from tests.hostile_upstream import TRANSPORTS, HostileUpstream, ask, hostile_settings, marker, openai_error
 
@@ -130,7 +130,7 @@ async def test_a_claim_settles_on_every_way_out():
 
 
 def test_retry_budget_floor_ratio_and_cap():
-    budget = RetryBudget(0.5, floor=2)
+    budget = RetryBudget(0.5, floor=2, refill_s=0)
     assert [budget.try_spend() for _ in range(3)] == [True, True, False]
     for _ in range(4):
         budget.on_request()
@@ -138,6 +138,30 @@ def test_retry_budget_floor_ratio_and_cap():
     for _ in range(10_000):
         budget.on_request()
     assert sum(budget.try_spend() for _ in range(1000)) == 2 + 50  # floor + 100 x ratio
+
+
+def test_the_retry_budgets_floor_comes_back_with_time():
+    """Issue 35: spent by a burst, the budget came back only with new requests."""
+    now = [0.0]
+    budget = RetryBudget(0.0, floor=4, refill_s=10.0, clock=lambda: now[0])
+    assert [budget.try_spend() for _ in range(5)] == [True] * 4 + [False]
+    now[0] += 5.0  # half the refill time: half the floor
+    assert [budget.try_spend() for _ in range(3)] == [True, True, False]
+    now[0] += 100.0  # never more than the floor
+    assert sum(budget.try_spend() for _ in range(10)) == 4
+
+
+def test_continuations_scale_with_the_streams_in_flight_and_come_back_with_time():
+    now = [0.0]
+    every = ContinuationBudget(ratio=1.0, floor=10, window_s=10.0, clock=lambda: now[0])
+    # A replica dies under 200 streams: as each is cut and continued, fewer are in flight.
+    assert all(every.try_spend(in_flight=200 - i) for i in range(200))
+    assert all(every.try_spend(in_flight=0) for _ in range(50))  # answers breaking one after another
+    half = ContinuationBudget(ratio=0.5, floor=10, window_s=10.0, clock=lambda: now[0])
+    assert sum(half.try_spend(in_flight=199 - i) for i in range(200)) == 100
+    assert not half.try_spend(in_flight=0)  # spent: past it, none
+    now[0] += 10.0
+    assert sum(half.try_spend(in_flight=0) for _ in range(50)) == 10  # the floor, once the window passed
 
 
 async def test_abandoned_half_open_probes_do_not_keep_a_pool_down(transport: str, gateway):
@@ -201,7 +225,8 @@ async def test_a_probe_that_times_out_reopens_the_circuit(transport: str, gatewa
 
 async def test_retry_budget_stops_retries_when_spent(transport: str, gateway):
     a, b = await HostileUpstream("close").start(), await HostileUpstream("close").start()
-    gw = await gateway(hostile_settings([a.url, b.url], transport, retry={"budget_ratio": 0}))
+    retry = {"budget_ratio": 0, "budget_refill_s": 0}  # the floor does not come back during the test
+    gw = await gateway(hostile_settings([a.url, b.url], transport, retry=retry))
     try:
         async with httpx.AsyncClient() as c:
             for _ in range(7):

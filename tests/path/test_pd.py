@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from gateway.fleet.breaker import Admission, BreakerState
-from gateway.path.pd import PREFILL_LOST
+from gateway.path.handoff import PREFILL_LOST
 from tests.conftest import gateway_settings, wait_until
 from tests.hostile_upstream import HostileUpstream
 from tests.simfleet import seen, sim_fleet, sim_process
@@ -24,9 +24,17 @@ CONSUMER = ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector",
 EVIL_KV = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1, "remote_block_ids": [1]}
 
 
-def pd_settings(prefill: str, decode: str, kind: str = "vllm", **pool: object):
+def pd_settings(
+    prefill: str, decode: str, kind: str = "vllm", side_channel: str | None = None, **pool: object
+):
     endpoints = [
-        {"url": prefill, "name": "prefill-0", "role": "prefill", "kind": kind},
+        {
+            "url": prefill,
+            "name": "prefill-0",
+            "role": "prefill",
+            "kind": kind,
+            "kv_side_channel_host": side_channel,
+        },
         {"url": decode, "name": "decode-0", "role": "decode", "kind": kind},
     ]
     return gateway_settings([], pool={"endpoints": endpoints, "pd": {"min_uncached_tokens": 64}, **pool})
@@ -199,7 +207,10 @@ def _consumer(policy: str) -> tuple[str, str]:
 
 # The prefill replica advertises a side channel where nothing listens, as one that died right after
 # answering would: the decode replica's KV load fails.
+# The prefill engine names 127.0.0.2 for its KV (as its operator says its side channel is there,
+# `kv_side_channel_host`), where nothing listens: it is gone once it answered.
 GONE_AFTER_ANSWERING = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.2"}
+GONE_HOST = "127.0.0.2"
 
 
 async def test_decode_that_cannot_load_the_kv_is_retried_without_the_hand_off(gateway):
@@ -207,7 +218,7 @@ async def test_decode_that_cannot_load_the_kv_is_retried_without_the_hand_off(ga
         sim_process(*PRODUCER, env=GONE_AFTER_ANSWERING) as prefill,
         sim_process(*_consumer("fail")) as decode,
     ):
-        gw = await gateway(pd_settings(prefill, decode))
+        gw = await gateway(pd_settings(prefill, decode, side_channel=GONE_HOST))
         async with httpx.AsyncClient() as c:
             r = await c.post(gw.url + "/v1/completions", json={"model": "m", "prompt": LONG, "max_tokens": 4})
         assert r.status_code == 200, r.text
@@ -221,7 +232,7 @@ async def test_decode_with_recompute_policy_prefills_a_lost_kv_itself(gateway):
         sim_process(*PRODUCER, env=GONE_AFTER_ANSWERING) as prefill,
         sim_process(*_consumer("recompute")) as decode,
     ):
-        gw = await gateway(pd_settings(prefill, decode))
+        gw = await gateway(pd_settings(prefill, decode, side_channel=GONE_HOST))
         async with httpx.AsyncClient() as c:
             body = {"model": "m", "prompt": LONG, "max_tokens": 4, "stream": True}
             async with c.stream("POST", gw.url + "/v1/completions", json=body) as r:
@@ -240,7 +251,7 @@ async def test_streamed_decode_that_cannot_load_the_kv_is_served_whole_by_it(gat
         sim_process(*PRODUCER, env=GONE_AFTER_ANSWERING) as prefill,
         sim_process(*_consumer("fail")) as decode,
     ):
-        gw = await gateway(pd_settings(prefill, decode))
+        gw = await gateway(pd_settings(prefill, decode, side_channel=GONE_HOST))
         async with httpx.AsyncClient() as c:
             body = {"model": "m", "prompt": LONG, "max_tokens": 4, "stream": True}
             async with c.stream("POST", gw.url + "/v1/completions", json=body) as r:
@@ -368,3 +379,34 @@ async def test_a_prefill_answer_naming_another_host_for_its_kv_is_not_relayed(ga
         assert d_leg["kv_transfer_params"] is None
     else:
         assert d_leg["kv_transfer_params"]["remote_host"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("mode", ["prefill-ok", "prefill-steer", "prefill-bad-port"])
+async def test_a_prefill_endpoint_steers_the_decode_engine_only_to_its_own_host(mode: str, gateway) -> None:
+    """Issue 35: with no kv_side_channel_host (an endpoint's default), a prefill engine's answer
+    could send the decode engine to any host:port. Now only the prefill endpoint's own host (its
+    URL's), on a port, is handed on; anything else is served whole by the decode replica."""
+    prefill, decode = HostileUpstream(mode), HostileUpstream("ok")
+    await prefill.start()
+    await decode.start()
+    try:
+        endpoints = [
+            {"url": prefill.url, "name": "prefill-0", "role": "prefill", "kind": "vllm"},
+            {"url": decode.url, "name": "decode-0", "role": "decode", "kind": "vllm"},
+        ]
+        pool = {"endpoints": endpoints, "pd": {"min_uncached_tokens": 0}}
+        gw = await gateway(gateway_settings([], pool=pool, health={"enabled": False}))
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(
+                gw.url + "/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 2}
+            )
+        assert r.status_code == 200
+        (leg,) = decode.deliveries
+        handed = json.loads(leg.body).get("kv_transfer_params")
+        if mode == "prefill-ok":
+            assert handed["remote_host"] == "127.0.0.1" and handed["remote_port"] == 5600
+        else:
+            assert handed is None  # decode-only: the engine's word did not reach the other engine
+    finally:
+        await prefill.stop()
+        await decode.stop()

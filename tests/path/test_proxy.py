@@ -300,17 +300,6 @@ async def test_observers_receive_one_record_per_request(upstreams, gateway):
     assert (missing.status, missing.error_code, missing.replica) == (404, "model_not_found", None)
 
 
-def test_route_reason_tells_cold_hit_and_spill():
-    from gateway.path.proxy import route_reason
-    from gateway.routing.policy import Candidate
-
-    a, b = Candidate(object(), 0, 0), Candidate(object(), 0, 0)  # type: ignore[arg-type]
-    assert route_reason(a, [a, b]) == "cold"
-    warm = Candidate(object(), 4, 64)  # type: ignore[arg-type]
-    assert route_reason(warm, [warm, a]) == "cache_hit"
-    assert route_reason(a, [a, warm]) == "spill"
-
-
 async def test_readiness_is_per_pool_and_liveness_outlasts_the_drain(upstreams, gateway):
     """One pool without a healthy replica (a dead canary) leaves the gateway ready by default;
     `/ready/{model}` answers for one model or route, `server.ready` can demand all or named

@@ -7,7 +7,10 @@ from __future__ import annotations
 import orjson
 
 from gateway.config import FailoverConfig
+from gateway.fleet.engines import VLLMAdapter
 from gateway.path.resume import Resume, word_boundary
+
+CONTINUE = VLLMAdapter().continuation  # vLLM's (and SGLang's) way to continue an answer
 
 
 def _chat_event(content: str, finish: str | None = None, role: bool = False) -> bytes:
@@ -25,12 +28,15 @@ def _chat_event(content: str, finish: str | None = None, role: bool = False) -> 
 
 def _resume(**body: object) -> Resume:
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 10}
-    return Resume("chat", {**base, **body}, FailoverConfig(), lambda text: len(text.split()))
+    return Resume(
+        "chat", {**base, **body}, FailoverConfig(), lambda text: len(text.split()), 1 << 20, CONTINUE
+    )
 
 
 def test_word_boundary_leaves_the_last_word_to_regenerate() -> None:
     assert word_boundary(" the of an") == len(" the of")
-    assert word_boundary(" the of ") == len(" the of")
+    assert word_boundary(" the of ") == len(" the")  # the last word stays in the seam with its space
+    assert word_boundary(" the of \n ") == len(" the")
     assert word_boundary("one") == 0 and word_boundary("") == 0
 
 
@@ -45,7 +51,7 @@ def test_a_chat_continuation_opens_the_final_assistant_message_and_shrinks_max_t
 
 
 def test_a_completion_continuation_extends_the_prompt() -> None:
-    r = Resume("completions", {"prompt": "p", "stream": True}, FailoverConfig(), len)
+    r = Resume("completions", {"prompt": "p", "stream": True}, FailoverConfig(), len, 1 << 20, CONTINUE)
     event = {"id": "cmpl-1", "created": 1, "model": "m", "choices": [{"index": 0, "text": " a bc"}]}
     r.feed(b"data: " + orjson.dumps(event) + b"\n\n")
     assert r.continuation()["prompt"] == "p a"
@@ -103,3 +109,69 @@ def test_usage_after_a_continuation_counts_the_whole_answer() -> None:
         "completion_tokens": 7,
         "total_tokens": 17,
     }
+
+
+def _kept_bytes(r: Resume) -> int:
+    return sum(len(part) for part in r.text) + sum(len(part) for part in r.reasoning)
+
+
+def test_a_streamed_answer_past_max_kept_bytes_keeps_nothing_and_is_no_longer_continuable() -> None:
+    r = Resume(
+        "chat",
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        FailoverConfig(max_kept_bytes=4096),
+        len,
+        1 << 20,
+        CONTINUE,
+    )
+    r.feed(_chat_event("", role=True))
+    event = _chat_event("x" * 100)
+    relayed = b"".join(r.feed(event) for _ in range(1000))  # ~140 KB, 34x the bound
+    assert relayed == event * 1000  # relayed untouched all the same
+    assert _kept_bytes(r) == 0 and not r.continuable and r.blocked == "too_long"
+    r.feed(b"data: [DONE]\n\n")
+    assert r.done and r.whole  # its end is still seen
+
+
+def test_below_the_bound_the_answer_stays_continuable() -> None:
+    r = _resume()
+    r.feed(_chat_event("", role=True) + _chat_event(" the of an"))
+    assert r.continuable and r.sent_text() == " the of an"
+
+
+def test_an_assembled_answer_past_max_response_bytes_fails_the_attempt() -> None:
+    r = Resume(
+        "chat",
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]},  # not streamed: assembled
+        FailoverConfig(non_streamed=True),
+        len,
+        4096,
+        CONTINUE,
+    )
+    r.feed(_chat_event("", role=True))
+    for _ in range(100):
+        if r.failure is not None:
+            break
+        assert r.feed(_chat_event("x" * 100)) == b""
+    assert r.failure == "too_large" and not r.continuable
+
+
+def test_a_continuation_that_starts_over_after_text_ending_in_a_space_is_caught() -> None:
+    """Issue 35: the text sent ended in whitespace, the seam was whitespace alone, and a
+    continuation that ignored continue_final_message and started over was relayed in full."""
+    r = _resume()
+    r.feed(_chat_event("", role=True) + _chat_event(" the cat sat "))
+    doc = r.continuation()
+    assert doc["messages"][-1]["content"] == " the cat"  # " sat " is regenerated, and checked
+    restarted = _chat_event(" the").replace(b"chatcmpl-1", b"chatcmpl-2") + _chat_event(" cat")
+    assert r.feed(restarted) == b"" and r.failure == "diverged"
+    assert r.error_event is not None and b"upstream_resume_diverged" in r.error_event
+
+
+def test_a_continuation_that_goes_on_after_text_ending_in_a_space_is_relayed_once() -> None:
+    r = _resume()
+    r.feed(_chat_event("", role=True) + _chat_event(" the cat sat "))
+    r.continuation()
+    went_on = _chat_event(" sat").replace(b"chatcmpl-1", b"chatcmpl-2") + _chat_event(" down")
+    out = r.feed(went_on)
+    assert r.failure is None and b'"content":"down"' in out and b" sat" not in out

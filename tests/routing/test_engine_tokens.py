@@ -14,8 +14,7 @@ import pytest
 
 from gateway.config import load_config
 from gateway.fleet.pool import Pool
-from gateway.routing.pool_router import PoolRouter
-from gateway.routing.tokens import (
+from gateway.prompt.tokens import (
     WordTokenizer,
     engine_prompt_tokens,
     get_tokenizer,
@@ -23,6 +22,7 @@ from gateway.routing.tokens import (
     model_tokenizer,
     usage_figure,
 )
+from gateway.routing.pool_router import PoolRouter
 from tests.conftest import gateway_settings, wait_until
 from tests.simfleet import sim_process
 
@@ -101,18 +101,18 @@ async def test_usage_figures_teach_the_pool_the_engines_tokens(gateway) -> None:
             async with c.stream("POST", gw.url + "/v1/chat/completions", json=streamed) as r:
                 assert r.status_code == 200
                 await r.aread()
-            await wait_until(lambda: pool._usage_samples == 9, timeout=5, what="nine usage figures")
+            await wait_until(lambda: pool.scale._usage_samples == 9, timeout=5, what="nine usage figures")
             probe = chat(numbered_words("probe", 400), "t4")
             engine_count = (await c.post(url + "/tokenize", json={"messages": probe["messages"]})).json()[
                 "count"
             ]
-        assert 0.25 < pool.token_scale < 0.45  # cl100k counts ~3 tokens per `tN` word
+        assert 0.25 < pool.scale.scale < 0.45  # cl100k counts ~3 tokens per `tN` word
         features = pool.features(probe, "chat", "x", {})
         assert abs(features.prompt_tokens - engine_count) <= 0.1 * engine_count
         # The index holds as many blocks as the engine's KV holds tokens of this text.
         text_tokens_per_char = engine_count / len(features.text)
-        capacity = pool.prefix_index.stats()["replicas"][replica.name]["capacity"]
-        held_chars = capacity * pool.cfg.prefix.block_chars
+        capacity = pool.match.index.stats()["replicas"][replica.name]["capacity"]
+        held_chars = capacity * pool.pool.cfg.prefix.block_chars
         assert (
             abs(held_chars * text_tokens_per_char - replica.kv_capacity_tokens)
             <= 0.15 * replica.kv_capacity_tokens
@@ -161,8 +161,8 @@ async def test_without_usage_figures_the_engines_own_counters_teach_the_pool(gat
                 ) as r:
                     assert r.status_code == 200
                     await r.aread()
-        await wait_until(lambda: 0.25 < pool.token_scale < 0.45, timeout=10, what="the counters to be read")
-        assert pool._usage_samples == 0
+        await wait_until(lambda: 0.25 < pool.scale.scale < 0.45, timeout=10, what="the counters to be read")
+        assert pool.scale._usage_samples == 0
 
 
 async def test_a_long_prompt_in_prefill_does_not_skew_the_count_when_usage_flows(gateway) -> None:
@@ -178,12 +178,14 @@ async def test_a_long_prompt_in_prefill_does_not_skew_the_count_when_usage_flows
         async with httpx.AsyncClient(timeout=60) as c:
             async with c.stream("POST", path, json=chat("w1 w2", "t0", **usage)) as r:
                 await r.aread()
-            await wait_until(lambda: pool._usage_samples == 1, timeout=5, what="one usage figure")
-            await wait_until(lambda: pool._counter_tokens > 0, timeout=5, what="the counters read")
+            await wait_until(lambda: pool.scale._usage_samples == 1, timeout=5, what="one usage figure")
+            await wait_until(lambda: pool.scale._counter_tokens > 0, timeout=5, what="the counters read")
             document = " ".join(f"word{k}" for k in range(6000))
             long = asyncio.create_task(c.post(path, json=chat(document, "t1")))
             # Scraped while the engine prefills it (5 s of wall clock at this speed).
-            await wait_until(lambda: pool._counter_chars >= 4 * 4096, timeout=5, what="a scrape after it")
+            await wait_until(
+                lambda: pool.scale._counter_chars >= 4 * 4096, timeout=5, what="a scrape after it"
+            )
             assert not long.done()
-            assert pool.token_scale == 1.0
+            assert pool.scale.scale == 1.0
             assert (await long).status_code == 200

@@ -5,15 +5,14 @@ from __future__ import annotations
 import logging
 import textwrap
 import warnings
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
-from gateway.config import BreakerConfig, ScrapeConfig, load_config
+from gateway.config import BreakerConfig, ConfigError, ScrapeConfig, load_config
 from gateway.fleet.pool import Pool
-from gateway.policy import API_VERSION, LoadScorer, Outcome, Policy, PrefixScorer, least_loaded, rank_by
+from gateway.policy import API_VERSION, LoadScorer, Policy, PrefixScorer, least_loaded, rank_by
 from gateway.routing.policy import PolicyLoadError, load_policy
 from gateway.routing.pool_router import PoolRouter
 from policies.least_load import LeastLoad
@@ -191,7 +190,17 @@ def test_scorers_compose_and_least_load_is_the_load_scorer() -> None:
     assert least.rank(request(), offered) == least_loaded(offered, load, 1)
 
 
-def test_a_deprecated_prefill_policy_still_ranks_the_prefill_leg_and_hears_its_end(
+def _pool_router(endpoints: list[dict[str, object]], policy: dict[str, object]) -> tuple[Pool, PoolRouter]:
+    pools = [{"name": "p", "model": "m", "endpoints": endpoints, "policy": policy}]
+    cfg = load_config(None, {"pools": pools}).pools[0]
+    pool = Pool(cfg, BreakerConfig(), ScrapeConfig())
+    router = PoolRouter(pool)
+    for ep in cfg.endpoints:
+        pool.add_replica(ep.url, name=ep.name, role=ep.role)
+    return pool, router
+
+
+def test_a_decision_ranks_both_legs_and_its_policy_hears_the_end_once(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     endpoints = [
@@ -199,72 +208,75 @@ def test_a_deprecated_prefill_policy_still_ranks_the_prefill_leg_and_hears_its_e
         {"url": "http://127.0.0.1:2", "name": "p1", "role": "prefill"},
         {"url": "http://127.0.0.1:3", "name": "d0", "role": "decode"},
     ]
-    pd = {"prefill_policy": {"type": "tests.recording_policy:Recording"}}
-    pools = [{"name": "p", "model": "m", "endpoints": endpoints, "pd": pd}]
-    cfg = load_config(None, {"pools": pools}).pools[0]
-    pool = Pool(cfg, BreakerConfig(), ScrapeConfig())
-    with caplog.at_level(logging.WARNING):
-        router = PoolRouter(pool)
-    assert "pd.prefill_policy is deprecated" in caplog.text
-    for ep in cfg.endpoints:
-        pool.add_replica(ep.url, name=ep.name, role=ep.role)
-    features = router.features({"model": "m", "prompt": "hi"}, "completions", "req-1", {"x-pin": "p1"})
-    pair = router.select_pair(features)
-    assert [c.replica.name for c in pair.prefill] == ["p1", "p0"]  # its rank: the pinned one first
-    assert [c.replica.name for c in pair.decode] == ["d0"]
-    recording = router.prefill_policy
+    args = {"prefill_first": "p1"}
+    pool, router = _pool_router(endpoints, {"type": "tests.recording_policy:Recording", "args": args})
+    features = router.features({"model": "m", "prompt": "hi"}, "completions", "req-1", {})
+    decision = router.route(features)
+    assert [c.replica.name for c in decision.prefills] == ["p1", "p0"]  # the policy's select_pair
+    assert [c.replica.name for c in decision.ranked] == ["d0"]
+    recording = router.policy
     assert isinstance(recording, Recording)
-    done = Outcome(
-        ok=True, status=200, error=None, ttft_s=0.1, e2e_s=0.2, prompt_tokens=1, cached_tokens=0, attempts=1
-    )
-    assert router.completion_heard(paired=True) and router.completion_heard(paired=False)
-    router.complete(features, pool.replicas["d0"], replace(done, prefill_replica="p1"), paired=True)
-    assert [(e.replica, e.outcome.prefill_replica) for e in recording.ended] == [("p1", "p1")]
+    decision.sent_prefill(pool.replicas["p1"])
+    decision.sent(pool.replicas["d0"])
+    decision.prefill = "p1"
+    assert [name for _, name in recording.routed] == ["d0"]  # a prefill leg is not the request's route
+    decision.ended(200, None, 0.1, 0.2, None, 0)
+    decision.ended(500, "engine_error", 0.1, 0.3, None, 0)  # settled already: nothing more is heard
+    (ended,) = recording.ended
+    assert (ended.replica, ended.outcome.prefill_replica, ended.outcome.attempts) == ("d0", "p1", 1)
+    assert ended.outcome.ok and ended.outcome.prompt_tokens == features.prompt_tokens
 
-    # A hook that fails is logged; the other policy still hears, and nothing reaches the request.
+    # A hook that fails is logged; nothing reaches the request.
     def fail(*args: object) -> None:
         raise ValueError("a plugin's bug")
 
     monkeypatch.setattr(router.policy, "on_complete", fail)
     with caplog.at_level(logging.ERROR):
-        router.complete(features, pool.replicas["d0"], done, paired=True)
-    assert "PrefixAffinity.on_complete failed for request req-1" in caplog.text
-    assert len(recording.ended) == 2
+        router.route(features).ended(200, None, 0.1, 0.2, None, 0)
+    assert "Recording.on_complete failed for request req-1" in caplog.text
+
+
+def test_a_removed_prefill_policy_is_refused_with_what_replaced_it() -> None:
+    endpoints = [
+        {"url": "http://127.0.0.1:1", "role": "prefill"},
+        {"url": "http://127.0.0.1:2", "role": "decode"},
+    ]
+    pd = {"prefill_policy": {"type": "least_load"}}
+    with pytest.raises(ConfigError, match=r"prefill_policy was removed.*select_pair"):
+        load_config(None, {"pools": [{"name": "p", "model": "m", "endpoints": endpoints, "pd": pd}]})
 
 
 def test_the_outcome_is_built_only_for_a_policy_that_hears_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    policy = {"type": "round_robin"}
-    pools = [{"name": "p", "model": "m", "endpoints": [{"url": "http://127.0.0.1:1"}], "policy": policy}]
-    pool = Pool(load_config(None, {"pools": pools}).pools[0], BreakerConfig(), ScrapeConfig())
-    router = PoolRouter(pool)
-    assert not router.completion_heard(paired=False)  # round_robin keeps the base class's no-op
-    monkeypatch.setattr(router.policy, "on_complete", lambda *args: None)  # a hook set on the instance
-    assert router.completion_heard(paired=False)
+    _, router = _pool_router([{"url": "http://127.0.0.1:1"}], {"type": "round_robin"})
+    features = router.features({"model": "m", "prompt": "hi"}, "completions", "req-1", {})
+    built: list[object] = []
+    monkeypatch.setattr("gateway.routing.decision.Outcome", lambda **kw: built.append(kw))
+    router.route(features).ended(200, None, 0.1, 0.2, None, 0)
+    assert built == []  # round_robin keeps the base class's no-op
+    heard: list[object] = []
+    monkeypatch.setattr(router.policy, "on_complete", lambda *args: heard.append(args))  # set on the instance
+    router.route(features).ended(200, None, 0.1, 0.2, None, 0)
+    assert len(built) == 1 and len(heard) == 1
 
 
 def test_first_token_is_passed_only_to_a_policy_with_the_hook(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pools = [
-        {
-            "name": "p",
-            "model": "m",
-            "endpoints": [{"url": "http://127.0.0.1:1"}],
-            "policy": {"type": "round_robin"},
-        }
-    ]
-    pool = Pool(load_config(None, {"pools": pools}).pools[0], BreakerConfig(), ScrapeConfig())
-    router = PoolRouter(pool)
-    assert not router.first_token_heard()  # round_robin keeps the base class's no-op
+    pool, router = _pool_router([{"url": "http://127.0.0.1:1", "name": "r0"}], {"type": "round_robin"})
+    features = router.features({"model": "m", "prompt": "hi"}, "completions", "req-1", {})
+    assert not router.route(features).hears_first_token  # round_robin keeps the base class's no-op
 
-    # A hook that fails is logged, and the stream it was called from goes on.
+    # A hook that fails is logged, and the stream it was called from goes on; it is heard once.
+    calls: list[object] = []
+
     def fail(*args: object) -> None:
+        calls.append(args)
         raise ValueError("a plugin's bug")
 
     monkeypatch.setattr(router.policy, "on_first_token", fail)
-    assert router.first_token_heard()
-    replica = pool.add_replica("http://127.0.0.1:1", name="r0")
-    features = router.features({"model": "m", "prompt": "hi"}, "completions", "req-1", {})
+    decision = router.route(features)
+    assert decision.hears_first_token
     with caplog.at_level(logging.ERROR):
-        router.first_token(features, replica)
-    assert "RoundRobin.on_first_token failed for request req-1" in caplog.text
+        decision.first_token(pool.replicas["r0"])
+        decision.first_token(pool.replicas["r0"])
+    assert "RoundRobin.on_first_token failed for request req-1" in caplog.text and len(calls) == 1

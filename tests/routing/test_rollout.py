@@ -11,7 +11,7 @@ import pytest
 from gateway.config import ConfigError, RouteConfig, load_config
 from gateway.control.variant_stats import VariantStats
 from gateway.path.request_record import RequestRecord
-from gateway.routing.rollout import BUCKETS, Choice, Router, sticky_bucket
+from gateway.routing.rollout import BUCKETS, Choice, Rollouts, sticky_bucket
 from tests.conftest import gateway_settings
 
 POOLS = {"stable": "m-stable", "canary": "m-canary"}
@@ -34,12 +34,12 @@ def _pool(choice: Choice | None) -> str | None:
     return None if choice is None else choice.pool
 
 
-def split(router: Router, keys: range, header: str = "x-user-id") -> dict[str, str]:
+def split(router: Rollouts, keys: range, header: str = "x-user-id") -> dict[str, str]:
     return {str(k): _pool(router.resolve("llama", {header: f"user-{k}"}, {})) for k in keys}
 
 
 def test_header_rule_overrides_the_split() -> None:
-    router = Router([route(100, 0)], POOLS)
+    router = Rollouts([route(100, 0)], POOLS)
     assert _pool(router.resolve("llama", {"x-canary": "1"}, {})) == "canary"
     assert _pool(router.resolve("llama", {"x-canary": "0", "x-user-id": "a"}, {})) == "stable"
     assert _pool(router.resolve("m-canary", {}, {})) == "canary"  # a pool's own model name routes to it
@@ -48,33 +48,33 @@ def test_header_rule_overrides_the_split() -> None:
 
 @pytest.mark.parametrize("canary", [5.0, 30.0, 50.0])
 def test_split_over_10k_keys_matches_weights_within_2_percent(canary: float) -> None:
-    router = Router([route(100 - canary, canary)], POOLS)
+    router = Rollouts([route(100 - canary, canary)], POOLS)
     counts = Counter(split(router, range(10_000)).values())
     assert abs(counts["canary"] / 10_000 - canary / 100) < 0.02, counts
 
 
 def test_raising_canary_weight_only_moves_users_from_stable_to_canary() -> None:
-    before = split(Router([route(95, 5)], POOLS), range(10_000))
-    after = split(Router([route(80, 20)], POOLS), range(10_000))
+    before = split(Rollouts([route(95, 5)], POOLS), range(10_000))
+    after = split(Rollouts([route(80, 20)], POOLS), range(10_000))
     moved = [k for k in before if before[k] != after[k]]
     assert moved, "a weight change must move someone"
     assert all(before[k] == "stable" and after[k] == "canary" for k in moved)
     # Unnormalized weights (not summing to 100): raising the canary still only moves stable users.
-    bigger = split(Router([route(95, 15)], POOLS), range(10_000))
+    bigger = split(Rollouts([route(95, 15)], POOLS), range(10_000))
     assert all(bigger[k] == "canary" for k in before if before[k] == "canary")
 
 
 def test_sticky_assignment_is_deterministic_and_salted() -> None:
-    a = split(Router([route(50, 50)], POOLS), range(2000))
-    b = split(Router([route(50, 50)], POOLS), range(2000))  # another gateway instance, same config
+    a = split(Rollouts([route(50, 50)], POOLS), range(2000))
+    b = split(Rollouts([route(50, 50)], POOLS), range(2000))  # another gateway instance, same config
     assert a == b
-    other_salt = split(Router([route(50, 50, salt="rollout-8")], POOLS), range(2000))
+    other_salt = split(Rollouts([route(50, 50, salt="rollout-8")], POOLS), range(2000))
     assert sum(a[k] != other_salt[k] for k in a) > 500  # a new salt reshuffles users
     assert sticky_bucket("s", "k") == sticky_bucket("s", "k") < BUCKETS
 
 
 def test_sticky_key_sources_in_order() -> None:
-    router = Router([route(50, 50, key="header:x-session-id|body:metadata.session_id|body:user")], POOLS)
+    router = Rollouts([route(50, 50, key="header:x-session-id|body:metadata.session_id|body:user")], POOLS)
     rule = router.routes["llama"][1]
     assert rule.sticky_key({"x-session-id": "s1"}, {"user": "u1"}) == "s1"
     assert rule.sticky_key({}, {"user": "u1", "metadata": {"session_id": "m1"}}) == "m1"
@@ -87,13 +87,13 @@ def test_sticky_key_sources_in_order() -> None:
 
 
 def test_requests_without_key_are_split_at_random_by_weight() -> None:
-    router = Router([route(70, 30)], POOLS)
+    router = Rollouts([route(70, 30)], POOLS)
     counts = Counter(_pool(router.resolve("llama", {}, {})) for _ in range(10_000))
     assert abs(counts["canary"] / 10_000 - 0.30) < 0.03, counts
 
 
 def test_set_weights_rollback_and_validation() -> None:
-    router = Router([route(50, 50)], POOLS)
+    router = Rollouts([route(50, 50)], POOLS)
     assert router.set_weights("llama", {"canary": 0}) == 1
     assert set(split(router, range(1000)).values()) == {"stable"}
     assert router.weights("llama") == {"stable": 50.0, "canary": 0.0}

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tests.sim.conftest import TOOL, cli_replica
+from tests.simfleet import sim_process
 
 MSGS = [
     {"role": "system", "content": "Answer in JSON. " * 20},
@@ -308,6 +309,30 @@ async def _pooling(pooling_sim: str) -> None:
         assert pooled["data"][0]["data"] == pytest.approx(vecs[0])
         generate = await h.post("/v1/chat/completions", json={"model": "m", "messages": MSGS})
         assert generate.status_code == 404 and generate.json() == {"detail": "Not Found"}
+
+
+async def test_rerank_and_score_are_meaningful_and_deterministic() -> None:
+    """A query that shares no token with any document (cl100k splits `capitals` and `capital`
+    differently) used to score 0.0 against all of them; sharing parts of words now ranks a document
+    first, and two simulator processes give the same scores for the same request."""
+    body = {
+        "model": "m",
+        "query": "Which capitals border France?",
+        "documents": ["banana bread recipe", "Paris, capital city", "quarterly revenue grew"],
+    }
+    answers = []
+    for _ in range(2):
+        with sim_process("m", "--runner", "pooling") as url:
+            async with httpx.AsyncClient(base_url=url) as h:
+                rerank = (await h.post("/rerank", json=body)).json()["results"]
+                pair = {"model": "m", "text_1": body["query"], "text_2": body["documents"]}
+                score = (await h.post("/score", json=pair)).json()["data"]
+        answers.append((rerank, score))
+    assert answers[0] == answers[1]  # deterministic, across processes
+    rerank, score = answers[0]
+    assert rerank[0]["index"] == 1 and rerank[0]["relevance_score"] > 0.05
+    assert all(r["relevance_score"] < rerank[0]["relevance_score"] for r in rerank[1:])
+    assert {r["index"]: r["relevance_score"] for r in rerank} == {d["index"]: d["score"] for d in score}
 
 
 async def test_tokenize_detokenize_and_responses(strict_sim: str) -> None:

@@ -18,7 +18,7 @@ from gateway.sim.cost_model import CostModel
 from gateway.sim.profiles import get_profile
 from tests.simfleet import metric_values, sim_fleet
 
-BW = 4e8  # bytes/s: the H200 run's link (bench/results/gpu/2026-12-02-pd)
+BW = 4e8  # bytes/s: the H200 run's link (results/gpu/2026-12-02-pd)
 PROFILE = get_profile("tiny", transfer_bw=BW)
 CONSUMER = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer"})
 N = 2048  # prompt tokens, all of them moved

@@ -14,12 +14,12 @@ from gateway.control.state.memory import MemoryState
 if TYPE_CHECKING:
     from gateway.config import StateConfig
     from gateway.fleet.fleet import Fleet
-    from gateway.routing.rollout import Router
+    from gateway.routing.rollout import Rollouts
 
 __all__ = ["Bucket", "MemoryState", "StateBackend", "make_state"]
 
 
-def make_state(cfg: StateConfig, fleet: Fleet, router: Router) -> StateBackend:
+def make_state(cfg: StateConfig, fleet: Fleet, router: Rollouts) -> StateBackend:
     if cfg.backend == "redis":
         from gateway.control.state.redis_backend import RedisState
 

@@ -11,7 +11,7 @@ from gateway.config import StateConfig
 if TYPE_CHECKING:
     from gateway.fleet.fleet import Fleet
     from gateway.routing.prefix_index import PrefixIndex
-    from gateway.routing.rollout import Router
+    from gateway.routing.rollout import Rollouts
 
 
 class StateBackend:
@@ -29,7 +29,7 @@ class StateBackend:
 
     name: ClassVar[str] = "base"
 
-    def __init__(self, cfg: StateConfig, fleet: Fleet, router: Router) -> None:
+    def __init__(self, cfg: StateConfig, fleet: Fleet, router: Rollouts) -> None:
         self.cfg = cfg
         self.fleet = fleet
         self.router = router

@@ -39,13 +39,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 from redis.typing import EncodableT, FieldT
 
-from gateway.config import EndpointConfig, StateConfig
+from gateway.config import EndpointConfig, StateConfig, check_weight
 from gateway.control.state.base import Bucket, StateBackend
 from gateway.routing.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
     from gateway.fleet.fleet import Fleet
-    from gateway.routing.rollout import Router
+    from gateway.routing.rollout import Rollouts
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class SharedPrefixIndex(PrefixIndex):
 class RedisState(StateBackend):
     name = "redis"
 
-    def __init__(self, cfg: StateConfig, fleet: Fleet, router: Router) -> None:
+    def __init__(self, cfg: StateConfig, fleet: Fleet, router: Rollouts) -> None:
         super().__init__(cfg, fleet, router)
         self.instance = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         # Blocking pool: a burst of counter calls waits for a connection instead of failing.
@@ -453,8 +453,10 @@ class RedisState(StateBackend):
             try:
                 if router.weights(model, int(index)) == data["weights"]:
                     continue
+                for weight in data["weights"].values():
+                    check_weight(float(weight))  # whoever wrote Redis, held to the file's bounds
                 router.set_weights(model, data["weights"], int(index))
-            except (KeyError, ValueError) as exc:
+            except (KeyError, ValueError, TypeError) as exc:
                 log.warning("shared weights for route %s rule %s not applied: %s", model, index, exc)
                 continue
             log.info(

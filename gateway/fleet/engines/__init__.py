@@ -1,9 +1,12 @@
-"""Engine adapters, one module per engine kind, looked up by kind with `get_adapter`."""
+"""Engine adapters, one module per engine kind, looked up by kind with `get_adapter`; each kind's
+prefill/decode connector in a module of its own (`nixl`, `bootstrap`)."""
 
 from __future__ import annotations
 
 from gateway.config import EngineSpec
 from gateway.fleet.engines.base import EngineAdapter, ReplicaSlot
+from gateway.fleet.engines.connector import Connector, DecodeLeg
+from gateway.fleet.engines.openai import OpenAIAdapter
 from gateway.fleet.engines.sglang import SGLangAdapter
 from gateway.fleet.engines.sim import SimAdapter, sim_api
 from gateway.fleet.engines.vllm import VLLMAdapter
@@ -12,12 +15,20 @@ _ADAPTERS: dict[str, EngineAdapter] = {
     "vllm": VLLMAdapter(),
     "sglang": SGLangAdapter(),
     "sim": SimAdapter(),
+    "openai": OpenAIAdapter(),
 }
 _SIM_SGLANG = SimAdapter("sglang")
 
+# What steers any engine kind: a client may send none of it, whatever engine serves it.
+CONTROL_FIELDS = frozenset().union(*(a.control_fields for a in _ADAPTERS.values()))
+CONTROL_HEADERS = frozenset().union(*(a.control_headers for a in _ADAPTERS.values()))
+CONTROL_HEADER_PREFIXES = tuple(
+    dict.fromkeys(p for a in _ADAPTERS.values() for p in a.control_header_prefixes)
+)
+
 
 def get_adapter(kind: str) -> EngineAdapter:
-    """The adapter for an engine kind (`vllm`, `sglang`, `sim`); KeyError names the known kinds."""
+    """The adapter for an engine kind (`vllm`, `sglang`, `sim`, `openai`); KeyError names the known kinds."""
     try:
         return _ADAPTERS[kind]
     except KeyError:
@@ -32,7 +43,13 @@ def adapter_for_spec(spec: EngineSpec) -> EngineAdapter:
 
 
 __all__ = [
+    "CONTROL_FIELDS",
+    "CONTROL_HEADERS",
+    "CONTROL_HEADER_PREFIXES",
+    "Connector",
+    "DecodeLeg",
     "EngineAdapter",
+    "OpenAIAdapter",
     "ReplicaSlot",
     "SGLangAdapter",
     "SimAdapter",

@@ -3,10 +3,14 @@
 An adapter turns a fleet's `EngineSpec` into one replica's command line and environment, names
 the endpoint that reports the engine's load and parses it into `EngineLoad`, maps a gateway
 priority level onto the engine's `priority` body field (and caps a client's own value in the
-engine's direction), and names the PD hand-off protocol. Error bodies need no adapter: one
-function (`gateway.errors.normalize_error_body`) reads vLLM's `{"error": {...}}`, SGLang's flat
+engine's direction), and speaks the engine's dialect for the request path: its prefill/decode
+connector (`connector`, one module each), how an answer is continued from its text, how a LoRA
+adapter is named in `model`, where its tokenizer is, and which body fields and headers steer it
+(only the gateway may send those). Error bodies need no adapter: one function
+(`gateway.errors.normalize_error_body`) reads vLLM's `{"error": {...}}`, SGLang's flat
 `{"object": "error", ...}` and anything else. Adapters are stateless, one per engine kind
-(`get_adapter`), plus the simulator told to speak SGLang's API (`adapter_for_spec`).
+(`get_adapter`), plus the simulator told to speak SGLang's API (`adapter_for_spec`). A new engine
+kind is one module here and its test (`openai.py`, any OpenAI-compatible server, is the smallest).
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ import os
 import re
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from gateway.config import EngineSpec
 from gateway.fleet.engine_load import EngineLoad
+from gateway.fleet.engines.connector import Connector
 from gateway.fleet.replica import Role
 
 # Names of the auxiliary ports a replica may need besides its HTTP port.
@@ -33,10 +38,6 @@ NIXL_SIDE_CHANNEL_PORT = "nixl_side_channel"
 BOOTSTRAP_PORT = "bootstrap"
 # Managed engines publish KV events under this topic, set explicitly on both ends.
 KV_EVENTS_TOPIC = "kv-events"
-# The prefill/decode hand-offs (gateway.path.pd): vLLM's NIXL relay, one leg after the other,
-# and SGLang's bootstrap, both legs at once.
-VLLM_SEQUENTIAL = "vllm-nixl-sequential"
-SGLANG_CONCURRENT = "sglang-bootstrap-concurrent"
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,18 +178,35 @@ def mean(samples: list[Sample]) -> float:
     return total(samples) / len(samples) if samples else 0.0
 
 
+def flag_value(args: Sequence[str], name: str) -> str | None:
+    """The value of `name` in a command line (`--flag value` or `--flag=value`), if given."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 class EngineAdapter(ABC):
     """What kvgate needs to know about one engine kind."""
 
     kind: ClassVar[str]
-    pd_protocol: str
-    """The PD hand-off the dispatcher must speak with this engine's prefill/decode pairs."""
-    load_path: str
-    """The endpoint `parse_load` understands."""
+    connector: Connector | None = None
+    """How this engine's prefill/decode pairs hand a prompt's KV over (None: no disaggregation)."""
+    continues: ClassVar[bool] = True
+    """Whether an answer can be continued from its text (`continuation`): failover needs it."""
+    load_path: str | None
+    """The endpoint `parse_load` understands (None: the engine reports no load)."""
     health_path: ClassVar[str] = "/health"
     lora_load_path: ClassVar[str] = "/v1/load_lora_adapter"
     """Where the engine loads a LoRA adapter at run time (body: lora_name, lora_path)."""
     uses_gpus: ClassVar[bool] = True
+    # What steers the engine (PD transfer targets, data-parallel placement, engine request ids,
+    # code it would run, fault injection): a client's copy is removed (gateway/path/sanitize.py).
+    control_fields: ClassVar[frozenset[str]] = frozenset()
+    control_headers: ClassVar[frozenset[str]] = frozenset()
+    control_header_prefixes: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def aux_port_names(self, spec: EngineSpec, role: Role) -> tuple[str, ...]:
@@ -218,6 +236,40 @@ class EngineAdapter(ABC):
         ceiling = self.engine_priority(level)
         higher_first = self.engine_priority(1) > self.engine_priority(0)
         return min(given, ceiling) if higher_first else max(given, ceiling)
+
+    def lora_model(self, base: str, adapter: str) -> str:
+        """The `model` an OpenAI request names to be served by LoRA `adapter` of model `base`."""
+        return adapter
+
+    def lora_adapter(self, base: str, model: str) -> str | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        return None if model == base else model
+
+    # Whether the engine schedules by a body `priority` (in `engine_priority`'s direction).
+    schedules_by_priority: ClassVar[bool] = True
+    # Whether the engine finds a model's tokenizer in the Hugging Face cache when no hint names one.
+    hub_tokenizer: ClassVar[bool] = True
+
+    def lora_loaded(self, status: int, text: str) -> bool:
+        """Whether the answer to a run-time LoRA load says the adapter is served now. vLLM answers
+        400 when the adapter is there already: as good as loaded."""
+        return status == 200 or (status == 400 and "already been loaded" in text)
+
+    def tokenizer_hint(self, spec: EngineSpec, model: str) -> str | None:
+        """Where a launched engine's tokenizer is, if its command line says: `--tokenizer`."""
+        return flag_value(spec.extra_args, "--tokenizer")
+
+    def continuation(self, body: Mapping[str, Any], chat: bool, start: str) -> dict[str, Any]:
+        """`body` asking the engine to go on from the answer text `start` (vLLM and SGLang read the
+        same fields): a chat's final assistant message left open, or a prompt extended."""
+        doc = dict(body)
+        if chat:
+            doc["messages"] = [*body["messages"], {"role": "assistant", "content": start}]
+            doc["continue_final_message"] = True
+            doc["add_generation_prompt"] = False
+        else:
+            doc["prompt"] = body["prompt"] + start
+        return doc
 
     def gpu_env(self, slot: ReplicaSlot) -> dict[str, str]:
         if slot.gpu_ids is None:

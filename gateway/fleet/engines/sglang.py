@@ -1,4 +1,6 @@
-"""SGLang: command line, load figures, priority direction and PD protocol.
+"""SGLang: command line, load figures, priority direction and its dialect (the bootstrap
+connector, `gateway.fleet.engines.bootstrap`; LoRA adapters named `base:adapter`; what steers it:
+`bootstrap_*`, data-parallel ranks, `rid`, a serialized custom logit processor, `x-sglang-*`).
 
 Flags checked against SGLang 0.5.23 (`python -m sglang.launch_server --help`,
 `sglang/srt/server_args.py`), see /work/shared/engines.md. Differences from vLLM kept here:
@@ -24,9 +26,9 @@ from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.engines.base import (
     BOOTSTRAP_PORT,
     KV_EVENTS_PORT,
-    SGLANG_CONCURRENT,
     EngineAdapter,
     ReplicaSlot,
+    flag_value,
     kv_events_config,
     kv_events_port_needed,
     mean,
@@ -35,6 +37,8 @@ from gateway.fleet.engines.base import (
     total,
     valued_flags,
 )
+from gateway.fleet.engines.bootstrap import BootstrapConnector
+from gateway.fleet.engines.connector import Connector
 from gateway.fleet.replica import Role
 
 DEFAULT_MEM_FRACTION_STATIC = 0.88
@@ -50,9 +54,26 @@ _LOAD_SERIES = (RUNNING, WAITING, TOKEN_USAGE, MAX_TOKENS)
 
 class SGLangAdapter(EngineAdapter):
     kind: ClassVar[str] = "sglang"
-    pd_protocol = SGLANG_CONCURRENT
-    load_path = "/v1/loads"
+    connector: Connector | None = BootstrapConnector()
+    load_path: str | None = "/v1/loads"
     lora_load_path: ClassVar[str] = "/load_lora_adapter"
+    # `custom_logit_processor` is serialized code the engine would run.
+    control_fields: ClassVar[frozenset[str]] = BootstrapConnector.control_fields | {
+        "routed_dp_rank",
+        "rid",
+        "custom_logit_processor",
+    }
+    control_headers: ClassVar[frozenset[str]] = frozenset({"x-data-parallel-rank"})
+    control_header_prefixes: ClassVar[tuple[str, ...]] = ("x-sglang-",)
+
+    def tokenizer_hint(self, spec: EngineSpec, model: str) -> str | None:
+        return flag_value(spec.extra_args, "--tokenizer-path")
+
+    def lora_model(self, base: str, adapter: str) -> str:
+        return f"{base}:{adapter}"  # SGLang's OpenAI API
+
+    def lora_adapter(self, base: str, model: str) -> str | None:
+        return None if model == base else model.removeprefix(base + ":")
 
     def aux_port_names(self, spec: EngineSpec, role: Role) -> tuple[str, ...]:
         names: list[str] = []

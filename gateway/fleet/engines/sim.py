@@ -17,6 +17,7 @@ bootstrap port per prefill replica), and load, priority and PD protocol are read
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from gateway.config import EngineSpec
@@ -26,6 +27,7 @@ from gateway.fleet.engines.base import (
     KV_EVENTS_PORT,
     ReplicaSlot,
     connect_host,
+    flag_value,
     kv_events_port_needed,
 )
 from gateway.fleet.engines.sglang import SGLangAdapter
@@ -48,13 +50,23 @@ def sim_api(spec: EngineSpec) -> SimApi:
 class SimAdapter(VLLMAdapter):
     kind: ClassVar[str] = "sim"
     uses_gpus: ClassVar[bool] = False
+    control_header_prefixes: ClassVar[tuple[str, ...]] = (*VLLMAdapter.control_header_prefixes, "x-sim-")
+    hub_tokenizer: ClassVar[bool] = False
 
     def __init__(self, api: SimApi = "vllm") -> None:
         self.api: SimApi = api
         if api == "sglang":
             self._sglang = SGLangAdapter()
-            self.pd_protocol = SGLangAdapter.pd_protocol
+            self.connector = self._sglang.connector
             self.load_path = SGLangAdapter.load_path
+
+    def tokenizer_hint(self, spec: EngineSpec, model: str) -> str | None:
+        # The simulator reads a model directory's tokenizer, never a hub cache.
+        flag = flag_value([*spec.extra_args, *spec.sim.extra_args], "--tokenizer")
+        if flag:
+            return flag
+        found = Path(model) / "tokenizer.json"
+        return str(found) if found.is_file() else None
 
     def executable(self, spec: EngineSpec, model: str) -> list[str]:
         return [*(spec.command or [sys.executable, "-m", "gateway.sim"]), "--model", model]

@@ -1,4 +1,6 @@
-"""vLLM: command line, load metrics, priority direction and PD protocol.
+"""vLLM: command line, load metrics, priority direction and its dialect (the NIXL connector,
+`gateway.fleet.engines.nixl`; what steers it: `kv_transfer_params`, a data-parallel rank, its
+request id, `X-Data-Parallel-Rank` and its `x-vllm-*` headers).
 
 Flags checked against vLLM 0.33 (`vllm serve --help` and `vllm/engine/arg_utils.py`), see
 /work/shared/engines.md. LoRA: `--enable-lora`, `--lora-modules name=path` (the JSON form when a
@@ -30,7 +32,6 @@ from gateway.fleet.engine_load import EngineLoad
 from gateway.fleet.engines.base import (
     KV_EVENTS_PORT,
     NIXL_SIDE_CHANNEL_PORT,
-    VLLM_SEQUENTIAL,
     EngineAdapter,
     ReplicaSlot,
     compact_json,
@@ -43,6 +44,8 @@ from gateway.fleet.engines.base import (
     total,
     valued_flags,
 )
+from gateway.fleet.engines.connector import Connector
+from gateway.fleet.engines.nixl import NixlConnector
 from gateway.fleet.replica import Role
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
@@ -60,8 +63,14 @@ _LOAD_SERIES = (RUNNING, WAITING, KV_USAGE, CACHE_CONFIG, PROMPT_TOKENS)
 
 class VLLMAdapter(EngineAdapter):
     kind: ClassVar[str] = "vllm"
-    pd_protocol = VLLM_SEQUENTIAL
-    load_path = "/metrics"
+    connector: Connector | None = NixlConnector()
+    load_path: str | None = "/metrics"
+    control_fields: ClassVar[frozenset[str]] = NixlConnector.control_fields | {
+        "data_parallel_rank",
+        "request_id",
+    }
+    control_headers: ClassVar[frozenset[str]] = frozenset({"x-data-parallel-rank"})
+    control_header_prefixes: ClassVar[tuple[str, ...]] = ("x-vllm-",)
 
     def executable(self, spec: EngineSpec, model: str) -> list[str]:
         return [*(spec.command or ["vllm", "serve"]), model]

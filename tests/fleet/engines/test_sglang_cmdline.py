@@ -110,7 +110,7 @@ def test_removed_vllm_flags_and_plain_fp8_never_emitted() -> None:
 def test_priority_direction_and_protocol() -> None:
     # Gateway levels: higher is more important; SGLang runs higher values first.
     assert sglang.engine_priority(2) > sglang.engine_priority(1) > sglang.engine_priority(0)
-    assert sglang.pd_protocol == "sglang-bootstrap-concurrent"
+    assert sglang.connector is not None and sglang.connector.protocol == "sglang-bootstrap-concurrent"
     assert sglang.load_path == "/v1/loads"
 
 

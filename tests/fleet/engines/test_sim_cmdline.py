@@ -75,7 +75,7 @@ def test_sim_speaking_sglang_is_read_the_sglang_way() -> None:
         kind="sim", replicas=2, roles={"prefill": 1, "decode": 1}, sim={"extra_args": ["--api", "sglang"]}
     )
     adapter = adapter_for_spec(s)
-    assert adapter.pd_protocol == "sglang-bootstrap-concurrent"
+    assert adapter.connector is not None and adapter.connector.protocol == "sglang-bootstrap-concurrent"
     assert adapter.engine_priority(2) > adapter.engine_priority(0)
     assert adapter.aux_port_names(s, "prefill") == (BOOTSTRAP_PORT,)
     argv, _ = adapter.command(s, "m", slot(role="prefill", aux_ports={BOOTSTRAP_PORT: 8998}))

@@ -213,7 +213,7 @@ def test_removed_flags_never_emitted(fleet) -> None:
 def test_priority_direction_and_protocol() -> None:
     # Gateway levels: higher is more important; vLLM runs lower values first.
     assert vllm.engine_priority(2) < vllm.engine_priority(1) < vllm.engine_priority(0)
-    assert vllm.pd_protocol == "vllm-nixl-sequential"
+    assert vllm.connector is not None and vllm.connector.protocol == "vllm-nixl-sequential"
     assert vllm.load_path == "/metrics"
 
 
