@@ -191,7 +191,9 @@ def render_fleet(
     return path
 
 
-def test_the_kit_sizes_itself_to_the_card_and_its_templates_render_to_valid_configs(tmp_path: Path) -> None:
+def test_the_kit_sizes_itself_to_the_card_and_its_templates_render_to_valid_configs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert card.detect("NVIDIA H100 80GB HBM3, 81559\n") == "h100"
     assert card.detect("NVIDIA H200, 143771\n") == "h200"
     # Every template renders to a config kvgate accepts, on either card, with nothing left unfilled.
@@ -210,11 +212,8 @@ def test_the_kit_sizes_itself_to_the_card_and_its_templates_render_to_valid_conf
     (model / "config.json").write_text(json.dumps({"hidden_size": 4096, "num_hidden_layers": 32}))
     kg = tmp_path / "kg"
     kg.mkdir()
-    os.environ["KG_CARD"] = "h100"
-    try:
-        assert card.card_detect(kg, model) == 0
-    finally:
-        del os.environ["KG_CARD"]
+    monkeypatch.setenv("KG_CARD", "h100")
+    assert card.card_detect(kg, model) == 0
     config = json.loads((model / "config.json").read_text())
     shape = (config["hidden_size"], config["num_hidden_layers"], config["tie_word_embeddings"])
     assert shape == (3072, 28, True)
