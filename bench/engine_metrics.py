@@ -33,6 +33,10 @@ TRANSFER_SAMPLES = {
     "vllm:nixl_xfer_time_seconds_sum": "kv_transfer_s",
     "vllm:nixl_bytes_transferred_sum": "kv_transfer_bytes",
     "vllm:nixl_num_failed_transfers_total": "kv_transfers_failed",
+    # The CPU tier's copies (OffloadingConnector): loads are transfer jobs, one per request that hit.
+    "vllm:kv_offload_load_size_count": "cpu_loads",
+    "vllm:kv_offload_load_bytes_total": "cpu_load_bytes",
+    "vllm:kv_offload_store_bytes_total": "cpu_store_bytes",
 }
 
 

@@ -146,11 +146,25 @@ class SharedPrefix(Workload):
 class DynamicSystemPrompt(SharedPrefix):
     name: ClassVar[str] = "dynamic-system-prompt"
     summary: ClassVar[str] = "shared-prefix whose system prompt starts with the time and a user id"
+    # "sentence": "Today is <ISO time>, user <UUID>. You are", what the built-in rules recognise;
+    # "line": a line of its own, "time W W W session W W W W", its values words of the benchmark's
+    # vocabulary: the GPU kit's one-token-per-word tokenizer maps a timestamp or a UUID to <unk>,
+    # which would make every request's head the same tokens to the engine.
+    head: str = "sentence"
 
     def build(self, seed: int) -> list[BenchRequest]:
+        if self.head not in ("sentence", "line"):
+            raise ValueError(f"head {self.head!r}: expected sentence or line")
+        out = super().build(seed)
+        if self.head == "line":
+            for req in out:
+                clock = self.words(f"time:{seed}:{req.index}", 3)
+                line = f"time{clock} session{self.words(f'sid:{seed}:{req.index}', 4)}\n"
+                req.messages[0]["content"] = line + req.messages[0]["content"].lstrip()
+                req.prompt_tokens += get_tokenizer().count(line)
+            return out
         rng = random.Random(f"dynamic:{seed}")
         start = dt.datetime(2026, 11, 29, 9, 0, 0, tzinfo=dt.UTC)
-        out = super().build(seed)
         for req in out:
             # ISO time and a UUID: what canonicalization's built-in rules recognise as volatile.
             now = start + dt.timedelta(seconds=req.index * 7 + rng.randrange(7))

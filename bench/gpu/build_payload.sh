@@ -90,12 +90,19 @@ data() {
   cp "$MOONCAKE/conversation_trace.jsonl" "$OUTD/data/mooncake/"
 }
 
-peers() {  # sglang-router for bench.overhead's side-by-side on the host's quiet cores (QUEUE=recheck, call 3)
-  step "peers: sglang-router"
-  rm -rf "$OUTD/peers"; mkdir -p "$OUTD/peers"
+peers() {  # the routers measured beside kvgate (QUEUE=tiers, QUEUE=recheck): sglang-router 0.3.2 and SMG
+  # 1.13.0, unpacked and xz'd into one archive (.gpu/peers/peers.tar.xz, ~42 MiB: their two wheels are
+  # 68 MB, over what one call carries beside the tree); `setproctitle` is in the payload's wheels
+  step "peers: sglang-router 0.3.2, smg 1.13.0"
+  local dl="$WORK/dl/peers" site="$WORK/peers-site"
+  mkdir -p "$dl"; rm -rf "$site" "$OUTD/peers"; mkdir -p "$site" "$OUTD/peers"
   # shellcheck disable=SC2086
   "$PIP" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS \
-    -d "$OUTD/peers" sglang-router==0.3.2 setproctitle
+    -d "$dl" sglang-router==0.3.2 smg==1.13.0
+  for w in "$dl"/*.whl; do (cd "$site" && unzip -q -o "$w"); done
+  rm -f "$site"/bin/smg "$site"/bin/sglang-router "$site"/bin/amg   # both ship an `smg` script: run by module
+  tar -C "$site" -cf - . | xz -9 -T2 > "$OUTD/peers/peers.tar.xz"
+  ls -la "$OUTD/peers"
 }
 
 nixl() {  # NIXL for vLLM's NixlConnector (QUEUE=pd): nixl-cu13 and its `nixl` import shim, trimmed to

@@ -33,7 +33,12 @@ TITLES = {
     "routing-hot": "Hot prefix: two hot prefixes over four replicas",
     "bf16-routing": "BF16 KV cache, same memory, same workload and rate as the FP8 routing table",
     "routing-hot-device": "Hot prefix with the four replicas known as one GPU (device_load on and off)",
+    "routing-tiers-gpu": "CPU KV tiers: the prefix working set within the CPU tiers, 2.8x the GPUs' KV",
+    "canonicalize-gpu": "Canonicalization: a per-request line (time, session id) ahead of the system prompt",
 }
+# Groups whose table also has the engines' own counters (summed over the fleet, this run's share).
+ENGINE_GROUPS = ("routing-tiers-gpu", "canonicalize-gpu")
+FAULT_GROUPS = ("failover-vllm",)
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -91,6 +96,62 @@ def _row(run: dict[str, Any], sim: dict[str, Any] | None) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _engine_row(run: dict[str, Any], sim: dict[str, Any] | None) -> str:
+    """TTFT p50/mean/p99 and the engines' counters: GPU hits, CPU (connector) hits, recomputed prompt
+    tokens and CPU loads, the simulator's beside each."""
+
+    def cells(r: dict[str, Any] | None) -> list[str]:
+        if r is None:
+            return ["-"] * 8
+        t, e = r["ttft_ms"], r.get("engine") or {}
+        return [
+            _f(t["p50"]),
+            _f(t["mean"]),
+            _f(t["p99"]),
+            _f(r["cache_hit_rate"], 3),
+            _f(e.get("prefix_cache_hits"), 0),
+            _f(e.get("external_cache_hit_tokens"), 0),
+            _f(e.get("recomputed_tokens"), 0),
+            _f(e.get("cpu_loads"), 0),
+        ]
+
+    ratio = _ratio(sim["ttft_ms"]["mean"], run["ttft_ms"]["mean"]) if sim else "-"
+    return "| " + " | ".join([run["config"], *cells(run), *cells(sim), ratio]) + " |"
+
+
+def engine_table(rows: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> list[str]:
+    cols = "TTFT p50 | mean | p99 (ms) | hit | GPU hit tokens | CPU hit tokens | recomputed | CPU loads"
+    head = f"| config | {cols} | sim: {cols} | sim/GPU mean |"
+    return [head, "|" + "---|" * (head.count("|") - 1), *(_engine_row(r, s) for r, s in rows)]
+
+
+def fault_tables(kg: Path, sim_root: Path | None) -> list[str]:
+    """failover-vllm's variants (bench/faults.py reports, one folder per variant), the simulator's beside."""
+    keys = ("sent", "completed", "error", "lost")
+    fkeys = ("cut", "resumed", "token_identical", "seam_added_ms_p50", "seam_added_ms_p99")
+    lines: list[str] = []
+    for group in FAULT_GROUPS:
+        variants = sorted(p.parent.name for p in (kg / "res" / group).glob("*/report.json"))
+        if not variants:
+            continue
+        head = "| variant | side | " + " | ".join(keys + fkeys) + " |"
+        lines += [f"### Mid-stream failover: {group}", "", head, "|" + "---|" * (head.count("|") - 1)]
+        for v in variants:
+            sides = [("GPU", kg / "res" / group / v), ("sim", sim_root / group / v if sim_root else None)]
+            for side, folder in sides:
+                doc = _load(folder / "report.json") if folder else None
+                if doc is None:
+                    continue
+                fo = doc.get("failover") or {}
+                got = [fo.get(k) for k in fkeys]
+                vals = [str(doc.get(k, "-")) for k in keys] + [
+                    _f(v, 0) if isinstance(v, float) else ("-" if v is None else str(v)) for v in got
+                ]
+                lines.append(f"| {v} | {side} | " + " | ".join(vals) + " |")
+        lines.append("")
+    return lines
+
+
 def scenario_tables(
     kg: Path, sim_root: Path | None
 ) -> tuple[list[str], dict[str, dict[str, dict[str, Any]]]]:
@@ -99,6 +160,8 @@ def scenario_tables(
     found: dict[str, dict[str, dict[str, Any]]] = {}
     for step in steps(kg):
         group = step["out"].split("/")[0]
+        if group in FAULT_GROUPS:
+            continue
         sim_runs = {(r["config"], r["load"]): r for r in runs(sim_root / step["out"])} if sim_root else {}
         for run in runs(kg / "res" / step["out"]):
             by_group.setdefault(group, []).append((run, sim_runs.get((run["config"], run["load"]))))
@@ -106,12 +169,14 @@ def scenario_tables(
     lines: list[str] = []
     head = "| config | load | TTFT p50 | p95 | mean (ms) | hit rate | req/s | errors |"
     if sim_root:
-        head += " sim p50 | sim p95 | sim hit | sim/H200 p50 | p95 | hit |"
+        head += " sim p50 | sim p95 | sim hit | sim/GPU p50 | p95 | hit |"
     for group, rows in by_group.items():
         lines += [f"### {TITLES.get(group, group)}", "", head, "|" + "---|" * (head.count("|") - 1)]
         lines += [_row(run, sim) for run, sim in rows]
         lines.append("")
-    return lines, found
+        if group in ENGINE_GROUPS:
+            lines += ["The engines' own counters:", "", *engine_table(rows), ""]
+    return lines + fault_tables(kg, sim_root), found
 
 
 def _first(runs_by_key: dict[str, dict[str, Any]], config: str) -> dict[str, Any] | None:
@@ -164,6 +229,31 @@ def verdicts(found: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     if fcfs and short:
         r = short["ttft_ms"]["mean"] / fcfs["ttft_ms"]["mean"] if fcfs["ttft_ms"]["mean"] else None
         out.append(_check("SJF mean TTFT below FCFS's", r is not None and r < 1, f"sjf/fcfs {_f(r, 2)}"))
+    tiers = found.get("routing-tiers-gpu", {})
+    ignored = _first(tiers, "tier_ignored")
+    peers = [r for r in (_first(tiers, n) for n in ("radix_cache_aware", "sglang_router", "smg")) if r]
+    for name in ("tier_precise", "tier_approx"):
+        aware = _first(tiers, name)
+        if not (aware and ignored):
+            continue
+        r = aware["ttft_ms"]["mean"] / ignored["ttft_ms"]["mean"] if ignored["ttft_ms"]["mean"] else None
+        out.append(_check(f"{name} mean TTFT <= 0.8 x tier_ignored", r is not None and r <= 0.8, _f(r, 2)))
+        if peers:
+            best = min(p["ttft_ms"]["mean"] for p in peers)
+            r = aware["ttft_ms"]["mean"] / best if best else None
+            out.append(
+                _check(f"{name} mean TTFT <= 1.0 x the best peer", r is not None and r <= 1.0, _f(r, 2))
+            )
+        e = aware.get("engine") or {}
+        cached = (e.get("prefix_cache_hits") or 0) + (e.get("external_cache_hit_tokens") or 0)
+        share = (e.get("external_cache_hit_tokens") or 0) / cached if cached else None
+        out.append(
+            _check(
+                f"{name}: CPU hits a visible share of cached tokens (>= 10%)",
+                share is not None and share >= 0.1,
+                _f(share, 3),
+            )
+        )
     for group in ("mooncake", "routing-hot"):
         runs_ = found.get(group, {})
         pa = _first(runs_, "prefix_affinity") or _first(runs_, "prefix_affinity_default")
@@ -213,7 +303,7 @@ def _section(title: str, body: list[str]) -> list[str]:
 
 def fleet_section(kg: Path) -> list[str]:
     lines = []
-    for tag in ("fp8", "bf16"):
+    for tag in ("fp8", "bf16", "tiers", "pd"):
         doc = _load(kg / f"fleet_{tag}.json")
         calib = _load(kg / ("calib.json" if tag == "fp8" else f"calib_{tag}.json"))
         if doc:
@@ -228,8 +318,8 @@ def fleet_section(kg: Path) -> list[str]:
             ev = calib.get("kv_events", {})
             reset = calib.get("prefix_cache_reset")
             lines.append(f"  KV events {ev.get('messages_per_publisher')}; cache reset {reset}")
-    cmd = kg / "launch_dryrun_fp8.txt"
-    if cmd.exists():
+    cmd = next((p for t in ("fp8", "tiers", "pd") if (p := kg / f"launch_dryrun_{t}.txt").exists()), None)
+    if cmd is not None:
         first = next((line for line in cmd.read_text().splitlines() if line and not line.startswith("#")), "")
         lines += ["", "First replica's command line (`kvgate launch --dry-run`):", "", "```", first, "```"]
     return lines
@@ -269,7 +359,15 @@ def steps_section(kg: Path) -> list[str]:
 
 def render(kg: Path, sim_root: Path | None) -> str:
     tables, found = scenario_tables(kg, sim_root)
-    doc = ["# kvgate on an H200: four vLLM 0.26.0 replicas launched by kvgate", ""]
+    card = _load(kg / "card.json") or {"card": "h200", "shape": "llama-3.1-8b"}  # runs before card.py: H200s
+    doc = [f"# kvgate on an {card['card'].upper()}: four vLLM 0.26.0 replicas launched by kvgate", ""]
+    gpu = card.get("nvidia_smi") or "named by KG_CARD"
+    kv = card.get("kv_cache_dtype", "fp8")
+    doc += [
+        f"Card: {card['card']} ({gpu}), model shape {card['shape']}, KV {kv}; simulator profile "
+        f"{card.get('sim_profile', 'h200-llama3.1-8b')}",
+        "",
+    ]
     rates = kg / "rates.env"
     if rates.exists():
         doc += ["Rates: `" + rates.read_text().replace("\n", " ").strip() + "`", ""]

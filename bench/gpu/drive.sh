@@ -13,7 +13,7 @@ LIMIT=${LIMIT:-570}
 T0=$(date +%s)
 OUT=${OUT:?where the results go back from}
 GW=http://127.0.0.1:8100
-CTL=http://127.0.0.1:8101  # the gateway's control plane (fleet.yaml's control.port)
+CTL=http://127.0.0.1:8101  # the gateway's control plane (fleet.yaml.tmpl's control.port)
 CALL=$(( $(cat "$KG/calls" 2>/dev/null || echo 0) + 1 )); echo $CALL > "$KG/calls"
 exec > >(tee -a "$KG/drive.log") 2>&1
 TEE=$!
@@ -100,6 +100,8 @@ facts() {
 step facts 15 facts
 step unpack_a 40 unpack_a
 step kvgate 20 kvgate_install
+# The card decides the model's shape and the fleets' KV (bench/gpu/card.py): card.env for every call.
+step card 10 bash -c "cd '$KG' && $PY -m bench.gpu.card detect '$KG' '$ROOT/model'"
 # QUEUE=recheck (issue 18, third sitting): while the payload's second part is on its way (call 1),
 # the CPU-side measurements on the host's quiet cores; then the merged code on the real fleet
 # (call 2) and the overhead beside sglang-router with the fleet stopped (call 3, carrying .gpu/peers).
@@ -108,14 +110,17 @@ if [ "${QUEUE:-all}" = recheck ]; then
   step cpu_seeds 420 env JOBS=7 bash "$HERE/cpu_suite.sh" seeds "$KG/res/cpu/seeds"
 fi
 step unpack_b 30 unpack_b
-need unpack_a kvgate unpack_b
+need unpack_a kvgate card unpack_b
+source "$KG/card.env"
+echo "=== card $CARD ($SIM_PROFILE): KV $KV_DTYPE, $KV_BYTES B a replica; tier fleet $TIERS_KV_BYTES B + $TIERS_OFFLOAD_GIB GiB CPU"
+[ "${KG_DRY:-0}" = 1 ] && export FAKE_VLLM_PROFILE=$SIM_PROFILE   # the simulator behind vLLM, same shape
 
 # ---- the managed fleet ------------------------------------------------------------------------------
-fleet_start() {  # TAG KV_DTYPE BASE_PORT [FILE]: render the config, record the command lines, start kvgate in its own session
+fleet_start() {  # TAG KV_DTYPE BASE_PORT [TEMPLATE [KV_BYTES]]: render the config, record the command lines, start kvgate in its own session
   # A restarted fleet takes new ports: the old ones linger in TIME_WAIT, which the launcher counts as taken.
-  local tag=$1 dtype=$2 port=$3 src=${4:-$HERE/fleet.yaml} cfg=$KG/fleet_$1.yaml
-  sed -e "s#@ROOT@#$ROOT#g" -e "s#@CUDART@#$(cat "$KG/cudart" 2>/dev/null)#g" \
-      -e "s#kv_cache_dtype: fp8#kv_cache_dtype: $dtype#" -e "s#base_port: 8001#base_port: $port#" "$src" > "$cfg"
+  local tag=$1 dtype=$2 port=$3 src=${4:-$HERE/fleet.yaml.tmpl} bytes=${5:-$KV_BYTES} cfg=$KG/fleet_$1.yaml
+  (cd "$KG" && $PY -m bench.gpu.card render "$src" "$cfg" "ROOT=$ROOT" "KV_DTYPE=$dtype" "PORT=$port" \
+     "KV_BYTES=$bytes" "OFFLOAD_GIB=$TIERS_OFFLOAD_GIB" "CUDART=$(cat "$KG/cudart" 2>/dev/null)") || return 1
   (cd "$KG" && $PY -m gateway check-config "$cfg") || return 1
   (cd "$KG" && $PY -m gateway launch --dry-run "$cfg") > "$KG/launch_dryrun_$tag.txt" || return 1
   cat "$KG/launch_dryrun_$tag.txt"
@@ -137,21 +142,47 @@ fleet_stop() {  # TAG: SIGTERM the managing gateway; it stops its engines (SIGKI
 }
 fleet_wait() { host wait-fleet "$KG" "$CTL" --tag "$1" --deadline $(( T0 + LIMIT - 10 )); }
 gpu_mem() { [ "${KG_DRY:-0}" = 1 ] || nvidia-smi --query-gpu=memory.used,memory.total --format=csv | tee -a "$KG/nvidia-smi.txt"; }
-dtype() { if [ -f "$KG/fleet_fallback" ]; then echo auto; else echo fp8; fi; }
+dtype() { if [ -f "$KG/fleet_fallback" ]; then echo auto; else echo "$KV_DTYPE"; fi; }
 calib() { host calib "$KG" --gateway "$GW" --out "$1" && gpu_mem; }
 
-# QUEUE=tiers (issue 30): the same four replicas with a CPU tier each; the prefix working set is 2.9x
-# the GPUs' KV and fits GPU+CPU. Tier-aware prefix_affinity (precise) against the tier ignored and
-# radix_cache_aware, at one rate (no probe: the budget left after issue 25's run is about 10 minutes).
+# QUEUE=tiers: the four replicas with a CPU tier each, four times their GPU KV (card.py),
+# then, on the same engines: the tiered workload for every router (routing-tiers-gpu), the canonicalization
+# row (canonicalize-gpu) and mid-stream failover (failover-vllm). Priority order: kvgate's tier rows, the
+# canonicalization rows, the peers' rows (their archive rides in call 3), failover (it kills a replica).
+peers_install() {
+  [ -f "$STAGE/peers/peers.tar.xz" ] || { echo "peers not carried yet (.gpu/peers)"; return 3; }
+  tar -C "$KVSITE" -xJf "$STAGE/peers/peers.tar.xz" || return 1
+  $PY -c "import sglang_router, smg; print('peers', sglang_router.__file__, smg.__file__)"
+}
 if [ "${QUEUE:-all}" = tiers ]; then
-  step tiers_start 10 fleet_start fp8 fp8 8001 "$HERE/fleet_tiers.yaml"
-  step tiers_wait 30 fleet_wait fp8
+  step tiers_start 10 fleet_start tiers "$(dtype)" 8001 "$HERE/fleet_tiers.yaml.tmpl" "$TIERS_KV_BYTES"
+  step tiers_wait 30 fleet_wait tiers
+  if [ -f "$KG/failed/tiers_wait" ] && [ ! -f "$KG/fleet_fallback" ] && [ "$KV_DTYPE" = fp8 ]; then
+    echo "=== the FP8 tier fleet does not start: again with the BF16 KV cache (same bytes)"
+    fleet_stop tiers; touch "$KG/fleet_fallback"; rm -f "$KG/failed/tiers_wait" "$KG/done/tiers_start"
+    step tiers_start 10 fleet_start tiers auto 8201 "$HERE/fleet_tiers.yaml.tmpl" "$TIERS_KV_BYTES"
+    step tiers_wait 30 fleet_wait tiers
+  fi
   need tiers_start tiers_wait
   step tiers_calib 40 calib calib_tiers.json
-  for cfg in tier_precise tier_ignored radix_cache_aware; do
-    step "tiers_$cfg" 60 host scenario "$KG" "tiers_$cfg" "routing-tiers/$cfg" -- \
-      "$REPO/bench/scenarios/routing-tiers-h200.yaml" --size h200-short --only $cfg --rate "${TIERS_RATE:-8}"
-  done
+  tiers() { host scenario "$KG" "tiers_$1" "routing-tiers-gpu/$1" -- routing-tiers-gpu --size "$CARD" --only "$1"; }
+  canon() { host scenario "$KG" "canon_$1" "canonicalize-gpu/$1" -- canonicalize-gpu --size "$CARD" --only "$1"; }
+  # 480 (H100) or 700 (H200) requests at 12 req/s, a fresh gateway and the caches' reset around them.
+  for cfg in tier_precise tier_ignored tier_approx round_robin radix_cache_aware; do step "tiers_$cfg" 75 tiers $cfg; done
+  for cfg in kvgate_canon kvgate_raw; do step "canon_$cfg" 80 canon $cfg; done   # 768 requests at 12 req/s
+  step peers 25 peers_install
+  if [ -f "$KG/done/peers" ]; then
+    for cfg in sglang_router smg; do step "tiers_$cfg" 75 tiers $cfg; step "canon_$cfg" 80 canon $cfg; done
+  fi
+  # Mid-stream failover: kill -9 of one replica's API server under 40 streams (the supervisor restarts
+  # it), SIGSTOP of another; each variant alone, with the fleet whole again in between.
+  failover() { host scenario "$KG" "$1" failover-vllm -- failover-vllm --size full --only "$1" \
+      --model meta-llama/Llama-3.1-8B-Instruct --profile "$SIM_PROFILE"; }
+  tiers_back() { date +%s.%N > "$KG/fleet_$1_started"; cp "$KG/gateway_tiers.pid" "$KG/gateway_$1.pid"
+    ln -sf gateway_tiers.log "$KG/gateway_$1.log"; fleet_wait "$1"; }
+  step failover_off 110 failover failover_off
+  step tiers_back1 120 tiers_back tiers_back1
+  step failover_on 110 failover failover_on
   finish
 fi
 
@@ -173,12 +204,12 @@ print('nixl', agent)"
   pd_ref() { $PY -c "import json; e = json.load(open('$KG/endpoints.json')); print(e['urls'][0])"; }
   step nixl 20 nixl_install
   need nixl
-  step pd_start 10 fleet_start pd fp8 8001 "$HERE/fleet_pd.yaml"
+  step pd_start 10 fleet_start pd "$KV_DTYPE" 8001 "$HERE/fleet_pd.yaml.tmpl"
   step pd_wait 30 fleet_wait pd
-  if [ -f "$KG/failed/pd_wait" ] && [ ! -f "$KG/pd_fallback" ]; then
+  if [ -f "$KG/failed/pd_wait" ] && [ ! -f "$KG/pd_fallback" ] && [ "$KV_DTYPE" = fp8 ]; then
     echo "=== the FP8 PD fleet does not start: again with the BF16 KV cache (same bytes)"
     fleet_stop pd; touch "$KG/pd_fallback"; rm -f "$KG/failed/pd_wait" "$KG/done/pd_start"
-    step pd_start 10 fleet_start pd auto 8201 "$HERE/fleet_pd.yaml"
+    step pd_start 10 fleet_start pd auto 8201 "$HERE/fleet_pd.yaml.tmpl"
     step pd_wait 30 fleet_wait pd
   fi
   need pd_start pd_wait
@@ -210,7 +241,7 @@ print('nixl', agent)"
 fi
 step fleet_start 10 fleet_start fp8 "$(dtype)" 8001
 step fleet_wait 30 fleet_wait fp8
-if [ -f "$KG/failed/fleet_wait" ] && [ ! -f "$KG/fleet_fallback" ]; then
+if [ -f "$KG/failed/fleet_wait" ] && [ ! -f "$KG/fleet_fallback" ] && [ "$KV_DTYPE" = fp8 ]; then
   # The replicas crash at start with the FP8 KV cache: rather than lose the run, every measurement
   # runs on BF16 (same bytes, half the tokens) and the FP8/BF16 pair at the end is skipped.
   echo "=== the FP8 fleet does not start: falling back to the BF16 KV cache"
@@ -303,7 +334,7 @@ done
 step kill_restart 200 host kill-test "$KG" "$GW" --control "$CTL" --rate "$(calc "0.5 * $R")" --max-s 170
 
 # ---- FP8 vs BF16 KV cache: the same fleet restarted with BF16 (same memory), the same routing runs ----
-[ -f "$KG/fleet_fallback" ] && { echo "=== no FP8/BF16 pair: the whole run was on BF16"; finish; }
+[ -f "$KG/fleet_fallback" ] || [ "$KV_DTYPE" != fp8 ] && { echo "=== no FP8/BF16 pair: the whole run was on BF16"; finish; }
 step fp8_stop 100 fleet_stop fp8
 need fp8_stop
 step bf16_start 10 fleet_start bf16 auto 8301

@@ -7,7 +7,7 @@
 # opentelemetry... serve kvgate as on the host). Nothing here needs a GPU.
 #   bench/gpu/dry_run.sh                  # every call (about 35 minutes on two cores)
 #   DRY_CALLS="1 2" bench/gpu/dry_run.sh  # the first two
-# Environment: DRY_ROOT (scratch, default /tmp/kvgate-dry), DRY_LIMITS (per call, default
+# Environment: DRY_CARD (h100 or h200, default h100), DRY_ROOT (scratch, default /tmp/kvgate-dry), DRY_LIMITS (per call, default
 # "570 570 570 400 300"), DRY_GAP (seconds between calls, default 5), FAKE_VLLM_STARTUP_S (8),
 # DRY_KEEP=1 (leave the fleet running at the end, for a later DRY_CALLS; stop it with a run without).
 set -u
@@ -16,8 +16,15 @@ REPO=$(cd "$HERE/../.." && pwd)
 WORK=${GPU_BUILD:-/tmp/kvgate-gpu-build}
 DRY=${DRY_ROOT:-/tmp/kvgate-dry}
 read -r -a LIMITS <<< "${DRY_LIMITS:-570 570 570 400 300}"
-# By call number, as in README.md; QUEUE=pd carries NIXL in call 3 instead of the Mooncake data in 2.
-if [ "${QUEUE:-all}" = pd ]; then CARRY=("" "c1 wheels" "c2" "nixl" "" ""); else CARRY=("" "c1 wheels" "c2 data" "" "" ""); fi
+# By call number, as in README.md; QUEUE=pd carries NIXL in call 3 instead of the Mooncake data in 2,
+# QUEUE=tiers the peers' archive.
+case "${QUEUE:-all}" in
+  pd) CARRY=("" "c1 wheels" "c2" "nixl" "" "") ;;
+  tiers) CARRY=("" "c1 wheels" "c2" "peers" "" "") ;;
+  *) CARRY=("" "c1 wheels" "c2 data" "" "" "") ;;
+esac
+# The card the dry run plays (bench/gpu/card.py; the simulator takes the same shape): DRY_CARD, h100 by default.
+export KG_CARD=${DRY_CARD:-h100}
 [ -d "$REPO/.gpu/c1" ] || { echo "build the payload first: bench/gpu/build_payload.sh"; exit 2; }
 
 if [ ! -x "$WORK/hostvenv/bin/python3" ]; then  # the GPU host's image holds these (device KINDS.md)

@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--crash-after", type=int, default=None, help="serve N generation requests, die at the next"
     )
     sim.add_argument("--fault-seed", type=int, default=0)
+    sim.add_argument("--fault-kv-drop-rate", type=float, default=0.0, help="KV event batches not sent")
+    sim.add_argument("--fault-kv-reorder-rate", type=float, default=0.0, help="KV event batches sent late")
     sim.add_argument("--default-max-tokens", type=int, default=64, help="output length without max_tokens")
     sim.add_argument("--kv-lease-timeout", type=float, default=30.0, help="PD prefill: hold blocks this long")
     sim.add_argument(
@@ -187,6 +189,8 @@ def replica_options(args: argparse.Namespace) -> list[ReplicaOptions]:
                     args.fault_stall_s,
                     args.crash_after,
                     args.fault_seed + i,
+                    args.fault_kv_drop_rate,
+                    args.fault_kv_reorder_rate,
                 ),
                 startup_delay_s=args.startup_delay,
                 default_max_tokens=args.default_max_tokens,

@@ -66,6 +66,7 @@ class Request:
         "aborted",
         "arrival",
         "blocks",
+        "cpu_next",
         "finish_reason",
         "finished_at",
         "first_token_at",
@@ -130,6 +131,7 @@ class Request:
         self.blocks: list[int] = []
         self.num_computed = 0
         self.num_registered = 0
+        self.cpu_next = 0  # the first prompt block the CPU tier has not considered (next_stored_chunk_idx)
         self.num_output = 0
         self.num_cached = 0
         self.num_preemptions = 0
@@ -194,8 +196,9 @@ class Engine:
         self.pool = BlockPool(num_blocks, c.block_size, c.enable_prefix_caching)
         self.cpu: CpuTier | None = None
         if c.kv_offloading_size and c.enable_prefix_caching:
-            blocks = int(c.kv_offloading_size * (1 << 30)) // (self.cost.kv_bpt * c.block_size)
-            self.cpu = CpuTier(blocks, self.cost.host_load_s_per_token, c.block_size)
+            block_bytes = self.cost.kv_bpt * c.block_size
+            blocks = int(c.kv_offloading_size * (1 << 30)) // block_bytes
+            self.cpu = CpuTier(blocks, self.cost.host_load_s_per_token, c.block_size, block_bytes)
         self.now = 0.0
         self.metrics = EngineMetrics()
         self.running: list[Request] = []
@@ -412,7 +415,8 @@ class Engine:
                 hit = pool.match_prefix(req.hashes[: (target - 1) // bs])
                 loaded = 0
                 if self.cpu is not None and not req.remote_kv_loaded:
-                    loaded = self.cpu.match(req.hashes, len(hit), (target - 1) // bs)
+                    loaded = self.cpu.lookup(req.hashes, len(hit), (target - 1) // bs)
+                    self.cpu.touch(req.hashes)  # all of them, GPU hit included, admitted or not
                 start = (len(hit) + loaded) * bs
                 if req.remote_kv_loaded:
                     start = target - 1  # the rest arrived from the prefill replica
@@ -440,7 +444,10 @@ class Engine:
                     m.external_prefix_cache_queries += req.prompt_len - len(hit) * bs
                     m.external_prefix_cache_hits += external
                 if self.cpu is not None and loaded:
-                    self.stall_s += self.cpu.load(loaded)
+                    self.stall_s += self.cpu.load(req.hashes[len(hit) : len(hit) + loaded])
+                    # Only a load moves vLLM's store cursor past the hit: a request served from the GPU
+                    # alone stores its GPU-hit blocks too, those the CPU tier has lost.
+                    req.cpu_next = max(req.cpu_next, len(hit) + loaded)
                 if req.scheduled_at is None:
                     req.scheduled_at = self.now
                     req.num_cached = start  # vLLM counts connector-loaded tokens as cached too
@@ -518,9 +525,12 @@ class Engine:
             if b == len(hashes):
                 hashes.append(chain_hash(hashes[b - 1] if b else req.root, tokens))
             self.pool.register(req.blocks[b], hashes[b], hashes[b - 1] if b else None, tokens)
-            if self.cpu is not None and hi <= plen:  # vLLM offloads prompt blocks only, by default
-                self.cpu.store(hashes[b])
         req.num_registered = max(req.num_registered, full)
+        # This step's store job: vLLM offloads prompt blocks only, by default.
+        stop = min(full, plen // bs)
+        if self.cpu is not None and stop > req.cpu_next:
+            self.cpu.store(hashes[req.cpu_next : stop])
+            req.cpu_next = stop
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)
@@ -600,6 +610,16 @@ class Engine:
                 "cpu_cache": list(self.lora_slots.cpu),
                 "swaps": self.lora_slots.swaps,
                 "disk_loads": self.lora_slots.disk_loads,
+            },
+            # The CPU tier's occupancy, which vLLM shows nowhere (its usage gauge counts transfers in flight).
+            "cpu_tier": None
+            if self.cpu is None
+            else {
+                "num_blocks": self.cpu.num_blocks,
+                "cached_blocks": self.cpu.num_cached,
+                "stored_blocks": self.cpu.stores,
+                "loaded_blocks": self.cpu.loads,
+                "allocation_failures": self.cpu.allocation_failures,
             },
         }
 

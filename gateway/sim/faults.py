@@ -63,6 +63,8 @@ class FaultConfig:
     stall_s: float = 0.0
     crash_after: int | None = None  # after this many generation requests, the next one kills the engine
     seed: int = 0
+    kv_drop_rate: float = 0.0  # KV event batches numbered and kept for replay but not sent (a gap)
+    kv_reorder_rate: float = 0.0  # KV event batches sent after the next one
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)

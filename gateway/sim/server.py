@@ -243,6 +243,7 @@ class Replica:
         r.add_get("/metrics", self.metrics)
         r.add_get("/sim/state", self.sim_state)
         r.add_get("/sim/requests", self.sim_requests)
+        r.add_post("/sim/kv_events/faults", self.kv_event_faults)
         r.add_post("/sim/pd/release", self.pd_release)
         r.add_post("/sim/pd/lease", self.pd_lease)
         r.add_get("/sim/bootstrap/{room}", self.bootstrap_wait)
@@ -262,7 +263,10 @@ class Replica:
         o = self.opts
         self.extras.load_static_adapters()
         if o.kv_events is not None:
-            self.kv_pub = KVEventPublisher.from_config(o.kv_events, self.engine.block_size, o.index)
+            self.kv_pub = KVEventPublisher.from_config(o.kv_events, self.engine.block_size, o.index, o.api)
+            self.kv_pub.set_faults(o.faults.seed, o.faults.kv_drop_rate, o.faults.kv_reorder_rate)
+            if self.kv_pub.replay_endpoint is not None:
+                self._spawn(self.kv_pub.serve_replay())
             self.engine.pool.record_events = True
             if self.engine.cpu is not None:
                 self.engine.cpu.record_events = True
@@ -944,6 +948,23 @@ class Replica:
         )
         return self._json(state)
 
+    async def kv_event_faults(self, request: web.Request) -> web.Response:
+        """`{"drop": N, "reorder": M}`: the next N KV event batches are not sent (numbered and kept for
+        replay all the same), then the next M are each sent after the batch that follows them."""
+        pub = self.kv_pub
+        if pub is None:
+            return self._error(404, "this replica publishes no KV events (--kv-events-config)")
+        try:
+            doc = await request.json()
+            drop, reorder = int(doc.get("drop", 0)), int(doc.get("reorder", 0))
+        except (ValueError, TypeError, AttributeError):
+            return self._error(400, 'expected {"drop": N, "reorder": M}')
+        if drop < 0 or reorder < 0:
+            return self._error(400, "drop and reorder are counts (>= 0)")
+        pub.drop_next += drop
+        pub.reorder_next += reorder
+        return self._json({"next_seq": pub.next_seq, "dropped": pub.dropped, "reordered": pub.reordered})
+
     async def sim_requests(self, request: web.Request) -> web.Response:
         last = int(request.query.get("last", "16"))
         items = list(self.requests)[-last:] if last > 0 else []
@@ -992,6 +1013,13 @@ class Replica:
             one("vllm:external_prefix_cache_hits_total", "counter", m.external_prefix_cache_hits)
         if self.opts.kv_role is not None:
             lines += m.kv_transfer_time.render("vllm:nixl_xfer_time_seconds", lbl)
+        if (cpu := e.cpu) is not None:  # the OffloadingConnector's (vllm/v1/kv_offload/cpu/common.py, ...)
+            one("vllm:kv_offload_load_bytes_total", "counter", cpu.load_size.sum)
+            one("vllm:kv_offload_store_bytes_total", "counter", cpu.store_size.sum)
+            lines += cpu.load_size.render("vllm:kv_offload_load_size", lbl)
+            lines += cpu.store_size.render("vllm:kv_offload_store_size", lbl)
+            one("vllm:kv_offload_allocation_failure_total", "counter", cpu.allocation_failures)
+            one("vllm:kv_offload_cpu_cache_usage_perc", "gauge", 0.0)  # blocks pinned by transfers in flight
         one("vllm:prompt_tokens_total", "counter", m.prompt_tokens)
         one("vllm:generation_tokens_total", "counter", m.generation_tokens)
         one("vllm:num_preemptions_total", "counter", m.num_preemptions)

@@ -5,6 +5,7 @@ that kvgate launches itself (the simulator standing in for vLLM through tests/fa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import yaml
 
 from bench import procs
 from bench.cli import main
-from bench.gpu import compare, host
+from bench.gpu import card, compare, host
 from bench.report import write_reports
 from bench.scenario import ExistingFleet, Fleet, FleetGroup, FleetSpec, run_scenario, scenario_from_dict
 from gateway.config import load_config
@@ -90,6 +91,51 @@ def test_runs_on_existing_engines_start_from_reset_caches(tmp_path: Path) -> Non
     assert len(rows) == 2 and all(row.count("1.00") == 3 for row in rows), rows
 
 
+def _run(config: str, mean: float, gpu: float, cpu: float) -> dict[str, object]:
+    engine = {"prefix_cache_hits": gpu, "external_cache_hit_tokens": cpu, "recomputed_tokens": 100.0}
+    return {
+        "config": config,
+        "load": "12 req/s",
+        "ttft_ms": {"p50": mean, "p95": mean, "p99": mean, "mean": mean},
+        "cache_hit_rate": 0.8,
+        "throughput_rps": 12.0,
+        "errors": {},
+        "engine": {**engine, "cpu_loads": 7.0},
+    }
+
+
+def test_compare_shows_the_engines_tier_counters_the_failover_variants_and_the_card(tmp_path: Path) -> None:
+    kg, sim = tmp_path / "kg", tmp_path / "sim"
+    gpu_runs = {"tier_precise": (70.0, 300.0, 900.0), "tier_ignored": (100.0, 500.0, 100.0)}
+    gpu_runs |= {"smg": (90.0, 600.0, 0.0)}
+    steps = []
+    for name, (mean, g, c) in gpu_runs.items():
+        for root, factor in ((kg / "res", 1.0), (sim, 1.1)):
+            out = root / "routing-tiers-gpu" / name
+            out.mkdir(parents=True)
+            (out / "report.json").write_text(json.dumps({"runs": [_run(name, mean * factor, g, c)]}))
+        steps.append({"step": f"tiers_{name}", "out": f"routing-tiers-gpu/{name}", "rc": 0, "seconds": 1})
+    for root in (kg / "res", sim):
+        for variant, cut in (("failover_off", 12), ("failover_on", 0)):
+            out = root / "failover-vllm" / variant
+            out.mkdir(parents=True)
+            doc = {"sent": 50, "completed": 50 - cut, "error": cut, "lost": 0, "failover": {"cut": cut}}
+            (out / "report.json").write_text(json.dumps(doc))
+    steps.append({"step": "failover_off", "out": "failover-vllm", "rc": 0, "seconds": 1})
+    (kg / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    (kg / "card.json").write_text(
+        json.dumps({**dataclasses.asdict(card.CARDS["h100"]), "nvidia_smi": "H100, 81559"})
+    )
+    text = compare.render(kg, sim)
+    assert text.startswith("# kvgate on an H100") and "model shape llama-3.2-3b" in text
+    precise = next(line for line in text.splitlines() if line.startswith("| tier_precise | 70.0"))
+    assert "| 300 | 900 | 100 | 7 |" in precise and precise.endswith("| 1.10 |")  # the sim's mean / the GPU's
+    assert "| tier_precise mean TTFT <= 0.8 x tier_ignored | 0.70 | met |" in text
+    assert "| tier_precise mean TTFT <= 1.0 x the best peer | 0.78 | met |" in text
+    assert "| tier_precise: CPU hits a visible share of cached tokens (>= 10%) | 0.750 | met |" in text
+    assert "| failover_off | GPU | 50 | 38 | 12 | 0 | 12 |" in text and "| failover_on | sim |" in text
+
+
 def test_existing_engines_need_their_kv_events_for_precise_mode() -> None:
     with pytest.raises(ValueError, match="2 KV event endpoints for 1 engines"):
         ExistingFleet(["http://127.0.0.1:1"], ["tcp://127.0.0.1:2", "tcp://127.0.0.1:3"])
@@ -123,16 +169,59 @@ def test_cli_endpoints_run_through_gateways_even_where_caches_cannot_be_reset(
 
 
 def render_fleet(
-    root: Path, base_port: int, gateway_port: int = 0, control_port: int = 0, **replace: str
+    root: Path,
+    base_port: int,
+    gateway_port: int = 0,
+    control_port: int = 0,
+    template: str = "fleet.yaml.tmpl",
+    card_name: str = "h200",
+    **replace: str,
 ) -> Path:
-    text = (REPO / "bench" / "gpu" / "fleet.yaml").read_text().replace("@ROOT@", str(root))
-    text = text.replace("base_port: 8001", f"base_port: {base_port}")
+    c = card.CARDS[card_name]
+    path = root / "fleet.yaml"
+    values = {"ROOT": str(root), "PORT": str(base_port), "KV_DTYPE": c.kv_cache_dtype}
+    values |= {"KV_BYTES": str(c.kv_cache_memory_bytes), "OFFLOAD_GIB": str(c.tiers_offload_gib)}
+    values["CUDART"] = str(root)
+    card.render(REPO / "bench" / "gpu" / template, path, values)
+    text = path.read_text()
     text = text.replace("port: 8100", f"port: {gateway_port}").replace("port: 8101", f"port: {control_port}")
     for old, new in replace.items():
         text = text.replace(old, new)
-    path = root / "fleet.yaml"
     path.write_text(text)
     return path
+
+
+def test_the_kit_sizes_itself_to_the_card_and_its_templates_render_to_valid_configs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert card.detect("NVIDIA H100 80GB HBM3, 81559\n") == "h100"
+    assert card.detect("NVIDIA H200, 143771\n") == "h200"
+    # Every template renders to a config kvgate accepts, on either card, with nothing left unfilled.
+    for name in ("h100", "h200"):
+        for template in ("fleet.yaml.tmpl", "fleet_tiers.yaml.tmpl", "fleet_pd.yaml.tmpl"):
+            settings = load_config(render_fleet(tmp_path, 8001, 8100, 8101, template, name))
+            engines = settings.pools[0].engines
+            assert engines is not None and engines.kv_cache_dtype == card.CARDS[name].kv_cache_dtype
+    h100 = load_config(render_fleet(tmp_path, 8001, 8100, 8101, "fleet_tiers.yaml.tmpl", "h100"))
+    line = next(x for x in dry_run(h100).splitlines() if x and not x.startswith("#"))
+    assert "--kv-cache-memory-bytes 8589934592" in line and "--kv-offloading-size 12" in line
+    assert "--kv-cache-dtype" not in line or "--kv-cache-dtype auto" in line  # BF16 on an H100
+    # The model folder takes the card's shape: a 3B config on an H100, the 8B one kept beside it.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 4096, "num_hidden_layers": 32}))
+    kg = tmp_path / "kg"
+    kg.mkdir()
+    monkeypatch.setenv("KG_CARD", "h100")
+    assert card.card_detect(kg, model) == 0
+    config = json.loads((model / "config.json").read_text())
+    shape = (config["hidden_size"], config["num_hidden_layers"], config["tie_word_embeddings"])
+    assert shape == (3072, 28, True)
+    assert json.loads((model / "config-8b.json").read_text())["hidden_size"] == 4096
+    assert "CARD=h100" in (kg / "card.env").read_text()
+    assert json.loads((kg / "card.json").read_text())["sim_profile"] == "h100-llama3.2-3b"
+    with pytest.raises(SystemExit, match="unfilled"):
+        card.render(REPO / "bench" / "gpu" / "fleet.yaml.tmpl", tmp_path / "x.yaml", {"ROOT": "/tmp"})
 
 
 def test_the_gpu_fleet_config_launches_four_fp8_replicas_sharing_one_gpu(tmp_path: Path) -> None:

@@ -95,6 +95,20 @@ def test_dynamic_prompt_starts_with_time_and_user_then_shares_the_rest() -> None
     assert len({s.split(". You are", 1)[1] for s in systems}) == 1  # the static rest is shared
 
 
+def test_dynamic_prompt_as_a_line_of_words_the_kit_tokenizer_knows() -> None:
+    params = {**SMALL["dynamic-system-prompt"], "head": "line"}
+    reqs = make_workload("dynamic-system-prompt", params).build(seed=0)
+    systems = [r.messages[0]["content"] for r in reqs if r.group == "g0"]
+    heads = [s.split("\n", 1)[0] for s in systems]
+    assert all(h.startswith("time ") and " session " in h for h in heads)
+    assert len(set(heads)) == len(heads)  # per request
+    assert len({s.split("\n", 1)[1] for s in systems}) == 1  # the rest shared
+    vocab = {w.strip() for w in text.vocabulary()}
+    assert all(w in vocab for h in heads for w in h.split()[1:] if w != "session")  # no <unk> on the GPU
+    with pytest.raises(ValueError, match="head"):
+        make_workload("dynamic-system-prompt", {**params, "head": "banner"}).build(seed=0)
+
+
 def test_multi_turn_resends_history_and_waits_for_the_previous_turn() -> None:
     reqs = make_workload("multi-turn", SMALL["multi-turn"]).build(seed=0)
     by_session: dict[str, list[Any]] = {}

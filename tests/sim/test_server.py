@@ -291,12 +291,15 @@ async def test_kv_events_over_zmq_match_blocks_stored() -> None:
         assert ts > 0
         assert topic == b"kv" and dp_rank == 0
         assert int.from_bytes(seq, "big") == int.from_bytes(probe_seq, "big") + 1  # 8-byte big-endian counter
-        stored = [h for ev in events if ev[0] == "BlockStored" for h in ev[1]]
+        # vLLM 0.26.0's events are tagged maps (not array-like structs).
+        stored = [h for ev in events if ev["type"] == "BlockStored" for h in ev["block_hashes"]]
         assert stored == block_hashes(tokens, 16)
-        first = next(ev for ev in events if ev[0] == "BlockStored")
+        first = next(ev for ev in events if ev["type"] == "BlockStored")
         full = len(tokens) // 16 * 16
         assert len(events) == 1  # one request's chain of blocks: one event, as vLLM sends it
-        assert first[2] is None and first[3] == tokens[:full] and first[4] == 16
+        assert first["parent_block_hash"] is None and first["token_ids"] == tokens[:full]
+        assert (first["block_size"], first["medium"], first["group_idx"]) == (16, "GPU", 0)
+        assert "extra_keys" not in first and "locality" not in first  # defaults left out, as msgspec does
     sub.close(0)
 
 
