@@ -115,6 +115,49 @@ async def test_routes_by_the_engines_events_and_forgets_what_it_drops(gateway, t
         assert _sample(metrics, f'kvgate_kv_event_decode_errors_total{{pool="p",replica="{holder}"}}') == 0
 
 
+async def test_batches_a_replica_lost_or_reordered_are_replayed_not_left_out(gateway, tmp_path) -> None:
+    """Issue 37: gaps were counted and never asked for. A managed simulator (vLLM's replay socket)
+    drops two batches and reorders two: the gateway asks for them and its index holds every block
+    the engine stored, with nothing forgotten."""
+    engines = {
+        "kind": "sim",
+        "replicas": 2,
+        "kv_events": True,
+        "startup_timeout_s": 30,
+        "log_dir": str(tmp_path / "logs"),
+        "sim": {"profile": "tiny", "speedup": 20},
+    }
+    gw, pool, precise = await _managed_precise(
+        gateway, engines, {"mode": "precise", "speculative_ttl_s": 0.2}
+    )
+    async with httpx.AsyncClient(timeout=30) as c:
+        first = await c.post(gw.url + "/v1/chat/completions", json=_chat("When is high tide at Texel?"))
+        holder = first.headers["x-kvgate-replica"]
+        url = pool.replicas[holder].url
+        sub = precise.subscribers[holder]
+        await wait_until(lambda: sub.stats.last_seq is not None, timeout=10, what="the holder's events")
+        faults = await c.post(url + "/sim/kv_events/faults", json={"drop": 2, "reorder": 2})
+        assert faults.status_code == 200, faults.text
+        questions = [f"What is the tide table for day {d} of the spring tide at Texel?" for d in range(6)]
+        wanted = []
+        for question in questions:
+            r = await c.post(gw.url + "/v1/chat/completions", json=_chat(question))
+            assert r.status_code == 200 and r.headers["x-kvgate-replica"] == holder
+            wanted.append(TokenBlockHasher(16, "m").hashes(await _engine_ids(url, _chat(question))))
+        state = (await c.post(url + "/sim/kv_events/faults", json={})).json()
+        assert (state["dropped"], state["reordered"]) == (2, 2)  # the engine did lose and reorder them
+        await wait_until(
+            lambda: all(precise.index.match(h, [holder])[holder] == len(h) for h in wanted),
+            timeout=20,
+            what="every block the engine stored, the lost batches' included",
+        )
+        st = sub.stats
+        assert st.replays >= 1 and st.replayed >= 2 and st.resets == 0 and st.gaps >= 2
+        metrics = (await c.get(gw.url + "/metrics")).text
+        assert _sample(metrics, f'kvgate_kv_event_replays_total{{pool="p",replica="{holder}"}}') >= 1
+        assert _sample(metrics, f'kvgate_kv_event_resets_total{{pool="p",replica="{holder}"}}') == 0
+
+
 async def test_an_engine_that_cannot_tokenize_is_routed_without_prefix_information(
     upstreams, gateway
 ) -> None:
