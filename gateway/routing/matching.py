@@ -48,6 +48,8 @@ def _matched(
 class PrefixMatch:
     def __init__(self, cfg: PoolConfig, upstream_model: str) -> None:
         self.cfg = cfg.prefix
+        # Workers sharing one replica's CPU tier (a managed fleet's tensor-parallel size; else 1).
+        self.workers = cfg.engines.tensor_parallel_size if cfg.engines is not None else 1
         self.precise = (
             PrecisePrefix(cfg.prefix, upstream_model, cfg.engine_block_size)
             if cfg.prefix.mode == "precise"
@@ -90,6 +92,10 @@ class PrefixMatch:
         a block holds now."""
         cap = replica.kv_capacity_tokens
         cpu = replica.engine.cpu_capacity_tokens
+        if cpu:
+            # vLLM 0.26 splits --kv-offloading-size among its workers, each keeping blocks of its
+            # own shard (OffloadingConnector): the tier holds 1/TP of what its bytes suggest.
+            cpu //= self.workers
         if cap and self.precise is not None:
             self.precise.set_capacity(replica.name, cap, cpu)
         approximate = self.approximate

@@ -160,3 +160,21 @@ def test_small_pools_and_policies_without_prefix_matches_are_offered_every_repli
         pool = pool_router(size, policy, max_candidates=limit)
         features = pool.features(chat("s", "hi"), "chat", "r", {})
         assert len(pool.offered(features, "decode")) == size
+
+
+def test_a_cpu_tier_shared_by_tensor_parallel_workers_holds_its_share() -> None:
+    """vLLM 0.26 splits --kv-offloading-size among a replica's workers, each keeping its own shard of
+    every block: with tensor_parallel_size 2 the tier holds half the tokens its bytes suggest."""
+    from gateway.config import PoolConfig
+    from gateway.routing.matching import PrefixMatch
+
+    sized = {}
+    for tp in (1, 2):
+        engines = {"kind": "vllm", "tensor_parallel_size": tp, "gpu_ids": [[0, 1]]}
+        match = PrefixMatch(PoolConfig(name="p", model="m", engines=engines), "m")
+        replica = pool_router(1, "prefix_affinity").pool.replicas["r0"]
+        replica.engine = EngineLoad(num_gpu_blocks=1024, block_size=16, cpu_capacity_tokens=64_000)
+        match.set_capacity(replica, lambda: 16.0)
+        assert match.approximate.lower is not None
+        sized[tp] = match.approximate.lower.stats()["replicas"]["r0"]["capacity"]
+    assert sized == {1: 4000, 2: 2000}

@@ -13,7 +13,9 @@ against vLLM 0.26 (`vllm/config/cache.py`, `VllmConfig._post_init_kv_transfer_co
 GiB summed over the tensor-parallel ranks, and the native backend selects the OffloadingConnector
 with `cpu_bytes_to_use = size * 2**30`. Its CPU capacity in tokens is not a metric, but
 `vllm:cache_config_info` carries `kv_offloading_size` and, when set, `kv_cache_memory_bytes`, and the
-connector sizes its blocks as the GPU's: CPU tokens = offloaded bytes x GPU tokens / GPU KV bytes.
+connector sizes its blocks as the GPU's: CPU tokens = offloaded bytes x GPU tokens / GPU KV bytes,
+over the workers (the pool's routing divides by its tensor_parallel_size: the bytes are shared by
+the workers, each keeping its own shard of every block).
 
 Memory when replicas share a GPU: each vLLM instance profiles free memory at start-up, so
 replicas starting together on one GPU mis-measure each other's usage when given only a fraction.
