@@ -16,6 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench import kv_agreement
 from bench.scenario import RunPoint
 
 MAIN_COLUMNS = (
@@ -147,7 +148,25 @@ def markdown(title: str, points: Sequence[RunPoint], baseline: str, meta: dict[s
             for p, e in engines
         ]
     lines += tier_table(points)
+    lines += agreement_table(points)
     return "\n".join(lines) + "\n"
+
+
+def agreement_table(points: Sequence[RunPoint]) -> list[str]:
+    """kvgate's index against the engines' counters, per medium (bench.kv_agreement)."""
+    runs = [(p, a) for p in points if (a := p.summary.get("kv_agreement"))]
+    if not runs:
+        return []
+    lines = ["", "kvgate's index against the engines (tokens believed held / tokens the engines found; "
+             f"agrees within {kv_agreement.TOLERANCE:.0%}):", ""]  # fmt: skip
+    lines += _header(["config", "load", "medium", "kvgate", "engines", "ratio", "agrees"])
+    for p, a in runs:
+        for medium, row in a.items():
+            lines.append(
+                f"| {p.config} | {p.load} | {medium} | {row['kvgate_tokens']:.0f} | "
+                f"{row['engine_tokens']:.0f} | {_f(row['ratio'], 3)} | {'yes' if row['agrees'] else 'NO'} |"
+            )
+    return lines
 
 
 def tier_table(points: Sequence[RunPoint]) -> list[str]:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from bench import engine_metrics, loadgen, procs
+from bench import engine_metrics, kv_agreement, loadgen, procs
 from bench.client import ClientOptions
 from bench.loadgen import LoadSpec
 from bench.stats import summarize
@@ -486,6 +486,7 @@ def run_point(
     fleet_run = Fleet(fleet_spec, log_dir, tag) if existing is None else existing.attach(fleet_spec)
     with fleet_run.start() as fleet:
         pd_paths: dict[str, float] = {}
+        matched: dict[str, float] = {}
         if config.mode == "direct":
             result = loadgen.run_sync(loadgen.run(requests, load, fleet.urls, opts, len(fleet.urls)))
         elif config.mode in ("epp", "router"):
@@ -525,6 +526,7 @@ def run_point(
                     urls.append(url)
                 result = loadgen.run_sync(loadgen.run(requests, load, urls, opts, len(fleet.urls)))
                 pd_paths = engine_metrics.gateway_pd_paths(urls)
+                matched = kv_agreement.gateway_matched(urls)
         engine = fleet.counters()
     records_path = out_dir / "records" / f"{tag}.jsonl"
     records_path.parent.mkdir(parents=True, exist_ok=True)
@@ -541,6 +543,8 @@ def run_point(
         summary["engine"] = engine
     if pd_paths:
         summary["pd"] = pd_paths
+    elif engine and matched:  # a PD decode leg's loads are the prefill's KV, not a CPU tier's
+        summary["kv_agreement"] = kv_agreement.agreement(matched, engine)
     summary["fleet"] = {**fleet.describe(), "replicas": len(fleet.urls)}
     return point_from_result(config.name, result, summary)
 

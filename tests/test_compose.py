@@ -162,7 +162,7 @@ def test_dockerfile_is_slim_non_root_and_checks_health() -> None:
     assert stages and all(s == "python:3.11-slim" for s in stages)
     final = text.rsplit("\nFROM ", 1)[1]
     assert re.search(r"^USER kvgate$", final, re.M) and "useradd" in final
-    assert re.search(r"^EXPOSE 8000$", final, re.M)
+    assert re.search(r"^EXPOSE 8000 9002$", final, re.M)  # the data plane, and EPP mode's gRPC
     assert re.search(r"^HEALTHCHECK .*CMD", final, re.M)
     assert re.search(r'^ENTRYPOINT \["kvgate"\]', final, re.M)
     pyproject = (REPO / "pyproject.toml").read_text()

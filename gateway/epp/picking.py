@@ -167,6 +167,7 @@ class Pick:
         candidate = _candidate(decision, replica)
         if candidate is not None:
             rec.matched_tokens = candidate.matched_tokens
+            rec.cpu_matched_tokens = candidate.cpu_matched_tokens
             rec.route_reason = decision.reason(candidate)
         return {
             "x-request-id": rec.request_id,

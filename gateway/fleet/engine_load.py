@@ -16,6 +16,11 @@ class EngineLoad:
     # KV tokens the engine can keep in CPU memory (vLLM's --kv-offloading-size), where it says.
     cpu_capacity_tokens: int | None = None
     prompt_tokens_total: float | None = None  # the engine's prompt token counter, where it has one
+    # Its own counts of prompt tokens found in its GPU prefix cache and loaded from its CPU tier, and
+    # of CPU tier loads (vLLM), where it has them: what the gateway's matches are checked against.
+    gpu_hit_tokens_total: float | None = None
+    cpu_hit_tokens_total: float | None = None
+    cpu_loads_total: float | None = None
     updated_at: float = field(default=0.0)  # time.monotonic() of the scrape; 0 = never
 
     @property

@@ -39,6 +39,8 @@ def access_fields(rec: RequestRecord) -> dict[str, object]:
     # Only present when they say something, to keep the common line short.
     if rec.engine_request_id and rec.engine_request_id != rec.request_id:
         fields["engine_request_id"] = rec.engine_request_id
+    if rec.cpu_matched_tokens:  # believed held in the replica's CPU tier, after its GPU match
+        fields["cpu_matched_tokens"] = rec.cpu_matched_tokens
     if rec.engine_cached_tokens is not None:  # the engine's usage: prompt tokens its prefix cache served
         fields["cached_tokens"] = rec.engine_cached_tokens
     if rec.error_code:

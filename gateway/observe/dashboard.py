@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from importlib import metadata, resources
 from typing import TYPE_CHECKING, Any
 
-from gateway.observe.metrics import GatewayMetrics, PoolTraffic, queued_by_class
+from gateway.observe.metrics import GatewayMetrics, PoolTraffic, ReplicaTraffic, queued_by_class
 from gateway.observe.view import GatewayView
 from gateway.path.exchange import Exchange, Reply, Route, json_reply
 
@@ -117,12 +117,13 @@ class Dashboard:
             "prompt_tokens": traffic and traffic.prompt_tokens,
             "matched_tokens": traffic and traffic.matched_tokens,
             "hit_ratio": traffic and traffic.hit_ratio,
-            "replicas": [self._replica(r, precise, self.view.routed.of(r)) for r in pool.replicas.values()],
+            "replicas": [self._replica(r, precise) for r in pool.replicas.values()],
         }
 
-    @staticmethod
-    def _replica(r: Replica, precise: PrecisePrefix | None, routed: int) -> dict[str, Any]:
+    def _replica(self, r: Replica, precise: PrecisePrefix | None) -> dict[str, Any]:
         eng = r.engine
+        metrics = self.metrics
+        tokens = None if metrics is None else metrics.replica_traffic.get((r.pool, r.name), ReplicaTraffic())
         return {
             "name": r.name,
             "role": r.role,
@@ -133,7 +134,17 @@ class Dashboard:
             "circuit": r.circuit.value,
             "inflight_requests": r.inflight_requests,
             "inflight_tokens": r.inflight_tokens,
-            "total_requests": routed,
+            "total_requests": self.view.routed.of(r),
+            # Tokens routed to it and those believed held there by medium (kvgate's index), beside
+            # what its engine counted (None where it does not say): the tier figures, side by side.
+            "prefix": {
+                "routed_tokens": tokens and tokens.prompt_tokens,
+                "gpu_matched_tokens": tokens and tokens.matched_tokens,
+                "cpu_matched_tokens": tokens and tokens.cpu_matched_tokens,
+                "engine_gpu_hit_tokens": eng.gpu_hit_tokens_total,
+                "engine_cpu_hit_tokens": eng.cpu_hit_tokens_total,
+                "engine_cpu_loads": eng.cpu_loads_total,
+            },
             "engine": {
                 "fresh": r.engine_fresh,
                 "age_s": round(time.monotonic() - eng.updated_at, 2) if eng.updated_at else None,

@@ -201,6 +201,7 @@ class PoolTraffic:
     errors: int = 0
     prompt_tokens: int = 0
     matched_tokens: int = 0
+    cpu_matched_tokens: int = 0
     recent_ttft_s: float | None = None  # time-decaying average, half-life TTFT_HALF_LIFE_S
     ttft_at: float = 0.0
 
@@ -219,6 +220,15 @@ class PoolTraffic:
 
 
 @dataclass(slots=True)
+class ReplicaTraffic:
+    """Running token totals per replica name (kept across its restarts), for the status page."""
+
+    prompt_tokens: int = 0
+    matched_tokens: int = 0
+    cpu_matched_tokens: int = 0
+
+
+@dataclass(slots=True)
 class _Bound:
     """The label children one kind of request touches, bound once."""
 
@@ -227,8 +237,10 @@ class _Bound:
     ttft: Any | None
     queue: Any | None
     decision: Any | None
-    prompt_tokens: Any  # these two are None exactly when `decision` is
+    prompt_tokens: Any  # these three are None exactly when `decision` is
     matched_tokens: Any
+    cpu_matched_tokens: Any
+    replica_traffic: ReplicaTraffic | None
     retries: Any
     shed: Any | None
     disconnects: Any
@@ -283,8 +295,9 @@ class GatewayMetrics:
         )
         self.matched_tokens = LoopFamily(
             "kvgate_prefix_matched_tokens",
-            "Prompt tokens the chosen replica was believed to hold in its prefix cache",
-            ["pool", "replica"],
+            "Prompt tokens the chosen replica was believed to hold in its prefix cache, by medium: gpu,"
+            " or cpu (its CPU tier, after the GPU's match: loaded instead of recomputed)",
+            ["pool", "replica", "medium"],
         )
         self.retries = LoopFamily("kvgate_retries", "Upstream attempts beyond the first", ["pool"])
         self.resumed = LoopFamily(
@@ -328,6 +341,7 @@ class GatewayMetrics:
         ProcessCollector(registry=reg)
         PlatformCollector(registry=reg)
         self.traffic: dict[str, PoolTraffic] = {}
+        self.replica_traffic: dict[tuple[str, str], ReplicaTraffic] = {}
         self._bound: dict[tuple[Any, ...], _Bound] = {}
         self._models = frozenset(view.catalog.names())
         self._reasons: dict[str, set[str]] = {}
@@ -371,6 +385,12 @@ class GatewayMetrics:
             bound.decision.inc()
             bound.prompt_tokens.inc(rec.prompt_tokens)
             bound.matched_tokens.inc(rec.matched_tokens)
+            bound.cpu_matched_tokens.inc(rec.cpu_matched_tokens)
+            per_replica = bound.replica_traffic
+            if per_replica is not None:
+                per_replica.prompt_tokens += rec.prompt_tokens
+                per_replica.matched_tokens += rec.matched_tokens
+                per_replica.cpu_matched_tokens += rec.cpu_matched_tokens
         if rec.retries:
             bound.retries.inc(rec.retries)
         for resumed in rec.resumed:  # rare: not worth a bound child
@@ -388,6 +408,7 @@ class GatewayMetrics:
             if bound.decision is not None:
                 traffic.prompt_tokens += rec.prompt_tokens
                 traffic.matched_tokens += rec.matched_tokens
+                traffic.cpu_matched_tokens += rec.cpu_matched_tokens
 
     def _bounded(self, pool: str, value: str | None, default: str) -> str:
         if not value:
@@ -424,7 +445,13 @@ class GatewayMetrics:
                 else None
             ),
             prompt_tokens=self.prompt_tokens.labels(pool, replica) if routed else None,
-            matched_tokens=self.matched_tokens.labels(pool, replica) if routed else None,
+            matched_tokens=self.matched_tokens.labels(pool, replica, "gpu") if routed else None,
+            cpu_matched_tokens=self.matched_tokens.labels(pool, replica, "cpu") if routed else None,
+            replica_traffic=(
+                self.replica_traffic.setdefault((rec.pool, rec.replica), ReplicaTraffic())
+                if rec.pool is not None and rec.replica is not None
+                else None
+            ),
             retries=self.retries.labels(pool),
             shed=(
                 self.shed.labels(pool, priority, self._bounded(pool, rec.shed_reason, "unspecified"))
@@ -640,6 +667,19 @@ class FleetCollector(Collector):
         fresh = GaugeMetricFamily(
             "kvgate_replica_engine_load_fresh", "1 if the engine load figures are recent", labels=labels
         )
+        # The engine's own counters, as last scraped (they restart at 0 with the engine): what the
+        # gateway's kvgate_prefix_matched_tokens_total is checked against, medium by medium.
+        hits = GaugeMetricFamily(
+            "kvgate_replica_engine_cached_tokens",
+            "Engine-reported prompt tokens found in its prefix cache (gpu: vllm:prefix_cache_hits) or "
+            "loaded from its CPU tier (cpu: vllm:external_prefix_cache_hits), since it started",
+            labels=[*labels, "medium"],
+        )
+        loads = GaugeMetricFamily(
+            "kvgate_replica_engine_cpu_loads",
+            "Engine-reported CPU-tier load jobs since it started (vllm:kv_offload_load_size_count)",
+            labels=labels,
+        )
         for pool in list(view.pools.values()):
             for r in list(pool.replicas.values()):
                 lv = [pool.name, r.name, r.role, r.kind]
@@ -655,8 +695,14 @@ class FleetCollector(Collector):
                 running.add_metric(lv, r.engine.running)
                 kv.add_metric(lv, r.engine.kv_usage)
                 fresh.add_metric(lv, float(r.engine_fresh))
+                eng = r.engine
+                for medium, value in (("gpu", eng.gpu_hit_tokens_total), ("cpu", eng.cpu_hit_tokens_total)):
+                    if value is not None:
+                        hits.add_metric([*lv, medium], value)
+                if eng.cpu_loads_total is not None:
+                    loads.add_metric(lv, eng.cpu_loads_total)
         yield from (healthy, available, draining, circuit, inflight, inflight_tokens, routed)
-        yield from (waiting, running, kv, fresh)
+        yield from (waiting, running, kv, fresh, hits, loads)
         stats = view.scheduler_stats()
         yield from self._pool_signals(view, stats)
 

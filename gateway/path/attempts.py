@@ -345,6 +345,7 @@ class Attempts:
         rec, plan = self.rec, self.plan
         rec.replica = replica.name
         rec.matched_tokens = candidate.matched_tokens
+        rec.cpu_matched_tokens = candidate.cpu_matched_tokens
         rec.route_reason = self.decision.reason(candidate)
         self.error = "upstream_error"  # should reading a whole answer fail
         try:

@@ -33,7 +33,8 @@ class RequestRecord:
     engine_prompt_tokens: int | None = None  # the engine's own count (its usage figures), when it gave one
     engine_cached_tokens: int | None = None  # of them, found in its prefix cache (usage), when it said
     engine_output_tokens: int | None = None  # usage.completion_tokens, when it gave them
-    matched_tokens: int = 0  # prompt tokens the chosen replica was believed to hold
+    matched_tokens: int = 0  # prompt tokens the chosen replica was believed to hold on its GPU
+    cpu_matched_tokens: int = 0  # and right after those, in CPU memory (loaded, not recomputed)
     route_reason: str | None = None  # why the policy chose the replica (e.g. "cache_hit", "spill")
     # A PD pool's hand-off: "handoff" (prefilled elsewhere), "skipped" (the decode replica held
     # enough of the prompt), "decode_only" (no prefill replica free, the prefill leg or the

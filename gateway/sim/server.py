@@ -1008,9 +1008,9 @@ class Replica:
         one("vllm:kv_cache_usage_perc", "gauge", e.pool.usage)
         one("vllm:prefix_cache_queries_total", "counter", m.prefix_cache_queries)
         one("vllm:prefix_cache_hits_total", "counter", m.prefix_cache_hits)
-        if self.opts.kv_role is not None or e.cpu is not None:
-            one("vllm:external_prefix_cache_queries_total", "counter", m.external_prefix_cache_queries)
-            one("vllm:external_prefix_cache_hits_total", "counter", m.external_prefix_cache_hits)
+        # Always, as vLLM's PrometheusStatLogger registers them (0 without a KV connector).
+        one("vllm:external_prefix_cache_queries_total", "counter", m.external_prefix_cache_queries)
+        one("vllm:external_prefix_cache_hits_total", "counter", m.external_prefix_cache_hits)
         if self.opts.kv_role is not None:
             lines += m.kv_transfer_time.render("vllm:nixl_xfer_time_seconds", lbl)
         if (cpu := e.cpu) is not None:  # the OffloadingConnector's (vllm/v1/kv_offload/cpu/common.py, ...)

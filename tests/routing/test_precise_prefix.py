@@ -313,6 +313,27 @@ async def test_a_prefix_the_gpu_evicted_is_routed_to_the_replica_holding_it_in_c
         shared = (len(hashes) - 1) * 16
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= shared
         engine_metrics = (await c.get(url + "/metrics")).text
-    series = "vllm:external_prefix_cache_hits_total"
-    hits = [float(line.split()[-1]) for line in engine_metrics.splitlines() if line.startswith(series)]
-    assert hits and hits[0] >= shared
+        series = "vllm:external_prefix_cache_hits_total"
+        hits = [float(line.split()[-1]) for line in engine_metrics.splitlines() if line.startswith(series)]
+        assert hits and hits[0] >= shared
+
+        # Issue 37 item 2: the tier shows, per replica, in /metrics and on the status page: what
+        # kvgate believed held on CPU beside what the engine loaded from it, once scraped again.
+        def cpu_loads() -> bool:
+            return (pool.replicas[holder].engine.cpu_loads_total or 0) >= 1
+
+        await wait_until(cpu_loads, timeout=10, what="a scrape that has the engine's CPU loads")
+        metrics = (await c.get(gw.url + "/metrics")).text
+        who = f'pool="p",replica="{holder}"'
+        believed = _sample(metrics, f'kvgate_prefix_matched_tokens_total{{medium="cpu",{who}}}')
+        assert believed >= shared - 16
+        replica = f'kind="sim",{{}}{who},role="mixed"'
+        assert (
+            _sample(metrics, "kvgate_replica_engine_cached_tokens{" + replica.format('medium="cpu",') + "}")
+            >= shared
+        )
+        assert _sample(metrics, "kvgate_replica_engine_cpu_loads{" + replica.format("") + "}") >= 1
+        state = (await c.get(gw.url + "/dashboard/state")).json()
+        (row,) = [r for p in state["pools"] for r in p["replicas"] if r["name"] == holder]
+        assert row["prefix"]["cpu_matched_tokens"] == believed
+        assert row["prefix"]["engine_cpu_hit_tokens"] >= shared and row["prefix"]["engine_cpu_loads"] >= 1

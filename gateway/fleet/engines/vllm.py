@@ -60,7 +60,12 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 CACHE_CONFIG = "vllm:cache_config_info"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
-_LOAD_SERIES = (RUNNING, WAITING, KV_USAGE, CACHE_CONFIG, PROMPT_TOKENS)
+# Prompt tokens found in its prefix cache (GPU), loaded by its KV connector (the CPU tier, vLLM 0.26:
+# scheduler-side counts of what it will load), and the CPU tier's load jobs (OffloadingConnector).
+GPU_HITS = "vllm:prefix_cache_hits_total"
+CPU_HITS = "vllm:external_prefix_cache_hits_total"
+CPU_LOADS = "vllm:kv_offload_load_size_count"
+_LOAD_SERIES = (RUNNING, WAITING, KV_USAGE, CACHE_CONFIG, PROMPT_TOKENS, GPU_HITS, CPU_HITS, CPU_LOADS)
 
 
 class VLLMAdapter(EngineAdapter):
@@ -198,6 +203,12 @@ class VLLMAdapter(EngineAdapter):
             load.cpu_capacity_tokens = cpu_tokens
         if series[PROMPT_TOKENS]:
             load.prompt_tokens_total = total(series[PROMPT_TOKENS])
+        if series[GPU_HITS]:
+            load.gpu_hit_tokens_total = total(series[GPU_HITS])
+        if series[CPU_HITS]:
+            load.cpu_hit_tokens_total = total(series[CPU_HITS])
+        if series[CPU_LOADS]:
+            load.cpu_loads_total = total(series[CPU_LOADS])
         return load
 
     def engine_priority(self, level: int) -> int:
