@@ -45,8 +45,11 @@ def gateway_matched(gateways: Sequence[str], timeout_s: float = 2.0) -> dict[str
 
 def agreement(matched: Mapping[str, float], engine: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Per medium the engines counted: kvgate's tokens, the engines', their ratio and whether it is
-    within TOLERANCE (a medium neither side saw any tokens on is left out)."""
+    within TOLERANCE (a medium neither side saw any tokens on is left out). Empty when kvgate
+    believed nothing anywhere: its policy never looked at prefixes (round_robin), nothing to check."""
     out: dict[str, dict[str, Any]] = {}
+    if not any(matched.values()):
+        return out
     for medium, key in ENGINE_COUNTER.items():
         counted = engine.get(key)
         believed = matched.get(medium, 0.0)

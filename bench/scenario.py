@@ -543,8 +543,8 @@ def run_point(
         summary["engine"] = engine
     if pd_paths:
         summary["pd"] = pd_paths
-    elif engine and matched:  # a PD decode leg's loads are the prefill's KV, not a CPU tier's
-        summary["kv_agreement"] = kv_agreement.agreement(matched, engine)
+    elif engine and (agreement := kv_agreement.agreement(matched, engine)):
+        summary["kv_agreement"] = agreement  # not for PD: a decode leg's loads are the prefill's KV
     summary["fleet"] = {**fleet.describe(), "replicas": len(fleet.urls)}
     return point_from_result(config.name, result, summary)
 

@@ -81,3 +81,20 @@ def test_kv_tiers_table_only_when_the_connector_loaded_tokens() -> None:
     assert "| flat | 10 req/s | 200.0 | 200.0 | 200.0 | 300 | 0 | 700 |" in md
     points[0].summary["engine"]["external_cache_hit_tokens"] = 0.0
     assert "KV tiers" not in markdown("t", points, "flat", {"seed": 0})
+
+
+def test_the_index_agrees_with_the_engines_within_ten_percent_per_medium() -> None:
+    from bench.kv_agreement import agreement
+
+    engines = {"prefix_cache_hits": 1000.0, "external_cache_hit_tokens": 400.0}
+    got = agreement({"gpu": 1080.0, "cpu": 300.0}, engines)
+    assert got["gpu"]["agrees"] and got["gpu"]["ratio"] == 1.08
+    assert not got["cpu"]["agrees"] and got["cpu"]["ratio"] == 0.75  # a CPU tier believed smaller than it is
+    # Nothing on a medium on either side: not compared; a CPU tier believed but never used: no agreement.
+    assert set(agreement({"gpu": 1000.0}, {**engines, "external_cache_hit_tokens": 0.0})) == {"gpu"}
+    assert (
+        agreement({"gpu": 10.0, "cpu": 50.0}, {**engines, "external_cache_hit_tokens": 0.0})["cpu"]["agrees"]
+        is False
+    )
+    # A policy that never looked at prefixes believed nothing: nothing to check.
+    assert agreement({"gpu": 0.0, "cpu": 0.0}, engines) == {}
