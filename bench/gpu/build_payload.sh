@@ -4,7 +4,9 @@
 #   .gpu/c1/      A.tar.xz (vLLM 0.26.0 minus its two big kernels + light deps + model folder),
 #                 B.part.00 (first part of the kernels), B.sha256          -> carried by call 1
 #   .gpu/wheels/  kvgate's wheel + the cp312 wheels of its deps the host lacks  -> call 1
-#   .gpu/c2/      B.part.01 (the rest of the kernels)                      -> call 2
+#   .gpu/c2/      B.part.01 (the rest of the kernels, up to what call 2 can carry)   -> call 2
+#   .gpu/c3/      B.part.02 (what call 2 had no room for, when the tree is large: the last part,
+#                 carried by call 3, which then starts the fleet; QUEUE=tiers's peers ride in call 4)
 #   .gpu/data/    the Mooncake conversation trace (multi-turn replay)      -> call 2
 #   .gpu/MANIFEST sizes and checksums, what each call carries
 # Needs: `make setup` done (the repo's .venv builds the wheel and the word list), a Python 3.12
@@ -125,7 +127,8 @@ nixl() {  # NIXL for vLLM's NixlConnector (QUEUE=pd): nixl-cu13 and its `nixl` i
   ls -la "$OUTD/nixl"
 }
 
-split() {  # B.part.00 fills call 1 up to CALL_MIB with the tree, A and the wheels; the rest -> call 2
+split() {  # B.part.00 fills call 1 up to CALL_MIB with the tree, A and the wheels; call 2 the next part up
+  # to CALL_MIB with the tree; what is left (a large tree) -> c3, carried by call 3
   step "split into calls"
   tree=$(cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
   a=$(stat -c %s "$WORK/A.tar.xz"); b=$(stat -c %s "$WORK/B.tar.xz")
@@ -133,18 +136,31 @@ split() {  # B.part.00 fills call 1 up to CALL_MIB with the tree, A and the whee
   room=$(( CALL_MIB * 1048576 - tree - a - w - 65536 ))
   [ "$room" -gt 0 ] || { echo "call 1 has no room for B: tree $tree A $a wheels $w"; exit 1; }
   [ "$room" -lt "$b" ] || room=$b
-  rm -rf "$OUTD/c1" "$OUTD/c2"; mkdir -p "$OUTD/c1" "$OUTD/c2"
+  rm -rf "$OUTD/c1" "$OUTD/c2" "$OUTD/c3"; mkdir -p "$OUTD/c1" "$OUTD/c2"
   cp "$WORK/A.tar.xz" "$WORK/B.sha256" "$OUTD/c1/"
   head -c "$room" "$WORK/B.tar.xz" > "$OUTD/c1/B.part.00"
-  tail -c +$(( room + 1 )) "$WORK/B.tar.xz" > "$OUTD/c2/B.part.01"
+  room2=$(( CALL_MIB * 1048576 - tree - 65536 ))
+  dd if="$WORK/B.tar.xz" of="$OUTD/c2/B.part.01" bs=1M iflag=skip_bytes,count_bytes skip="$room" count="$room2" \
+    status=none
+  parts=2
+  if [ $(( room + room2 )) -lt "$b" ]; then
+    mkdir -p "$OUTD/c3"
+    tail -c +$(( room + room2 + 1 )) "$WORK/B.tar.xz" > "$OUTD/c3/B.part.02"
+    parts=3
+  fi
+  echo "$parts" > "$OUTD/c1/B.parts"  # how many parts unpack_b waits for
   {
     echo "# built $(date -u +%FT%TZ) from $(cd "$REPO" && git rev-parse --short HEAD) (vLLM $VLLM_VERSION)"
     echo "tree (tracked + untracked, not ignored): $tree bytes"
-    for d in c1 wheels c2 data; do echo "$d: $(du -cb "$OUTD/$d" | tail -1 | cut -f1) bytes"; done
+    for d in c1 wheels c2 c3 data peers; do
+      [ -d "$OUTD/$d" ] && echo "$d: $(du -cb "$OUTD/$d" | tail -1 | cut -f1) bytes"
+    done
     echo "call 1 carries .gpu/c1 .gpu/wheels: $(( tree + $(du -cb "$OUTD/c1" "$OUTD/wheels" | tail -1 | cut -f1) )) bytes"
-    echo "call 2 carries .gpu/c2 .gpu/data:   $(( tree + $(du -cb "$OUTD/c2" "$OUTD/data" | tail -1 | cut -f1) )) bytes"
+    echo "call 2 carries .gpu/c2:              $(( tree + $(du -cb "$OUTD/c2" | tail -1 | cut -f1) )) bytes"
+    [ -d "$OUTD/c3" ] && echo "call 3 carries .gpu/c3:              $(( tree + $(du -cb "$OUTD/c3" | tail -1 | cut -f1) )) bytes"
+    [ -d "$OUTD/peers" ] && echo "a later call carries .gpu/peers:    $(( tree + $(du -cb "$OUTD/peers" | tail -1 | cut -f1) )) bytes"
     echo "limit per call: $(( 64 * 1048576 )) bytes"
-    (cd "$OUTD" && sha256sum c1/* c2/* wheels/* data/*/*)
+    (cd "$OUTD" && sha256sum c1/* c2/* wheels/* data/*/* && { [ ! -d c3 ] || sha256sum c3/*; })
   } > "$OUTD/MANIFEST"
   cp "$OUTD/MANIFEST" "$OUTD/wheels/MANIFEST"   # travels with call 1, lands in the results
   cat "$OUTD/MANIFEST"

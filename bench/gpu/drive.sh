@@ -69,14 +69,18 @@ rate() { grep "^$1=" "$KG/rates.env" 2>/dev/null | tail -1 | cut -d= -f2; }
 setrate() { echo "$1=$2" >> "$KG/rates.env"; echo "    $1=$2"; }
 
 # ---- payload and kvgate ---------------------------------------------------------------------------------
-for d in c1 c2 wheels data peers nixl; do [ -d "$GPU_SRC/$d" ] && mkdir -p "$STAGE/$d" && cp -rfL "$GPU_SRC/$d"/. "$STAGE/$d/"; done
+for d in c1 c2 c3 wheels data peers nixl; do [ -d "$GPU_SRC/$d" ] && mkdir -p "$STAGE/$d" && cp -rfL "$GPU_SRC/$d"/. "$STAGE/$d/"; done
 unpack_a() {
   [ -f "$STAGE/c1/A.tar.xz" ] || { echo "A.tar.xz not carried yet (call 1 carries .gpu/c1; a fresh machine starts again there)"; return 3; }
   untar "$STAGE/c1/A.tar.xz"
 }
 unpack_b() {
-  [ -f "$STAGE/c1/B.part.00" ] && [ -f "$STAGE/c2/B.part.01" ] || { echo "B parts: $(ls "$STAGE"/c*/B.part.* 2>/dev/null)"; return 3; }
-  cat "$STAGE/c1/B.part.00" "$STAGE/c2/B.part.01" > "$ROOT/B.tar.xz"
+  # B.parts (call 1) says how many parts there are: 2, or 3 when a large tree left call 2 short of room.
+  local n parts
+  n=$(cat "$STAGE/c1/B.parts" 2>/dev/null || echo 2)
+  parts=$(ls "$STAGE"/c*/B.part.* 2>/dev/null)  # c1/B.part.00, c2/B.part.01[, c3/B.part.02]: in order
+  [ "$(echo "$parts" | grep -c .)" = "$n" ] || { echo "B parts ($n wanted): $parts"; return 3; }
+  cat $parts > "$ROOT/B.tar.xz"
   (cd "$ROOT" && sha256sum -c "$STAGE/c1/B.sha256") || return 1
   untar "$ROOT/B.tar.xz" && rm -f "$ROOT/B.tar.xz"
 }
