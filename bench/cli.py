@@ -145,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         "configurations in precise mode",
     )
     fleet.add_argument(
+        "--kv-events-replay",
+        nargs="+",
+        metavar="ENDPOINT",
+        help="their replay sockets (vLLM's replay_endpoint), one per --endpoints URL: batches the "
+        "gateway misses are asked for there",
+    )
+    fleet.add_argument(
         "--devices",
         nargs="+",
         metavar="DEVICE",
@@ -297,10 +304,15 @@ def _scenario(args: argparse.Namespace) -> int:
     if args.endpoints:
         devices = [None if d == "-" else d for d in args.devices] if args.devices else None
         existing = ExistingFleet(
-            args.endpoints, args.kv_events, args.engine_kind, devices=devices, roles=args.roles
+            args.endpoints,
+            args.kv_events,
+            args.engine_kind,
+            devices=devices,
+            roles=args.roles,
+            kv_events_replay=args.kv_events_replay,
         )
-    elif args.kv_events or args.devices or args.roles:
-        raise ValueError("--kv-events, --devices and --roles go with --endpoints")
+    elif args.kv_events or args.kv_events_replay or args.devices or args.roles:
+        raise ValueError("--kv-events, --kv-events-replay, --devices and --roles go with --endpoints")
     out = args.out or DEFAULT_OUT / scenario.name
     started = time.monotonic()
     failures: list[str] = []

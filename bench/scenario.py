@@ -345,6 +345,8 @@ class ExistingFleet:
     # What each engine was launched as (prefill: a kv_producer, decode: a kv_consumer); a
     # configuration with a PD split (fleet.groups) takes its prefill and decode replicas from these.
     roles: list[Literal["mixed", "prefill", "decode"]] | None = None
+    # Their publishers' replay sockets (vLLM's replay_endpoint), one per URL: missed batches asked for.
+    kv_events_replay: list[str] | None = None
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -352,6 +354,8 @@ class ExistingFleet:
         self.urls = [u.rstrip("/") for u in self.urls]
         if self.kv_events is not None and len(self.kv_events) != len(self.urls):
             raise ValueError(f"{len(self.kv_events)} KV event endpoints for {len(self.urls)} engines")
+        if self.kv_events_replay is not None and len(self.kv_events_replay) != len(self.urls):
+            raise ValueError(f"{len(self.kv_events_replay)} replay endpoints for {len(self.urls)} engines")
         if self.devices is not None and len(self.devices) != len(self.urls):
             raise ValueError(f"{len(self.devices)} devices for {len(self.urls)} engines")
         if self.roles is not None and len(self.roles) != len(self.urls):
@@ -366,7 +370,9 @@ class ExistingFleet:
             if role != "mixed":
                 endpoint["role"] = role
             if spec.kv_events:
-                endpoint["kv_events"] = self.kv_events[k]  # type: ignore[index]
+                events = self.kv_events[k]  # type: ignore[index]
+                replay = self.kv_events_replay[k] if self.kv_events_replay else None
+                endpoint["kv_events"] = {"endpoint": events, "replay_endpoint": replay} if replay else events
             if self.devices and (d := self.devices[k]):
                 endpoint["device"] = d
             endpoints.append(endpoint)

@@ -40,7 +40,8 @@ from bench import result_files
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 _DRYRUN_REPLICA = re.compile(
-    r"^# (\S+) role=(\S+) url=(\S+) log=\S+(?: .*?kv_events=(\S+))?(?: .*?device=(\S+))?"
+    r"^# (\S+) role=(\S+) url=(\S+) log=\S+(?: .*?kv_events=(\S+))?(?: .*?kv_events_replay=(\S+))?"
+    r"(?: .*?device=(\S+))?"
 )
 _STARTED = re.compile(r"replica (\S+) started \(pid (\d+)\)")
 TAR_LIMIT = 15 * 1024 * 1024  # under the 16 MiB a returned file may have
@@ -80,7 +81,7 @@ def _endpoints(kg: Path) -> dict[str, Any]:
 
 # ---- endpoints ----------------------------------------------------------------------------------------
 def endpoints(dryrun: Path, out: Path) -> int:
-    names, roles, urls, events, devices = [], [], [], [], []
+    names, roles, urls, events, replays, devices = [], [], [], [], [], []
     for line in dryrun.read_text().splitlines():
         m = _DRYRUN_REPLICA.match(line)
         if m:
@@ -88,7 +89,8 @@ def endpoints(dryrun: Path, out: Path) -> int:
             roles.append(m.group(2))
             urls.append(m.group(3))
             events.append(m.group(4))
-            devices.append(m.group(5))
+            replays.append(m.group(5))
+            devices.append(m.group(6))
     if not urls:
         print(f"no replicas in {dryrun}", file=sys.stderr)
         return 1
@@ -98,6 +100,7 @@ def endpoints(dryrun: Path, out: Path) -> int:
         # A PD fleet's roles: the benchmark's PD configurations take their legs from these.
         "roles": roles if any(r != "mixed" for r in roles) else None,
         "kv_events": events if all(events) else None,
+        "kv_events_replay": replays if all(events) and all(replays) else None,
         # The GPUs replicas share (the launcher's gpu_ids): the benchmark gateways are told too.
         "devices": devices if any(devices) else None,
     }
@@ -238,6 +241,33 @@ def _kv_event_counts(endpoints: list[str], urls: list[str], seconds: float = 4.0
     return counts
 
 
+def _replays(endpoints: list[str]) -> dict[str, Any]:
+    """What each engine's replay socket answers to a request for everything it keeps: the batches,
+    their numbers and events (what kvgate's subscriber reads after a gap), or why it could not."""
+    import asyncio
+
+    from gateway.routing.kv_events import decode_batch
+    from gateway.routing.kv_replay import ReplayError, fetch_replay
+
+    out: dict[str, Any] = {}
+    for ep in endpoints:
+        try:
+            batches = asyncio.run(fetch_replay(ep, 0))
+        except ReplayError as exc:
+            out[ep] = {"error": str(exc)}
+            continue
+        events = [e for _, payload in batches for e in decode_batch(payload)[1]]
+        kinds = sorted({str(e.get("type") if isinstance(e, dict) else e[0]) for e in events})
+        out[ep] = {
+            "batches": len(batches),
+            "first_seq": batches[0][0] if batches else None,
+            "last_seq": batches[-1][0] if batches else None,
+            "events": len(events),
+            "kinds": kinds,
+        }
+    return out
+
+
 def calib(kg: Path, gateway: str | None, out_name: str) -> int:
     from bench import text
     from bench.scenario import ExistingFleet
@@ -287,6 +317,8 @@ def calib(kg: Path, gateway: str | None, out_name: str) -> int:
         out["kv_events"] = {"messages_per_publisher": counts, "all_publishing": all(counts.values())}
     else:
         out["kv_events"] = {"messages_per_publisher": None, "all_publishing": False}
+    if eps.get("kv_events_replay"):
+        out["kv_events"]["replay"] = _replays(eps["kv_events_replay"])
     out["prefix_cache_reset"] = ExistingFleet(urls).reset_prefix_caches()
     if gateway:
         metrics = _get(f"{gateway}/metrics", timeout=5)[1].decode(errors="replace")
@@ -329,6 +361,8 @@ def scenario(kg: Path, step: str, out: str, args: list[str]) -> int:
     ]
     if eps["kv_events"]:
         argv += ["--kv-events", *eps["kv_events"]]
+    if eps.get("kv_events_replay"):
+        argv += ["--kv-events-replay", *eps["kv_events_replay"]]
     if eps.get("devices"):
         argv += ["--devices", *(d or "-" for d in eps["devices"])]
     if eps.get("roles"):

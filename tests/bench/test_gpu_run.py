@@ -145,6 +145,14 @@ def test_existing_engines_need_their_kv_events_for_precise_mode() -> None:
     with_events = ExistingFleet(["http://127.0.0.1:1"], ["tcp://127.0.0.1:2"])
     assert with_events.attach(FleetSpec()).endpoints == [{"url": "http://127.0.0.1:1", "kind": "vllm"}]
     assert with_events.attach(FleetSpec(kv_events=True)).endpoints[0]["kv_events"] == "tcp://127.0.0.1:2"
+    # With their replay sockets, the benchmark gateways ask there for batches they miss.
+    replays = ExistingFleet(
+        ["http://127.0.0.1:1"], ["tcp://127.0.0.1:2"], kv_events_replay=["tcp://127.0.0.1:3"]
+    )
+    assert replays.attach(FleetSpec(kv_events=True)).endpoints[0]["kv_events"] == {
+        "endpoint": "tcp://127.0.0.1:2",
+        "replay_endpoint": "tcp://127.0.0.1:3",
+    }
 
 
 def test_cli_endpoints_run_through_gateways_even_where_caches_cannot_be_reset(
@@ -165,7 +173,7 @@ def test_cli_endpoints_run_through_gateways_even_where_caches_cannot_be_reset(
     assert [e["url"] for e in gw["pools"][0]["endpoints"]] == fleet.urls
     assert [e.get("device") for e in gw["pools"][0]["endpoints"]] == ["gpu:0", None]
     assert main(["scenario", str(path), "--quick", "--kv-events", "tcp://127.0.0.1:1"]) == 2
-    assert "--kv-events, --devices and --roles go with --endpoints" in capsys.readouterr().err
+    assert "--kv-events-replay, --devices and --roles go with --endpoints" in capsys.readouterr().err
 
 
 def render_fleet(
@@ -233,6 +241,9 @@ def test_the_gpu_fleet_config_launches_four_fp8_replicas_sharing_one_gpu(tmp_pat
     assert eps["names"] == [f"h200-{i}" for i in range(4)]
     assert eps["urls"] == [f"http://127.0.0.1:{base + i}" for i in range(4)]
     assert len(set(eps["kv_events"])) == 4
+    assert [e.replace("-replay", "") for e in eps["kv_events_replay"]] == eps[
+        "kv_events"
+    ]  # vLLM's replay sockets
     assert eps["devices"] == ["gpu:0"] * 4  # the benchmark gateways weigh the four as one GPU
     lines = [line for line in plan.splitlines() if line and not line.startswith("#")]
     assert len(lines) == 4
