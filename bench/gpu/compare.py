@@ -244,6 +244,14 @@ def verdicts(found: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
             out.append(
                 _check(f"{name} mean TTFT <= 1.0 x the best peer", r is not None and r <= 1.0, _f(r, 2))
             )
+        for medium, row in (aware.get("kv_agreement") or {}).items():
+            out.append(
+                _check(
+                    f"{name}: kvgate's {medium} tokens within 10% of the engines'",
+                    row["agrees"],
+                    f"{row['kvgate_tokens']:.0f} / {row['engine_tokens']:.0f} = {_f(row['ratio'], 3)}",
+                )
+            )
         e = aware.get("engine") or {}
         cached = (e.get("prefix_cache_hits") or 0) + (e.get("external_cache_hit_tokens") or 0)
         share = (e.get("external_cache_hit_tokens") or 0) / cached if cached else None
