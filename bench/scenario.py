@@ -366,7 +366,7 @@ class ExistingFleet:
             raise ValueError("this configuration needs the engines' KV events: give --kv-events")
         endpoints = []
         for k, role in self._pick(spec):
-            endpoint = {"url": self.urls[k], "kind": self.kind}
+            endpoint: dict[str, Any] = {"url": self.urls[k], "kind": self.kind}
             if role != "mixed":
                 endpoint["role"] = role
             if spec.kv_events:
