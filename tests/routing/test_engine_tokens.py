@@ -169,7 +169,7 @@ async def test_a_long_prompt_in_prefill_does_not_skew_the_count_when_usage_flows
     """Responses with usage, too few yet to be trusted, and a long prompt still prefilling when the
     engine's counters are scraped: the counters, which do not count it yet, must not set the scale
     (they made every block of such prompts 0 tokens: no prefix matched until 8 responses came)."""
-    with sim_process("--speedup", "0.05") as url:
+    with sim_process("--speedup", "0.15") as url:
         pool_cfg = {"policy": {"type": "prefix_affinity"}, "endpoints": [{"url": url, "kind": "sim"}]}
         gw = await gateway(gateway_settings([url], pool=pool_cfg, scrape={"interval_s": 0.05}))
         pool = gw.runtime.routers["p"]
@@ -182,7 +182,7 @@ async def test_a_long_prompt_in_prefill_does_not_skew_the_count_when_usage_flows
             await wait_until(lambda: pool.scale._counter_tokens > 0, timeout=5, what="the counters read")
             document = " ".join(f"word{k}" for k in range(6000))
             long = asyncio.create_task(c.post(path, json=chat(document, "t1")))
-            # Scraped while the engine prefills it (5 s of wall clock at this speed).
+            # Scraped while the engine prefills it (about 2 s of wall clock at this speed).
             await wait_until(
                 lambda: pool.scale._counter_chars >= 4 * 4096, timeout=5, what="a scrape after it"
             )
