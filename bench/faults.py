@@ -168,6 +168,7 @@ class Run:
         self.events: list[dict[str, Any]] = []  # what was done, when
         self.dropping = 0.0  # share of new requests the clients drop (disconnect fault)
         self.identical: list[bool] = []  # per continued answer: its text was the uninterrupted one
+        self.control: list[bool] = []  # the same for answers never continued (seams.control)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -450,7 +451,9 @@ async def _drive(
     inflight = await _inflight(run.url)
     # While the fleet still serves: each continued answer against the same request uninterrupted.
     access = _access_log(run.gateway.log_path) if run.gateway is not None else {}
-    run.identical = await seams.replay(run.url, seams.resumed(outcomes, access))
+    continued = seams.resumed(outcomes, access)
+    run.identical = await seams.replay(run.url, continued)
+    run.control = await seams.replay(run.url, seams.control(outcomes, access, len(continued)))
     sampler.cancel()
     await asyncio.gather(sampler, return_exceptions=True)
     return outcomes, samples, inflight
@@ -536,7 +539,7 @@ def report(
         "traffic": _traffic(run.events, samples),
         "events": run.events,
         "phases": _phases(run.events, outcomes),
-        "failover": seams.summary(outcomes, access, run.identical),
+        "failover": seams.summary(outcomes, access, run.identical, run.control),
     }
 
 
@@ -596,10 +599,11 @@ def markdown(result: dict[str, Any], title: str, meta: dict[str, Any]) -> str:
     f = result["failover"]
     lines += [
         "",
-        "| streams cut | answers continued | token-identical (checked) | seam added p50 (ms) | p99 (ms) "
-        "| continued by reason |",
-        "| ---: | ---: | ---: | ---: | ---: | --- |",
+        "| streams cut | answers continued | token-identical (checked) | control: never continued, "
+        "identical (checked) | seam added p50 (ms) | p99 (ms) | continued by reason |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         f"| {f['cut']} | {f['resumed']} | {f['token_identical']} ({f['token_identical_checked']}) "
+        f"| {f.get('control_identical', '-')} ({f.get('control_checked', '-')}) "
         f"| {_ms(f['seam_added_ms_p50'])} | {_ms(f['seam_added_ms_p99'])} "
         f"| {f['resumed_by_reason'] or '-'} |",
     ]

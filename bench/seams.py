@@ -5,6 +5,9 @@ continued answer is the uninterrupted one, and the time its seam added.
 - resumed: the gateway's access log says the answer was continued (`resumed`);
 - token-identical: a continued answer's text equals the same request's answer asked again after
   the run with nothing failing (greedy decoding: the clients send temperature 0);
+- the control: as many answers that were never continued, asked again the same way. Where the
+  engine's greedy answers depend on the batch they ran in (dummy weights' near-ties, say), the
+  control falls too, and the token-identical count says nothing about the seam;
 - seam: the longest pause between two chunks of a continued stream less the stream's median
   pause, i.e. what the failure, its detection, the new attempt and its prefill added.
 """
@@ -66,8 +69,26 @@ def resumed(outcomes: Sequence[Streamed], access: dict[str, dict[str, Any]]) -> 
     return [o for o in outcomes if o.outcome == "completed" and access.get(o.marker, {}).get("resumed")]
 
 
+def control(outcomes: Sequence[Streamed], access: dict[str, dict[str, Any]], n: int) -> list[Streamed]:
+    """`n` completed streams (at least 20, where there are) that were never continued, spread
+    evenly over the run: the control for `replay`."""
+    plain = [
+        o
+        for o in outcomes
+        if o.outcome == "completed"
+        and o.body is not None
+        and o.marker in access
+        and not access[o.marker].get("resumed")
+    ]
+    n = min(len(plain), max(n, 20))
+    return [plain[i * len(plain) // n] for i in range(n)] if n else []
+
+
 def summary(
-    outcomes: Sequence[Streamed], access: dict[str, dict[str, Any]], identical: list[bool]
+    outcomes: Sequence[Streamed],
+    access: dict[str, dict[str, Any]],
+    identical: list[bool],
+    control_identical: Sequence[bool] = (),
 ) -> dict[str, Any]:
     cont = resumed(outcomes, access)
     seams = distribution_ms(s for o in cont if (s := seam_s(o.chunk_times)) is not None)
@@ -86,6 +107,8 @@ def summary(
         "resumed_by_reason": reasons,
         "token_identical": sum(identical),
         "token_identical_checked": len(identical),
+        "control_identical": sum(control_identical),
+        "control_checked": len(control_identical),
         "seam_added_ms_p50": seams["p50"],
         "seam_added_ms_p99": seams["p99"],
         "seam_added_ms_by_reason": {

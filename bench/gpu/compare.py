@@ -128,7 +128,14 @@ def engine_table(rows: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> li
 def fault_tables(kg: Path, sim_root: Path | None) -> list[str]:
     """failover-vllm's variants (bench/faults.py reports, one folder per variant), the simulator's beside."""
     keys = ("sent", "completed", "error", "lost")
-    fkeys = ("cut", "resumed", "token_identical", "seam_added_ms_p50", "seam_added_ms_p99")
+    fkeys = (
+        "cut",
+        "resumed",
+        "token_identical",
+        "control_identical",
+        "seam_added_ms_p50",
+        "seam_added_ms_p99",
+    )
     lines: list[str] = []
     for group in FAULT_GROUPS:
         variants = sorted(p.parent.name for p in (kg / "res" / group).glob("*/report.json"))

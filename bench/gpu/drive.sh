@@ -158,7 +158,10 @@ peers_install() {
   tar -C "$KVSITE" -xJf "$STAGE/peers/peers.tar.xz" || return 1
   $PY -c "import sglang_router, smg; print('peers', sglang_router.__file__, smg.__file__)"
 }
-if [ "${QUEUE:-all}" = tiers ]; then
+# QUEUE=tiers-order: the same fleet, kvgate's tier rows and radix_cache_aware alternated (three runs of
+# each, so that an engine state drifting through the session cannot pose as a policy's cost), the peers
+# once, then failover on with its control (answers never continued, asked again the same way).
+if [ "${QUEUE:-all}" = tiers ] || [ "${QUEUE:-all}" = tiers-order ]; then
   step tiers_start 10 fleet_start tiers "$(dtype)" 8001 "$HERE/fleet_tiers.yaml.tmpl" "$TIERS_KV_BYTES"
   step tiers_wait 30 fleet_wait tiers
   if [ -f "$KG/failed/tiers_wait" ] && [ ! -f "$KG/fleet_fallback" ] && [ "$KV_DTYPE" = fp8 ]; then
@@ -169,8 +172,22 @@ if [ "${QUEUE:-all}" = tiers ]; then
   fi
   need tiers_start tiers_wait
   step tiers_calib 40 calib calib_tiers.json
-  tiers() { host scenario "$KG" "tiers_$1" "routing-tiers-gpu/$1" -- routing-tiers-gpu --size "$CARD" --only "$1"; }
+  # tiers CONFIG [RUN]: one run of CONFIG, its results under RUN (default CONFIG)
+  tiers() { host scenario "$KG" "tiers_${2:-$1}" "routing-tiers-gpu/${2:-$1}" -- routing-tiers-gpu --size "$CARD" --only "$1"; }
   canon() { host scenario "$KG" "canon_$1" "canonicalize-gpu/$1" -- canonicalize-gpu --size "$CARD" --only "$1"; }
+  failover() { host scenario "$KG" "$1" failover-vllm -- failover-vllm --size full --only "$1" \
+      --model meta-llama/Llama-3.1-8B-Instruct --profile "$SIM_PROFILE"; }
+  if [ "$QUEUE" = tiers-order ]; then
+    # CONFIG:RUN pairs, 45 s each on an H100; the peers' archive rides in the next call.
+    order() { for pair in "$@"; do step "tiers_${pair#*:}" 75 tiers "${pair%%:*}" "${pair#*:}"; done; }
+    order radix_cache_aware:radix_1 tier_approx:approx_1 tier_precise:precise_1 \
+      tier_approx:approx_2 radix_cache_aware:radix_2 tier_precise:precise_2
+    step peers 25 peers_install
+    [ -f "$KG/done/peers" ] && order smg:smg_1 sglang_router:sglang_1
+    order tier_approx:approx_3 radix_cache_aware:radix_3 tier_precise:precise_3
+    step failover_on 110 failover failover_on
+    finish
+  fi
   # 480 (H100) or 700 (H200) requests at 12 req/s, a fresh gateway and the caches' reset around them.
   for cfg in tier_precise tier_ignored tier_approx round_robin radix_cache_aware; do step "tiers_$cfg" 75 tiers $cfg; done
   for cfg in kvgate_canon kvgate_raw; do step "canon_$cfg" 80 canon $cfg; done   # 768 requests at 12 req/s
@@ -180,8 +197,6 @@ if [ "${QUEUE:-all}" = tiers ]; then
   fi
   # Mid-stream failover: kill -9 of one replica's API server under 40 streams (the supervisor restarts
   # it), SIGSTOP of another; each variant alone, with the fleet whole again in between.
-  failover() { host scenario "$KG" "$1" failover-vllm -- failover-vllm --size full --only "$1" \
-      --model meta-llama/Llama-3.1-8B-Instruct --profile "$SIM_PROFILE"; }
   tiers_back() { date +%s.%N > "$KG/fleet_$1_started"; cp "$KG/gateway_tiers.pid" "$KG/gateway_$1.pid"
     ln -sf gateway_tiers.log "$KG/gateway_$1.log"; fleet_wait "$1"; }
   step failover_off 110 failover failover_off

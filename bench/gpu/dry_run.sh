@@ -20,7 +20,7 @@ read -r -a LIMITS <<< "${DRY_LIMITS:-570 570 570 400 300}"
 # QUEUE=tiers the peers' archive.
 case "${QUEUE:-all}" in
   pd) CARRY=("" "c1 wheels" "c2" "nixl" "" "") ;;
-  tiers) CARRY=("" "c1 wheels" "c2" "c3" "peers" "") ;;  # c3: only when the tree left call 2 short
+  tiers|tiers-order) CARRY=("" "c1 wheels" "c2" "c3" "peers" "") ;;  # c3: only when the tree left call 2 short
   *) CARRY=("" "c1 wheels" "c2 data" "" "" "") ;;
 esac
 # The card the dry run plays (bench/gpu/card.py; the simulator takes the same shape): DRY_CARD, h100 by default.

@@ -33,6 +33,8 @@ def access_fields(rec: RequestRecord) -> dict[str, object]:
         "route_reason": rec.route_reason,
         "retries": rec.retries,
         "queue_ms": _ms(rec.queued_s),
+        # Arrival to the (last) attempt's send: the gateway's own share of ttft_ms, queue included.
+        "sent_ms": None if rec.sent_at is None else _ms(rec.sent_at - rec.started),
         "ttft_ms": _ms(rec.ttft_s),
         "total_ms": _ms(rec.duration_s),
     }

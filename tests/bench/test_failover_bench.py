@@ -40,6 +40,21 @@ def test_the_summary_counts_cut_streams_and_checks_only_continued_ones() -> None
     assert round(summary["seam_added_ms_p50"]) == 900
 
 
+def test_the_control_takes_answers_never_continued_spread_over_the_run() -> None:
+    body = {"messages": []}
+    plain = [Outcome(f"p{i}", 0.0, outcome="completed", status=200, body=body) for i in range(50)]
+    continued = Outcome("c", 0.0, outcome="completed", status=200, body=body)
+    failed = Outcome("f", 0.0, outcome="error", status=200, body=body)
+    access = {o.marker: {} for o in plain} | {"c": {"resumed": ["ejected@r1"]}, "f": {}}
+    picked = seams.control([continued, failed, *plain], access, 2)
+    assert len(picked) == 20  # at least 20 where there are
+    assert picked[0] is plain[0] and picked[-1] in plain[45:] and continued not in picked  # the whole run
+    assert len({o.marker for o in picked}) == 20
+    assert seams.control(plain[:5], access, 10) == plain[:5]
+    summary = seams.summary([continued], access, [False], [True, True, False])
+    assert (summary["control_identical"], summary["control_checked"]) == (2, 3)
+
+
 def test_the_process_listening_on_a_port_is_found() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

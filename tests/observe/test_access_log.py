@@ -49,8 +49,10 @@ async def test_one_line_per_request_without_prompt_text(
     assert stream["status"] == 200 and stream["stream"] is True and stream["pool"] == "p"
     assert stream["replica"] == "r0" and stream["tenant"] == "acme" and stream["retries"] == 0
     assert stream["ttft_ms"] > 0 and stream["total_ms"] >= stream["ttft_ms"] and stream["queue_ms"] >= 0
+    assert stream["queue_ms"] <= stream["sent_ms"] <= stream["ttft_ms"]
     assert plain["endpoint"] == "completions" and plain["prompt_tokens"] > 0
     assert missing["status"] == 404 and missing["error"] == "model_not_found" and missing["ttft_ms"] is None
+    assert missing["sent_ms"] is None  # never sent to an engine
 
     text, as_json = TextFormatter(), JsonFormatter()
     for record in caplog.records:  # the prompt reaches no log line at info level, in either format
