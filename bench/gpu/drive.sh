@@ -158,7 +158,7 @@ peers_install() {
   tar -C "$KVSITE" -xJf "$STAGE/peers/peers.tar.xz" || return 1
   $PY -c "import sglang_router, smg; print('peers', sglang_router.__file__, smg.__file__)"
 }
-# QUEUE=tiers-order: the same fleet, kvgate's tier rows and radix_cache_aware alternated (three runs of
+# QUEUE=tiers-order: the same fleet, kvgate's tier rows and radix_cache_aware alternated (two runs of
 # each, so that an engine state drifting through the session cannot pose as a policy's cost), the peers
 # once, then failover on with its control (answers never continued, asked again the same way).
 if [ "${QUEUE:-all}" = tiers ] || [ "${QUEUE:-all}" = tiers-order ]; then
@@ -184,7 +184,6 @@ if [ "${QUEUE:-all}" = tiers ] || [ "${QUEUE:-all}" = tiers-order ]; then
       tier_approx:approx_2 radix_cache_aware:radix_2 tier_precise:precise_2
     step peers 25 peers_install
     [ -f "$KG/done/peers" ] && order smg:smg_1 sglang_router:sglang_1
-    order tier_approx:approx_3 radix_cache_aware:radix_3 tier_precise:precise_3
     step failover_on 110 failover failover_on
     finish
   fi
