@@ -26,7 +26,10 @@ browser:
 	} || echo "chromium not installed: the page tests will be skipped"
 
 # The suites of the hand-written HTTP server and client run first, under coverage, which must hold
-# the floor in pyproject.toml ([tool.coverage.report]); the rest of the suite runs without it.
+# the floor in pyproject.toml ([tool.coverage.report]); the rest of the suite runs without it. Both
+# in two worker processes, a test file to each at a time (module fixtures stay in one process): most
+# tests wait on real processes and sockets, so two workers take about half the time, even on two cores.
+XDIST := -n 2 --dist loadfile
 HTTP_TESTS := tests/http tests/path/test_transports.py tests/path/test_http1_protocol.py \
 	tests/path/test_upstream_hostile.py tests/path/test_upstream_hostile_cases.py
 
@@ -35,5 +38,5 @@ test: $(STAMP) $(if $(SKIP_BROWSER),,browser)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/python docs/check_links.py
-	$(VENV)/bin/pytest -q --cov --cov-report=term-missing:skip-covered $(HTTP_TESTS)
-	$(VENV)/bin/pytest -q $(addprefix --ignore=,$(HTTP_TESTS))
+	$(VENV)/bin/pytest -q $(XDIST) --cov --cov-report=term-missing:skip-covered $(HTTP_TESTS)
+	$(VENV)/bin/pytest -q $(XDIST) $(addprefix --ignore=,$(HTTP_TESTS))
