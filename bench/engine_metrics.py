@@ -103,8 +103,12 @@ def _with_hit_rate(total: dict[str, Any]) -> dict[str, Any]:
     return total
 
 
-def gateway_pd_paths(gateways: Sequence[str], timeout_s: float = 2.0) -> dict[str, float]:
-    """How the gateways ran a PD pool's requests (kvgate_pd_requests_total by path), summed."""
+def gateway_counter(
+    gateways: Sequence[str], name: str, label: str, default: str | None = None, timeout_s: float = 2.0
+) -> dict[str, float]:
+    """The gateways' samples of counter `name`, summed by the value of `label` (a sample without it
+    counts under `default`; without a default it is an error). A gateway that does not answer counts
+    nothing."""
     out: dict[str, float] = {}
     for url in gateways:
         try:
@@ -114,7 +118,12 @@ def gateway_pd_paths(gateways: Sequence[str], timeout_s: float = 2.0) -> dict[st
             continue
         for family in text_string_to_metric_families(body):
             for sample in family.samples:
-                if sample.name == "kvgate_pd_requests_total":
-                    path = sample.labels["path"]
-                    out[path] = out.get(path, 0.0) + sample.value
+                if sample.name == name:
+                    key = sample.labels[label] if default is None else sample.labels.get(label, default)
+                    out[key] = out.get(key, 0.0) + sample.value
     return out
+
+
+def gateway_pd_paths(gateways: Sequence[str], timeout_s: float = 2.0) -> dict[str, float]:
+    """How the gateways ran a PD pool's requests (kvgate_pd_requests_total by path), summed."""
+    return gateway_counter(gateways, "kvgate_pd_requests_total", "path", timeout_s=timeout_s)

@@ -13,12 +13,10 @@ connector counter.
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+from bench import engine_metrics
 
 TOLERANCE = 0.10
 MATCHED = "kvgate_prefix_matched_tokens_total"
@@ -28,19 +26,7 @@ ENGINE_COUNTER = {"gpu": "prefix_cache_hits", "cpu": "external_cache_hit_tokens"
 
 def gateway_matched(gateways: Sequence[str], timeout_s: float = 2.0) -> dict[str, float]:
     """The tokens the gateways believed matched, by medium, summed over their pools and replicas."""
-    out: dict[str, float] = {}
-    for url in gateways:
-        try:
-            with urllib.request.urlopen(f"{url.rstrip('/')}/metrics", timeout=timeout_s) as resp:
-                body = resp.read().decode()
-        except (urllib.error.URLError, OSError, ValueError):
-            continue
-        for family in text_string_to_metric_families(body):
-            for sample in family.samples:
-                if sample.name == MATCHED:
-                    medium = sample.labels.get("medium", "gpu")
-                    out[medium] = out.get(medium, 0.0) + sample.value
-    return out
+    return engine_metrics.gateway_counter(gateways, MATCHED, "medium", "gpu", timeout_s)
 
 
 def agreement(matched: Mapping[str, float], engine: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
