@@ -73,42 +73,37 @@ LLAMA_3B = ModelShape("llama-3.2-3b", 2.82e9, 28, 24, 8, 128, 6_425_000_000)
 LLAMA_70B = ModelShape("llama-3.1-70b", 68.45e9, 80, 64, 8, 128, 141_000_000_000)
 TINY = ModelShape("tiny-0.5b", 0.5e9, 24, 16, 2, 64, 1_000_000_000)
 
+# Calibrated to vLLM on an H200; the H100 profile moves its efficiencies and overheads to another card.
+H200_LLAMA_8B = Profile(
+    "h200-llama3.1-8b",
+    "calibrated to measurement: vLLM 0.26 on one H200, 2026-11-29 (bench/sim_calibration.py); "
+    "four replicas sharing it (--gpu-share 4): results/gpu/, 2026-12-01",
+    H200,
+    LLAMA_8B,
+    mfu=0.67,
+    mbu=0.75,
+    step_overhead_s=0.5e-3,
+    per_seq_s=8e-6,
+    prefill_step_overhead_s=3.5e-3,
+    per_prompt_token_s=1.1e-6,
+    frontend_s=4.3e-3,
+    frontend_per_token_s=1.25e-6,
+    activation_bytes=int(1.1 * GiB),
+    other_bytes=int(0.788 * GiB),
+)
+
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
-        Profile(
-            "h200-llama3.1-8b",
-            "calibrated to measurement: vLLM 0.26 on one H200, 2026-11-29 (bench/sim_calibration.py); "
-            "four replicas sharing it (--gpu-share 4): results/gpu/, 2026-12-01",
-            H200,
-            LLAMA_8B,
-            mfu=0.67,
-            mbu=0.75,
-            step_overhead_s=0.5e-3,
-            per_seq_s=8e-6,
-            prefill_step_overhead_s=3.5e-3,
-            per_prompt_token_s=1.1e-6,
-            frontend_s=4.3e-3,
-            frontend_per_token_s=1.25e-6,
-            activation_bytes=int(1.1 * GiB),
-            other_bytes=int(0.788 * GiB),
-        ),
-        Profile(
-            "h100-llama3.2-3b",
-            "the h200-llama3.1-8b calibration's efficiencies and overheads moved to an H100 and a "
+        H200_LLAMA_8B,
+        replace(
+            H200_LLAMA_8B,
+            name="h100-llama3.2-3b",
+            source="the h200-llama3.1-8b calibration's efficiencies and overheads moved to an H100 and a "
             "Llama-3.2-3B shape (the GPU kit on an H100, bench/gpu): not measured as such",
-            H100,
-            LLAMA_3B,
-            mfu=0.67,
-            mbu=0.75,
-            step_overhead_s=0.5e-3,
-            per_seq_s=8e-6,
-            prefill_step_overhead_s=3.5e-3,
-            per_prompt_token_s=1.1e-6,
-            frontend_s=4.3e-3,
-            frontend_per_token_s=1.25e-6,
-            activation_bytes=int(1.1 * GiB),
-            other_bytes=int(0.788 * GiB),
+            hardware=H100,
+            model=LLAMA_3B,
         ),
         Profile(
             "h100x4-llama3.1-70b",
