@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -41,6 +42,19 @@ async def _engine_ids(url: str, body: dict[str, object]) -> list[int]:
         return r.json()["tokens"]
 
 
+def _tiny_engines(tmp_path: Path, **more: object) -> dict[str, object]:
+    """Two managed simulators of the tiny profile publishing KV events (`more` adds or replaces keys)."""
+    return {
+        "kind": "sim",
+        "replicas": 2,
+        "kv_events": True,
+        "startup_timeout_s": 30,
+        "log_dir": str(tmp_path / "logs"),
+        "sim": {"profile": "tiny", "speedup": 20},
+        **more,
+    }
+
+
 async def _managed_precise(
     gateway: Any, engines: dict[str, object], prefix: dict[str, object]
 ) -> tuple[Any, Pool, PrecisePrefix]:
@@ -57,14 +71,7 @@ async def _managed_precise(
 
 
 async def test_routes_by_the_engines_events_and_forgets_what_it_drops(gateway, tmp_path) -> None:
-    engines = {
-        "kind": "sim",
-        "replicas": 2,
-        "kv_events": True,
-        "startup_timeout_s": 30,
-        "log_dir": str(tmp_path / "logs"),
-        "sim": {"profile": "tiny", "speedup": 20},
-    }
+    engines = _tiny_engines(tmp_path)
     gw, pool, precise = await _managed_precise(
         gateway, engines, {"mode": "precise", "speculative_ttl_s": 0.2}
     )
@@ -119,14 +126,7 @@ async def test_batches_a_replica_lost_or_reordered_are_replayed_not_left_out(gat
     """Issue 37: gaps were counted and never asked for. A managed simulator (vLLM's replay socket)
     drops two batches and reorders two: the gateway asks for them and its index holds every block
     the engine stored, with nothing forgotten."""
-    engines = {
-        "kind": "sim",
-        "replicas": 2,
-        "kv_events": True,
-        "startup_timeout_s": 30,
-        "log_dir": str(tmp_path / "logs"),
-        "sim": {"profile": "tiny", "speedup": 20},
-    }
+    engines = _tiny_engines(tmp_path)
     gw, pool, precise = await _managed_precise(
         gateway, engines, {"mode": "precise", "speculative_ttl_s": 0.2}
     )
@@ -269,15 +269,11 @@ async def test_a_prefix_the_gpu_evicted_is_routed_to_the_replica_holding_it_in_c
     """Managed engines with a CPU tier (`kv_offload`, the simulator as vLLM's OffloadingConnector):
     the GPU events' removal leaves the prompt CPU-resident in the index, and the next request with
     that prefix goes back to its holder and is served from CPU (its engine counts external hits)."""
-    engines = {
-        "kind": "sim",
-        "replicas": 2,
-        "kv_events": True,
-        "kv_offload": {"size_gib": 0.25},  # 1,365 blocks of the tiny profile
-        "startup_timeout_s": 30,
-        "log_dir": str(tmp_path / "logs"),
-        "sim": {"profile": "tiny", "speedup": 20, "extra_args": ["--num-gpu-blocks-override", "64"]},
-    }
+    engines = _tiny_engines(
+        tmp_path,
+        kv_offload={"size_gib": 0.25},  # 1,365 blocks of the tiny profile
+        sim={"profile": "tiny", "speedup": 20, "extra_args": ["--num-gpu-blocks-override", "64"]},
+    )
     # prefix_affinity with its defaults; with cpu_tier false it goes to the other replica.
     gw, pool, precise = await _managed_precise(gateway, engines, {"mode": "precise"})
 
